@@ -1,0 +1,75 @@
+"""Collectives as data: what each rank will issue in one training step, known at compile time.
+
+The compiler lists, per rank, every collective of a step in issue order. Two uses:
+
+* `check_collectives` proves before any rank runs that on every process group all members
+  issue the same sequence (kind, payload, dtype, reduce op): the mismatches that make NCCL
+  hang (DESIGN.md decision 7);
+* the runtime records what it really issued in the same form (`Runner.comm_log()`), so a test
+  can assert that prediction and reality agree call for call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fxpar.errors import PlanError
+
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective call of one rank: its group, payload and purpose."""
+
+    kind: CollectiveKind
+    group: tuple[int, ...]  # global ranks of the process group, sorted
+    numel: int  # payload elements (all_reduce: its tensor; all_gather: its output; ...)
+    dtype: torch.dtype
+    op: Literal["sum", "none"] = "sum"
+    tag: str = ""  # what it is for, e.g. "gradient bucket 0"; not part of the match
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def signature(self) -> tuple:
+        """What all members of the group must agree on."""
+        return (self.kind, self.group, self.numel, self.dtype, self.op)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind}({self.numel} x {self.dtype}, op={self.op}) on ranks "
+            f"{list(self.group)} [{self.tag}]"
+        )
+
+
+def check_collectives(
+    world_size: int, collectives_of: Callable[[int], Iterable[Collective]]
+) -> None:
+    """Raise PlanError unless every group's members issue identical collective sequences."""
+    per_group: dict[tuple[int, ...], dict[int, list[Collective]]] = {}
+    for rank in range(world_size):
+        for call in collectives_of(rank):
+            if rank not in call.group:
+                raise PlanError(f"rank {rank} issues a collective on a group without it: {call}")
+            per_group.setdefault(call.group, {}).setdefault(rank, []).append(call)
+    for group, by_rank in per_group.items():
+        reference_rank = group[0]
+        reference = by_rank.get(reference_rank, [])
+        for rank in group[1:]:
+            calls = by_rank.get(rank, [])
+            for i in range(max(len(reference), len(calls))):
+                a = reference[i] if i < len(reference) else None
+                b = calls[i] if i < len(calls) else None
+                if a is None or b is None or a.signature() != b.signature():
+                    raise PlanError(
+                        f"collective #{i} on process group {list(group)} does not match: rank "
+                        f"{reference_rank} issues {a or 'nothing'}, rank {rank} issues "
+                        f"{b or 'nothing'}; the job would hang. This is an fxpar bug for a "
+                        "plan it accepted: please report it with the plan and model"
+                    )

@@ -1,0 +1,46 @@
+"""The `node.meta` keys fxpar reads and writes, declared once, with typed accessors.
+
+Passes communicate through the graph: a pass that learns something about a node stores it
+under a namespaced key here, and later passes and the runtime read it back through these
+functions instead of poking at `node.meta` with string literals.
+
+    key                       set by            holds
+    fxpar.module_path         trace.capture     "h.0.attn.q": the module that emitted the node
+    fxpar.parameter           trace.capture     state_dict name of a get_attr'd parameter
+    fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
+
+Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+MODULE_PATH = "fxpar.module_path"
+PARAMETER = "fxpar.parameter"
+BUCKET = "fxpar.bucket"
+
+# GraphModule.meta keys.
+GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
+GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter name
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path of the module whose forward emitted `node` ("" for the root module)."""
+    return node.meta.get(MODULE_PATH, "")
+
+
+def parameter_name(node: fx.Node) -> str | None:
+    """The canonical state_dict name of the parameter a get_attr node reads, else None."""
+    return node.meta.get(PARAMETER)
+
+
+def parameter_nodes(graph: fx.Graph) -> dict[str, fx.Node]:
+    """Every parameter-reading node of `graph`, keyed by canonical parameter name."""
+    return {name: node for node in graph.nodes if (name := parameter_name(node)) is not None}
+
+
+def describe(node: fx.Node) -> str:
+    """A one-line location of `node` for error messages: its code and module path."""
+    path = module_path(node) or "<root module>"
+    return f"{node.format_node()}  (module {path!r})"

@@ -1,0 +1,166 @@
+"""`fxpar.compile` and `Program`: the whole job as data, before any process exists.
+
+A Program holds the captured graph after every pass has annotated or rewritten it, plus the
+plan and mesh. Everything on it is pure: `rank_module(517)` of a 1024-rank plan prints the
+code rank 517 will run on a laptop, `collectives(r)` lists what rank r will communicate in
+one step and `check()` proves that all ranks agree. Only `bind()` touches the environment.
+
+    program = fxpar.compile(model, "dp=2", example_inputs=(tokens, labels))
+    print(program.rank_module(1).code)
+    program.check()
+    runner = program.bind()          # inside torchrun
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from fxpar import meta
+from fxpar.collectives import Collective, check_collectives
+from fxpar.cost.collectives import MiB, gradient_bucket_bytes
+from fxpar.cost.hardware import hardware_profile
+from fxpar.errors import PlanError
+from fxpar.mesh import Axis, Mesh
+from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
+from fxpar.passes.infra import copy_graph_module, run_passes
+from fxpar.plan import Plan
+from fxpar.trace import CapturedGraph, capture
+
+if TYPE_CHECKING:
+    from fxpar.runtime.runner import Runner
+
+
+def compile(
+    model: torch.nn.Module,
+    plan: Plan | str | dict,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    hardware: str | None = None,
+) -> Program:
+    """Capture `model(*example_inputs) -> loss` and compile it for `plan`.
+
+    `example_inputs` is one *global* batch, what a single device would train on; each input's
+    dim 0 is the batch. `hardware` names the cost profile that sizes gradient buckets
+    (default: "h100" when CUDA is available, else "cpu"); the plan's `bucket_mb` overrides it.
+    Raises PlanError for a plan that does not fit the model or batch, CaptureError for a model
+    that cannot be captured.
+    """
+    plan = Plan.parse(plan)
+    captured = capture(model, example_inputs)
+    _check_batch(plan, captured)
+    hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
+    mesh = Mesh.from_plan(plan)
+    if plan.bucket_mb is not None:
+        bucket_bytes = int(plan.bucket_mb * MiB)
+    else:
+        bucket_bytes = gradient_bucket_bytes(mesh.dp, hardware_profile(hardware).intra_node)
+    graph_module = run_passes(
+        captured.graph_module, [partial(assign_gradient_buckets, bucket_bytes=bucket_bytes)]
+    )
+    return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module)
+
+
+def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
+    plan.check_batch(captured.example_batch)
+    if plan.dp * plan.microbatches > 1 and captured.batch is None:
+        raise PlanError(
+            f"the captured graph fixes the batch size to {captured.example_batch}: the model "
+            "uses its batch size as a constant (for example `x.view(8, ...)`), but the plan "
+            f"splits each batch {plan.dp * plan.microbatches} ways. Fix: read sizes from the "
+            "input (`B, T = idx.shape`) or use -1 in views",
+            field="dp",
+            value=plan.dp,
+        )
+
+
+class Program:
+    """The compiled job: the global annotated graph, the plan and the mesh (see module doc)."""
+
+    def __init__(
+        self, *, plan: Plan, mesh: Mesh, captured: CapturedGraph, graph_module: fx.GraphModule
+    ):
+        self.plan = plan
+        self.mesh = mesh
+        self.captured = captured
+        self.graph_module = graph_module
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """Gradient buckets in launch order (bucket 0's gradients are ready first)."""
+        return self.graph_module.meta[meta.GRAPH_BUCKETS]
+
+    def rank_module(self, rank: int) -> fx.GraphModule:
+        """The GraphModule `rank` runs, with readable `.code`; shares the model's tensors."""
+        coord = self.mesh.coord(rank)
+        module = copy_graph_module(self.graph_module)
+        module.meta["fxpar.rank"] = rank
+        module.meta["fxpar.coord"] = coord
+        return module
+
+    def collectives(self, rank: int) -> tuple[Collective, ...]:
+        """Every collective `rank` issues in one training step, in issue order.
+
+        Data parallelism all-reduces each gradient bucket once per step (after the last
+        microbatch), in bucket order. The step's loss rides along as one extra element of the
+        last bucket, so `runner.step` returns the global-batch mean without a call of its own.
+        """
+        group = self.mesh.group(rank, Axis.DP)
+        if len(group) == 1:
+            return ()
+        calls = []
+        for bucket in self.buckets:
+            last = bucket.index == len(self.buckets) - 1
+            calls.append(
+                Collective(
+                    kind="all_reduce",
+                    group=group,
+                    numel=bucket.numel + (1 if last else 0),
+                    dtype=bucket.dtype,
+                    tag=f"gradient bucket {bucket.index}" + (" + loss" if last else ""),
+                )
+            )
+        if not self.buckets:
+            calls.append(
+                Collective(kind="all_reduce", group=group, numel=1, dtype=torch.float32, tag="loss")
+            )
+        return tuple(calls)
+
+    def check(self) -> None:
+        """Prove that all ranks of every process group issue matching collectives."""
+        check_collectives(self.world_size, self.collectives)
+
+    def bind(
+        self,
+        *,
+        timeout: timedelta | float = timedelta(minutes=5),
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+    ) -> Runner:
+        """Inside a torchrun worker: create the process groups and return this rank's Runner.
+
+        `timeout` bounds every collective and group creation (a float is seconds): a peer that
+        died makes the others fail with an error naming the group instead of hanging.
+        `device` defaults to `cuda:LOCAL_RANK` when CUDA is available, else the CPU; `backend`
+        to NCCL on CUDA devices and gloo otherwise.
+        """
+        from fxpar.runtime.runner import Runner
+
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        return Runner.create(self, timeout=timeout, device=device, backend=backend)
+
+    def __repr__(self) -> str:
+        params = self.captured.parameter_count()
+        return (
+            f"Program(plan='{self.plan}', world_size={self.world_size}, parameters={params:,}, "
+            f"buckets={len(self.buckets)}, nodes={len(self.graph_module.graph.nodes)})"
+        )

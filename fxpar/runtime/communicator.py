@@ -1,0 +1,80 @@
+"""Every collective fxpar issues goes through here: counted, logged and with clear failures.
+
+`comm_stats()` answers "what did this step move?" with payload bytes per collective kind
+(all_reduce: its tensor; all_gather: its output; reduce_scatter: its input; broadcast: its
+tensor), the quantities the cost model predicts. `log` keeps each call as a `Collective`, the
+same record `Program.collectives(rank)` predicts, so tests compare them call for call.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fxpar.collectives import Collective, CollectiveKind
+from fxpar.errors import CollectiveError
+from fxpar.runtime.process_groups import RankGroup
+
+
+class PendingCollective:
+    """An asynchronous collective; `wait()` raises CollectiveError naming the group on failure."""
+
+    def __init__(self, work: dist.Work | None, call: Collective, group: RankGroup, timeout: timedelta):
+        self._work, self._call, self._group, self._timeout = work, call, group, timeout
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait(self._timeout)
+        except Exception as error:
+            seconds = self._timeout.total_seconds()
+            raise CollectiveError(
+                f"{self._call.kind} of {self._call.tag} ({self._call.payload_bytes:,} bytes) on "
+                f"the {self._group.name} did not complete within {seconds:g} s: "
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
+                "A peer rank probably died or stopped issuing collectives; its own log says why."
+            ) from error
+        finally:
+            self._work = None
+
+
+class Communicator:
+    def __init__(self, timeout: timedelta):
+        self.timeout = timeout
+        self.log: list[Collective] = []
+
+    def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> PendingCollective:
+        """Start a sum all-reduce of `tensor` in place over `group`."""
+        call = self._record("all_reduce", tensor, group, tag)
+        work = dist.all_reduce(tensor, group=group.handle, async_op=True)
+        return PendingCollective(work, call, group, self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
+        """Broadcast `tensor` in place from the group's first rank, and wait for it."""
+        call = self._record("broadcast", tensor, group, tag, op="none")
+        work = dist.broadcast(tensor, src=group.ranks[0], group=group.handle, async_op=True)
+        PendingCollective(work, call, group, self.timeout).wait()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per collective kind: how many calls and how many payload bytes since the last reset."""
+        stats: dict[str, dict[str, int]] = {}
+        for call in self.log:
+            entry = stats.setdefault(call.kind, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += call.payload_bytes
+        return stats
+
+    def reset(self) -> None:
+        self.log.clear()
+
+    def _record(
+        self, kind: CollectiveKind, tensor: torch.Tensor, group: RankGroup, tag: str, op="sum"
+    ) -> Collective:
+        call = Collective(
+            kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op, tag=tag
+        )
+        self.log.append(call)
+        return call

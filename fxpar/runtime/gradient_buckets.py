@@ -1,0 +1,127 @@
+"""Data parallelism at run time: bucketed gradient all-reduce that overlaps backward.
+
+For each bucket of the compile-time assignment (`passes.data_parallel`) this keeps one flat
+buffer, and each parameter's `.grad` becomes a view into it (DDP's `gradient_as_bucket_view`),
+so the all-reduce reads the gradients where autograd left them. A
+`register_post_accumulate_grad_hook` on every parameter counts the gradients still missing in
+its bucket; when a bucket is complete (and every earlier bucket has been launched, so all
+ranks issue the same sequence) its all-reduce starts asynchronously while backward goes on.
+`finish()` waits for all of them before the optimizer may step.
+
+Averaging is DDP's: divide by the group size, then sum-all-reduce.
+
+The last bucket has one element more: the step's local loss, summed over microbatches. It is
+averaged with the gradients, so every rank learns the global-batch mean loss without a
+collective of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.errors import CollectiveError
+from fxpar.passes.data_parallel import Bucket
+from fxpar.runtime.communicator import Communicator, PendingCollective
+from fxpar.runtime.process_groups import RankGroup
+
+
+class _BucketState:
+    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], extra: int):
+        self.bucket = bucket
+        self.parameters = parameters
+        device = parameters[0].device if parameters else torch.device("cpu")
+        self.buffer = torch.zeros(bucket.numel + extra, dtype=bucket.dtype, device=device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in parameters:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.pending = len(parameters)
+
+
+class GradientBuckets:
+    """Hooks and buffers for one data-parallel group (see module doc)."""
+
+    def __init__(
+        self,
+        buckets: tuple[Bucket, ...],
+        parameters: dict[str, torch.nn.Parameter],
+        group: RankGroup,
+        communicator: Communicator,
+        loss_device: torch.device,
+    ):
+        self.group = group
+        self.communicator = communicator
+        if not buckets:  # nothing to train: the loss travels alone
+            buckets = (Bucket(0, (), 0, torch.float32),)
+        self.states = [
+            _BucketState(b, [parameters[n] for n in b.parameters], 1 if i == len(buckets) - 1 else 0)
+            for i, b in enumerate(buckets)
+        ]
+        if not self.states[-1].parameters:
+            self.states[-1].buffer = self.states[-1].buffer.to(loss_device)
+        self.synchronize = True  # False for the microbatches before the last one
+        self._pending: list[PendingCollective] = []
+        self._next = 0
+        self._handles = []
+        for state in self.states:
+            for param, view in zip(state.parameters, state.views):
+                self._handles.append(
+                    param.register_post_accumulate_grad_hook(self._hook(state, param, view))
+                )
+
+    def _hook(self, state: _BucketState, param: torch.nn.Parameter, view: torch.Tensor):
+        def gradient_ready(_: torch.Tensor) -> None:
+            if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient, not accumulated in place
+                view.copy_(param.grad)
+                param.grad = view
+            state.pending -= 1
+            if self.synchronize:
+                self._launch_ready()
+
+        return gradient_ready
+
+    def start_backward(self, *, synchronize: bool, loss: torch.Tensor | None = None) -> None:
+        """Arm the hooks for one backward; on the synchronising one, `loss` rides along."""
+        self.synchronize = synchronize
+        for state in self.states:
+            state.pending = len(state.parameters)
+        if synchronize:
+            assert loss is not None
+            self.states[-1].buffer[-1].copy_(loss.detach())
+            self._next = 0
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.states) and self.states[self._next].pending == 0:
+            state = self.states[self._next]
+            state.buffer.div_(self.group.size)
+            tag = f"gradient bucket {state.bucket.index}"
+            if self._next == len(self.states) - 1:
+                tag += " + loss"
+            self._pending.append(self.communicator.all_reduce(state.buffer, self.group, tag=tag))
+            self._next += 1
+
+    def finish(self) -> float:
+        """Launch what remains, wait for every all-reduce, return the global mean loss."""
+        self._launch_ready()
+        if self._next < len(self.states):
+            missing = [
+                name
+                for state in self.states[self._next :]
+                if state.pending
+                for name, p in zip(state.bucket.parameters, state.parameters)
+                if p.grad is None
+            ]
+            raise CollectiveError(
+                f"backward produced no gradient for {missing[:5]} although the graph uses them; "
+                "their bucket was never all-reduced. Are they detached or frozen mid-step?"
+            )
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
+        return float(self.states[-1].buffer[-1])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

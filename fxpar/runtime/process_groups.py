@@ -1,0 +1,58 @@
+"""Process groups: the default group and this rank's group on each mesh axis.
+
+Every group gets the same finite timeout, so a collective that never completes (a peer died
+or stopped issuing collectives) fails on every other rank instead of hanging. All ranks create
+every group of every axis in the same order, as `torch.distributed.new_group` requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from fxpar.mesh import Axis, Mesh
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """One process group seen from this rank: the handle, its global ranks and a name."""
+
+    axis: Axis
+    ranks: tuple[int, ...]
+    handle: dist.ProcessGroup | None  # None when the group has this rank alone
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def name(self) -> str:
+        return f"{self.axis.value} group {list(self.ranks)}"
+
+
+def init_process_groups(
+    mesh: Mesh, *, rank: int, backend: str, timeout: timedelta, device_id=None
+) -> dict[Axis, RankGroup]:
+    """Initialise torch.distributed and return this rank's group on each mesh axis."""
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=mesh.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
+    mine: dict[Axis, RankGroup] = {}
+    for axis in Axis:
+        for ranks in mesh.groups(axis):
+            if len(ranks) == 1:
+                handle = None
+            elif len(ranks) == mesh.world_size:
+                handle = dist.group.WORLD
+            else:
+                handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle)
+    return mine

@@ -1,0 +1,212 @@
+"""Runner: one rank's side of a compiled Program, inside a torchrun worker.
+
+    runner = program.bind()
+    opt = runner.optimizer(torch.optim.AdamW, lr=3e-4)
+    for tokens, labels in batches:                      # the global batch, same on all ranks
+        loss = runner.step(*runner.local_batch(tokens, labels))
+        opt.step(); opt.zero_grad()
+
+`step` splits the local batch into the plan's microbatches, runs forward and backward on the
+rank module for each, lets the gradient buckets all-reduce during the last backward, and
+returns the global-batch mean loss, the same float on every rank.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from fxpar.errors import BindError, PlanError
+from fxpar.mesh import Axis
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.environment import TorchrunEnvironment
+from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.process_groups import RankGroup, init_process_groups
+
+if TYPE_CHECKING:
+    from fxpar.program import Program
+
+
+class Runner:
+    def __init__(
+        self,
+        program: Program,
+        *,
+        rank: int,
+        device: torch.device,
+        groups: dict[Axis, RankGroup],
+        communicator: Communicator,
+    ):
+        self.program = program
+        self.rank = rank
+        self.device = device
+        self.groups = groups
+        self.communicator = communicator
+        self.module = program.rank_module(rank)
+        self._dp = groups[Axis.DP]
+        self._buckets: GradientBuckets | None = None
+
+    @classmethod
+    def create(
+        cls,
+        program: Program,
+        *,
+        timeout: timedelta,
+        device: torch.device | str | None,
+        backend: str | None,
+    ) -> Runner:
+        env = TorchrunEnvironment.read(expected_world_size=program.world_size)
+        program.plan.check_world_size(env.world_size)
+        device = torch.device(device) if device is not None else _default_device(env.local_rank)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", env.local_rank)
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        groups = init_process_groups(
+            program.mesh,
+            rank=env.rank,
+            backend=backend,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+        runner = cls(
+            program, rank=env.rank, device=device, groups=groups,
+            communicator=Communicator(timeout),
+        )
+        runner._place_state()
+        return runner
+
+    # -- binding ------------------------------------------------------------------------
+
+    def _place_state(self) -> None:
+        """Move this rank's state to its device and make data-parallel replicas identical."""
+        state = list(self.module.parameters()) + list(self.module.buffers())
+        if any(t.is_meta for t in state):
+            raise BindError(
+                "the model's parameters are on the meta device, which is for planning only. "
+                "Fix: build the model on a real device (or `model.to_empty(device=...)` and "
+                "initialise it) before fxpar.compile when you mean to train"
+            )
+        with torch.no_grad():
+            for tensor in state:
+                if tensor.device != self.device:
+                    tensor.data = tensor.data.to(self.device)
+        if self._dp.size > 1:
+            # DDP does the same at construction: every replica starts from the first rank's
+            # values, whatever seed each process used.
+            self._broadcast(state)
+            self._buckets = GradientBuckets(
+                self.program.buckets,
+                self.program.captured.parameters,
+                self._dp,
+                self.communicator,
+                self.device,
+            )
+        self.communicator.reset()
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for dtype, group in by_dtype.items():
+                flat = _flatten_dense_tensors([t.data for t in group])
+                self.communicator.broadcast(flat, self._dp, tag=f"initial {dtype} state")
+                for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.copy_(synced)
+
+    # -- training -------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.program.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def local_batch(self, *global_batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's data-parallel slice (along dim 0) of each tensor of a global batch."""
+        dp, index = self._dp.size, self._dp.ranks.index(self.rank)
+        slices = []
+        for i, tensor in enumerate(global_batch):
+            if tensor.shape[0] % dp:
+                raise PlanError(
+                    f"input {i} has batch {tensor.shape[0]}, not divisible by dp={dp}. Fix: use "
+                    f"a global batch that is a multiple of {dp}",
+                    field="dp",
+                    value=dp,
+                )
+            slices.append(tensor.tensor_split(dp)[index])
+        return tuple(slices)
+
+    def step(self, *local_batch: torch.Tensor) -> float:
+        """Forward and backward over this rank's batch; returns the global-batch mean loss.
+
+        Gradients are left in the parameters' `.grad`, averaged over the data-parallel group,
+        ready for the optimizer. The loss is the mean of the microbatch losses, averaged over
+        data-parallel ranks: the global mean when every rank holds the same number of samples.
+        """
+        microbatches = self.program.plan.microbatches
+        batch = local_batch[0].shape[0]
+        if batch % microbatches:
+            raise PlanError(
+                f"this rank's batch of {batch} does not split into microbatches={microbatches}. "
+                f"Fix: make the local batch a multiple of {microbatches}",
+                field="microbatches",
+                value=microbatches,
+            )
+        chunks = list(zip(*(t.tensor_split(microbatches) for t in local_batch)))
+        total = torch.zeros((), device=self.device)
+        for i, chunk in enumerate(chunks):
+            loss = self.module(*chunk)
+            if microbatches > 1:
+                loss = loss / microbatches
+            total += loss.detach()
+            last = i == microbatches - 1
+            if self._buckets is not None:
+                self._buckets.start_backward(synchronize=last, loss=total if last else None)
+            loss.backward()
+        if self._buckets is None:
+            return float(total)
+        return self._buckets.finish()
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **options: Any):
+        """`optimizer_class` over this rank's parameters (each tied group once)."""
+        return optimizer_class(self.module.parameters(), **options)
+
+    # -- observation ----------------------------------------------------------------------
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Per collective kind, `count` and payload `bytes` since bind or the last reset."""
+        return self.communicator.stats()
+
+    def comm_log(self) -> list:
+        """Every collective issued since the last reset, as `fxpar.collectives.Collective`."""
+        return list(self.communicator.log)
+
+    def reset_comm_stats(self) -> None:
+        self.communicator.reset()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def close(self) -> None:
+        """Remove hooks and destroy the process groups (all ranks must call it)."""
+        if self._buckets is not None:
+            self._buckets.remove()
+            self._buckets = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")

@@ -1,0 +1,304 @@
+"""Capture: an ordinary `nn.Module` and example inputs become one annotated aten-level graph.
+
+fxpar captures with `torch.export.export(strict=False)` (DESIGN.md decision 1): it traces
+Hugging Face- and nanoGPT-style code that `fx.symbolic_trace` cannot, yields one uniform aten
+op set, and its symbolic shapes are sympy expressions, so the cost model gets FLOPs and bytes
+as formulas in batch and sequence for free.
+
+`capture()` then reshapes the exported program into what the rest of fxpar wants:
+
+* parameters and buffers become `get_attr` nodes named by their `model.state_dict()` keys,
+  installed in a module hierarchy that mirrors the model's, so `gm.state_dict()` has exactly
+  the model's keys. Tied parameters (GPT-2's `lm_head.weight is wte.weight`) are read through
+  one canonical name, the first in `model.named_parameters()` order, and the other names are
+  kept as aliases of the same `Parameter`;
+* every node carries `fxpar.module_path` (`meta.module_path(node)`), e.g. "h.0.attn.q";
+* export's dynamic dims (`s95`, `s24`, ...) are renamed to readable symbols: dim 0 of every
+  input is `batch`, dim 1 is `seq`;
+* the graph returns the scalar loss itself, not export's one-element tuple.
+
+The returned `GraphModule` shares its parameter tensors with the model: nothing is copied, so
+a model built on the meta device (no memory) is captured just as well, for planning.
+
+    gm.code (two-layer GPT, abridged):
+        def forward(self, idx, targets):
+            wte_weight = self.wte.weight
+            sym_size_int = torch.ops.aten.sym_size.int(idx, 0)
+            ...
+            embedding = torch.ops.aten.embedding.default(wte_weight, idx)
+            ...
+            return cross_entropy_loss
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from fxpar import meta
+from fxpar.errors import CaptureError
+
+# Readable names of the dynamic dims, by position in an input tensor.
+_DIM_NAMES = {0: "batch", 1: "seq"}
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    """A captured model: its graph, its state, and the names of its symbolic sizes."""
+
+    graph_module: fx.GraphModule
+    parameters: dict[str, torch.nn.Parameter]  # canonical name -> the model's own Parameter
+    buffers: dict[str, torch.Tensor]  # state_dict name -> buffer (persistent or not)
+    aliases: dict[str, str]  # tied alias name -> canonical parameter name
+    input_names: tuple[str, ...]
+    symbols: dict[str, sympy.Symbol]  # "batch", "seq", ... -> readable symbol
+    example_sizes: dict[sympy.Symbol, int]  # readable symbol -> its size in the example inputs
+    _renames: dict[sympy.Symbol, sympy.Symbol] = field(repr=False)  # export symbol -> readable
+
+    @property
+    def batch(self) -> sympy.Symbol | None:
+        """The symbol of the batch dim shared by every input (None if export fixed it)."""
+        return self.symbols.get("batch")
+
+    @property
+    def example_batch(self) -> int:
+        """The batch size of the example inputs (the global batch of one step)."""
+        node = next(n for n in self.graph_module.graph.nodes if n.op == "placeholder")
+        return int(node.meta["val"].shape[0])
+
+    def readable(self, expr: object) -> sympy.Expr:
+        """`expr` (an int, SymInt or export's sympy expression) in fxpar's readable symbols."""
+        if isinstance(expr, torch.SymInt):
+            expr = expr.node.expr
+        return sympy.sympify(expr).xreplace(self._renames)
+
+    def shape(self, node: fx.Node) -> tuple[sympy.Expr, ...]:
+        """The shape of a tensor-valued node, each dim a sympy expression in readable symbols."""
+        return tuple(self.readable(d) for d in node.meta["val"].shape)
+
+    def parameter_count(self) -> int:
+        """Trainable parameters, each tied group counted once."""
+        return sum(p.numel() for p in self.parameters.values())
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> CapturedGraph:
+    """Capture `model(*example_inputs) -> loss` as one annotated aten graph (see module doc)."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"fxpar.compile needs a torch.nn.Module, got {type(model).__name__}")
+    example_inputs = tuple(example_inputs)
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise CaptureError(
+                f"example input {i} is a {type(x).__name__}; fxpar.compile takes tensors only "
+                "(each input's dim 0 is the batch). Fix: pass configuration to the model's "
+                "constructor, not to forward."
+            )
+    if any(p.is_meta for p in model.parameters()):
+        # A meta-device model is captured for planning: its inputs live on meta too.
+        example_inputs = tuple(x.to("meta") for x in example_inputs)
+
+    exported = _export(model, example_inputs)
+    return _unlift(model, exported, example_inputs)
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> ExportedProgram:
+    # Dim.AUTO lets export decide which dims stay symbolic instead of failing on the first
+    # specialisation; `_unlift` checks that the batch dim survived.
+    dynamic_shapes = tuple(
+        {d: Dim.AUTO for d in range(min(x.dim(), 2))} or None for x in example_inputs
+    )
+    try:
+        return torch.export.export(
+            model, example_inputs, dynamic_shapes=dynamic_shapes, strict=False
+        )
+    except Exception as error:
+        raise CaptureError(_explain_export_failure(model, error)) from error
+
+
+def _explain_export_failure(model: torch.nn.Module, error: Exception) -> str:
+    """Name the cause, the innermost module of the model on the failing stack, and a hint."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    module, where = None, None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if id(owner) in paths:
+            module = paths[id(owner)] or "<root module>"
+            where = f"{frame.f_code.co_filename}:{lineno} in {frame.f_code.co_name}"
+    text = f"{type(error).__name__}: {error}".strip()
+    first_lines = "\n".join(text.splitlines()[:6])
+    if "data-dependent" in text or "GuardOnDataDependent" in text:
+        hint = (
+            "the model branches on the value of a tensor (an `if` on a tensor, `.item()`, "
+            "`.tolist()`); make the branch depend on shapes or configuration only"
+        )
+    elif "use_cache" in text or "Cache" in text:
+        hint = "for Hugging Face models pass `use_cache=False` in the config"
+    else:
+        hint = (
+            "check that `model(*example_inputs)` runs eagerly and returns the loss; Hugging "
+            "Face models need `use_cache=False`"
+        )
+    location = f"in module {module!r} ({where})" if module else "outside the model's modules"
+    return f"could not capture the model: {first_lines}\n  where: {location}\n  hint: {hint}"
+
+
+def _unlift(
+    model: torch.nn.Module, exported: ExportedProgram, example_inputs: tuple[torch.Tensor, ...]
+) -> CapturedGraph:
+    graph = exported.graph_module.graph
+    named_parameters = dict(model.named_parameters(remove_duplicate=False))
+    canonical = _canonical_parameter_names(model)
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    attributes: dict[str, torch.Tensor] = {}
+    getters: dict[str, fx.Node] = {}
+    input_names: list[str] = []
+    for node, spec in zip(placeholders, exported.graph_signature.input_specs, strict=True):
+        if spec.kind == InputKind.USER_INPUT:
+            input_names.append(node.name)
+            continue
+        if spec.kind == InputKind.PARAMETER:
+            name = canonical[spec.target]
+            attributes[name] = named_parameters[name]
+        elif spec.kind == InputKind.BUFFER:
+            name = spec.target
+            attributes[name] = named_buffers[name]
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            name = spec.target
+            attributes[name] = exported.constants[name]
+        else:
+            raise CaptureError(
+                f"the captured graph has a {spec.kind.name} input {spec.target!r}, which fxpar "
+                "does not support; remove custom objects and effectful ops from the model"
+            )
+        if name not in getters:
+            with graph.inserting_before(first_compute):
+                # create_node, not get_attr: the attribute lands on the new GraphModule below,
+                # so get_attr's check against export's module would only warn.
+                getters[name] = graph.create_node("get_attr", name)
+            getters[name].meta.update(node.meta)
+            if spec.kind == InputKind.PARAMETER:
+                getters[name].meta[meta.PARAMETER] = name
+        node.replace_all_uses_with(getters[name])
+        graph.erase_node(node)
+
+    _return_the_loss(graph, exported)
+    for node in graph.nodes:
+        node.meta[meta.MODULE_PATH] = _module_path(node)
+
+    gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__ + "Graph")
+    _mark_non_persistent_buffers(gm, persistent, named_buffers, exported)
+    aliases = {n: canonical[n] for n in named_parameters if canonical[n] != n}
+    gm.meta[meta.GRAPH_ALIASES] = aliases
+    install_aliases(gm)
+
+    renames, symbols, sizes = _readable_symbols(graph, example_inputs)
+    used = {n for n in attributes if n in named_parameters}
+    return CapturedGraph(
+        graph_module=gm,
+        parameters={n: named_parameters[n] for n in named_parameters if n in used},
+        buffers={n: b for n, b in named_buffers.items() if n in attributes},
+        aliases=aliases,
+        input_names=tuple(input_names),
+        symbols=symbols,
+        example_sizes=sizes,
+        _renames=renames,
+    )
+
+
+def _canonical_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Map every parameter name to the first name of the same tensor (tied weights share one)."""
+    first: dict[int, str] = {}
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(param), name)
+    return names
+
+
+def _return_the_loss(graph: fx.Graph, exported: ExportedProgram) -> None:
+    output = graph.output_node()
+    specs = exported.graph_signature.output_specs
+    if any(s.kind == OutputKind.BUFFER_MUTATION for s in specs):
+        mutated = [s.target for s in specs if s.kind == OutputKind.BUFFER_MUTATION]
+        raise CaptureError(
+            f"the model writes to buffers {mutated} in forward (running statistics such as "
+            "BatchNorm's); fxpar trains transformers without mutable state. Fix: use LayerNorm "
+            "or RMSNorm, or register the tensor as a plain attribute"
+        )
+    (values,) = output.args
+    loss = values[0] if len(values) == 1 else None
+    value = loss.meta.get("val") if isinstance(loss, fx.Node) else None
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+        found = f"{len(values)} outputs" if len(values) != 1 else "a non-scalar output"
+        raise CaptureError(
+            f"fxpar.compile expects model(*inputs) to return the scalar loss, found {found}. "
+            "Fix: wrap the model in a module whose forward computes and returns the loss"
+        )
+    output.args = (loss,)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for key, (path, _) in stack.items() if key.startswith("L__self__")]
+    return paths[-1] if paths else ""
+
+
+def install_aliases(gm: fx.GraphModule) -> None:
+    """Register each tied alias (`lm_head.weight`) as the same Parameter as its canonical name.
+
+    The graph reads only canonical names, so a GraphModule built from it lacks the aliases;
+    installing them makes `gm.state_dict()` carry every key of `model.state_dict()`, while
+    `gm.parameters()` still yields each tied Parameter once.
+    """
+    for alias, name in gm.meta.get(meta.GRAPH_ALIASES, {}).items():
+        *prefix, leaf = alias.split(".")
+        module = gm
+        for part in prefix:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        setattr(module, leaf, gm.get_parameter(name))
+
+
+def _mark_non_persistent_buffers(
+    gm: fx.GraphModule,
+    persistent: set[str],
+    named_buffers: dict[str, torch.Tensor],
+    exported: ExportedProgram,
+) -> None:
+    """Buffers the model keeps out of its state_dict (and lifted constants) stay out of ours."""
+    for name in [n for n, _ in gm.named_buffers()]:
+        if name not in persistent:
+            *prefix, leaf = name.split(".")
+            owner = gm.get_submodule(".".join(prefix))
+            owner._non_persistent_buffers_set.add(leaf)
+
+
+def _readable_symbols(
+    graph: fx.Graph, example_inputs: tuple[torch.Tensor, ...]
+) -> tuple[dict[sympy.Symbol, sympy.Symbol], dict[str, sympy.Symbol], dict[sympy.Symbol, int]]:
+    """Rename export's `s95`-style symbols of the inputs' dims to `batch`, `seq`, `dim2`, ..."""
+    renames: dict[sympy.Symbol, sympy.Symbol] = {}
+    symbols: dict[str, sympy.Symbol] = {}
+    sizes: dict[sympy.Symbol, int] = {}
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, example in zip(inputs, example_inputs, strict=True):
+        for dim, size in enumerate(node.meta["val"].shape):
+            if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
+                continue
+            name = _DIM_NAMES.get(dim, f"dim{dim}")
+            if name in symbols and sizes[symbols[name]] != example.shape[dim]:
+                name = f"{name}_{node.name}"  # same position, different size: its own symbol
+            symbol = symbols.setdefault(name, sympy.Symbol(name, integer=True, positive=True))
+            sizes[symbol] = int(example.shape[dim])
+            renames[size.node.expr] = symbol
+    return renames, symbols, sizes

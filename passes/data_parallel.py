@@ -1,0 +1,99 @@
+"""Data parallelism: gradient buckets in the exact order backward produces gradients.
+
+DDP (Li et al. 2020, "PyTorch Distributed", Sec. 3.2) groups gradients into buckets so that
+one all-reduce moves many of them, and launches each bucket's all-reduce as soon as its last
+gradient is ready, overlapping communication with the rest of backward. DDP guesses the
+order from `model.parameters()` reversed and rebuilds its buckets after a first iteration.
+fxpar reads the order from the captured graph instead: a parameter's gradient is complete
+when backward has passed its *first* use in forward, so sorting parameters by first use,
+latest first, is the order in which their gradients become ready. No warm-up iteration.
+
+This pass only annotates; the runtime (`fxpar.runtime.gradient_buckets`) attaches the hooks
+that launch the all-reduces.
+
+    before: %h_1_mlp_down_weight : get_attr[target=h.1.mlp.down.weight]
+    after:  the same node, with node.meta["fxpar.bucket"] = 0, and
+            gm.meta["fxpar.buckets"] = (Bucket(index=0, parameters=("ln_f.weight", ...)), ...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import meta
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose gradients are all-reduced together, in gradient-ready order."""
+
+    index: int
+    parameters: tuple[str, ...]  # canonical parameter names
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.GraphModule:
+    """Put every parameter that receives a gradient into a bucket of about `bucket_bytes`.
+
+    Requires: `fxpar.parameter` on the get_attr node of each parameter (trace.capture).
+    Ensures: each parameter that requires grad and reaches the loss is in exactly one bucket
+    (tied parameters are one parameter, so they are reduced once), its node carries
+    `fxpar.bucket`, and `gm.meta["fxpar.buckets"]` lists the buckets in launch order:
+    bucket 0 holds the gradients that become ready first. A bucket is closed once it holds
+    at least `bucket_bytes` (DDP's rule), and never mixes dtypes.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    reaches_loss = _nodes_reaching_output(gm.graph)
+    ready_order = []
+    for name, node in meta.parameter_nodes(gm.graph).items():
+        value = gm.get_parameter(name)
+        if not (value.requires_grad and node in reaches_loss):
+            continue
+        first_use = min(order[user] for user in node.users)
+        ready_order.append((-first_use, name, node, value))
+    ready_order.sort(key=lambda item: item[0])
+
+    buckets: list[Bucket] = []
+    names: list[str] = []
+    numel, dtype = 0, None
+
+    def close() -> None:
+        nonlocal names, numel
+        if names:
+            buckets.append(Bucket(len(buckets), tuple(names), numel, dtype))
+        names, numel = [], 0
+
+    for _, name, node, value in ready_order:
+        if dtype is not None and value.dtype != dtype:
+            close()
+        dtype = value.dtype
+        names.append(name)
+        numel += value.numel()
+        node.meta[meta.BUCKET] = len(buckets)
+        if numel * dtype.itemsize >= bucket_bytes:
+            close()
+    close()
+    gm.meta[meta.GRAPH_BUCKETS] = tuple(buckets)
+    return gm
+
+
+def _nodes_reaching_output(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes with a path to the output: only their parameters can receive a gradient."""
+    seen: set[fx.Node] = set()
+    stack = [graph.output_node()]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen

@@ -1,0 +1,41 @@
+"""torchrun worker: trains the tiny GPT under each plan given, saves what the test compares.
+
+    torchrun --standalone --nproc-per-node 2 dp_worker.py OUT_DIR "dp=2" "dp=2 mb=2 bucket_mb=0.01"
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import fxpar
+from tiny_training import OPTIMIZER, build_model, global_batches
+
+out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
+torch.set_num_threads(1)
+results = {}
+for plan in plans:
+    tokens, labels = global_batches()[0]
+    program = fxpar.compile(build_model(), plan, example_inputs=(tokens, labels))
+    program.check()
+    runner = program.bind(timeout=60)
+    optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    losses, first_grads, step_logs = [], None, []
+    for tokens, labels in global_batches():
+        runner.reset_comm_stats()
+        losses.append(runner.step(*runner.local_batch(tokens, labels)))
+        step_logs.append((runner.comm_log(), runner.comm_stats()))
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in runner.module.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    results[plan] = {
+        "losses": losses,
+        "grads": first_grads,
+        "state": runner.full_state_dict(),
+        "comm": step_logs,
+        "predicted": program.collectives(runner.rank),
+        "buckets": program.buckets,
+    }
+torch.save(results, out_dir / f"rank{runner.rank}.pt")
+runner.close()

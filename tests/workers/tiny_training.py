@@ -1,0 +1,55 @@
+"""The training both sides of an equivalence test run: a tiny GPT, fixed data, AdamW.
+
+Imported by the test process (single-device reference) and by the torchrun workers (fxpar),
+so both draw the same initial weights and the same global batches.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
+# AdamW with eps=1e-6, not 1e-8: the key bias under softmax has an exactly-zero true gradient
+# that is float noise in practice, and a tiny eps turns that noise into full-size updates of
+# arbitrary sign, so two correct implementations would drift apart for no real reason.
+OPTIMIZER = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
+
+
+def build_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CONFIG)
+
+
+def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (GLOBAL_BATCH, SEQ)
+    return [
+        (
+            torch.randint(0, CONFIG.vocab_size, shape, generator=generator),
+            torch.randint(0, CONFIG.vocab_size, shape, generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def train_single_device() -> dict:
+    """Losses per step, gradients of step 1 and the final state of plain one-device training."""
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    losses, first_grads = [], None
+    for tokens, labels in global_batches():
+        loss = model(tokens, labels)
+        loss.backward()
+        losses.append(loss.item())
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grads": first_grads, "state": model.state_dict()}
