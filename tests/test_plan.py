@@ -1,0 +1,415 @@
+"""Plan: every way in (text, dict, JSON/YAML files), every way out, the checks and every error."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from fxpar.errors import FxparError, PlanError
+from fxpar.plan import PLANNED_KEYS, Plan
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "dp=2 mb=4 bucket_mb=0.5",
+        "dp=2,mb=4,bucket_mb=0.5",
+        "dp=2, mb=4 ,bucket_mb=0.5",
+        "  dp=2\tmb=4\nbucket_mb=0.5  ",
+        "dp=2 microbatches=4 bucket_mb=0.5",
+        "bucket_mb=0.5 mb=4 dp=2",
+        ",dp=2,,mb=4, bucket_mb=.5,",
+    ],
+)
+def test_parse_text_with_spaces_commas_and_both(text: str) -> None:
+    assert Plan.parse(text) == Plan(dp=2, microbatches=4, bucket_mb=0.5)
+
+
+def test_parse_text_values_are_typed() -> None:
+    plan = Plan.parse("dp=2 mb=4 bucket_mb=25")
+    assert type(plan.dp) is int and type(plan.microbatches) is int
+    assert type(plan.bucket_mb) is float and plan.bucket_mb == 25.0
+
+
+@pytest.mark.parametrize("text", ["", "   ", ",", " , "])
+def test_parse_empty_text_is_the_default_plan(text: str) -> None:
+    assert Plan.parse(text) == Plan()
+    assert Plan() == Plan(dp=1, microbatches=1, bucket_mb=None)
+
+
+def test_parse_dict_with_either_key_and_str_or_native_values() -> None:
+    expected = Plan(dp=2, microbatches=4, bucket_mb=0.5)
+    assert Plan.parse({"dp": 2, "mb": 4, "bucket_mb": 0.5}) == expected
+    assert Plan.parse({"dp": 2, "microbatches": 4, "bucket_mb": 0.5}) == expected
+    assert Plan.parse({"dp": "2", "mb": "4", "bucket_mb": "0.5"}) == expected
+    assert Plan.parse({"dp": 2, "bucket_mb": None}) == Plan(dp=2)
+    assert Plan.parse({}) == Plan()
+
+
+def test_parse_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"dp": 4, "mb": 2, "bucket_mb": 1.5}))
+    expected = Plan(dp=4, microbatches=2, bucket_mb=1.5)
+    assert Plan.parse(path) == expected
+    assert Plan.parse(str(path)) == expected
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".YAML"])
+def test_parse_yaml_file(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"plan{suffix}"
+    path.write_text("dp: 2\nmicrobatches: 8\n")
+    assert Plan.parse(path) == Plan(dp=2, microbatches=8)
+    assert Plan.parse(str(path)) == Plan(dp=2, microbatches=8)
+
+
+def test_parse_plan_is_returned_as_is() -> None:
+    plan = Plan(dp=2)
+    assert Plan.parse(plan) is plan
+
+
+def test_parse_rejects_other_types() -> None:
+    with pytest.raises(TypeError, match="Plan.parse takes"):
+        Plan.parse(2)  # type: ignore[arg-type]
+
+
+def test_constructor_normalises_and_plan_is_frozen() -> None:
+    plan = Plan(dp=2, bucket_mb=1)
+    assert type(plan.bucket_mb) is float and str(plan) == "dp=2 bucket_mb=1.0"
+    with pytest.raises(AttributeError):
+        plan.dp = 4  # type: ignore[misc]
+
+
+# -- writing and round trips -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("plan", "text"),
+    [
+        (Plan(), "dp=1"),
+        (Plan(dp=2, microbatches=4), "dp=2 mb=4"),
+        (Plan(microbatches=4), "mb=4"),
+        (Plan(dp=8, microbatches=2, bucket_mb=0.5), "dp=8 mb=2 bucket_mb=0.5"),
+        (Plan(bucket_mb=1 / 3), f"bucket_mb={1 / 3!r}"),
+    ],
+)
+def test_str_is_canonical_and_round_trips(plan: Plan, text: str) -> None:
+    assert str(plan) == text
+    assert Plan.parse(str(plan)) == plan
+
+
+@pytest.mark.parametrize(
+    "plan", [Plan(), Plan(dp=3, microbatches=5), Plan(dp=2, bucket_mb=1 / 3), Plan(bucket_mb=1e-9)]
+)
+def test_json_round_trip_is_exact(plan: Plan) -> None:
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.to_dict() == plan.to_dict()
+
+
+def test_to_dict_has_every_field_under_its_canonical_name() -> None:
+    assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4, "bucket_mb": None}
+    assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1, "bucket_mb": None}
+    assert Plan.parse(Plan(dp=2, bucket_mb=8.0).to_dict()) == Plan(dp=2, bucket_mb=8.0)
+
+
+# -- degrees and checks ----------------------------------------------------------------------------
+
+
+def test_world_size_is_the_product_of_the_degrees() -> None:
+    assert Plan().world_size == 1
+    assert Plan(dp=8, microbatches=4).world_size == 8
+    plan = Plan(dp=6)
+    assert plan.degrees == {"dp": 6}
+    assert plan.world_size == math.prod(plan.degrees.values())
+
+
+def test_check_world_size_accepts_a_match() -> None:
+    Plan(dp=4).check_world_size(4)
+    Plan().check_world_size(1)
+
+
+def test_check_world_size_mismatch_gives_numbers_and_fix() -> None:
+    message = (
+        "plan degrees multiply to 4 (dp=4) but WORLD_SIZE is 2. Fix: launch with "
+        "`torchrun --nproc-per-node 4 ...` or change the plan so the degrees multiply to 2 "
+        "(for example dp=2)."
+    )
+    with pytest.raises(PlanError) as caught:
+        Plan(dp=4).check_world_size(2)
+    assert str(caught.value) == message
+    assert caught.value.field == "world_size" and caught.value.value == 2
+
+
+def test_check_world_size_example_keeps_the_other_fields() -> None:
+    with pytest.raises(PlanError, match=r"\(for example dp=8 mb=4\)"):
+        Plan(dp=2, microbatches=4).check_world_size(8)
+
+
+@pytest.mark.parametrize("world_size", [0, -1, True, 2.0, "2"])
+def test_check_world_size_rejects_a_non_positive_int(world_size: object) -> None:
+    with pytest.raises(PlanError, match=r"WORLD_SIZE must be a positive integer.*Fix: launch"):
+        Plan().check_world_size(world_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dp", "mb", "batch"), [(1, 1, 1), (2, 4, 8), (2, 4, 16), (3, 1, 9)])
+def test_check_batch_accepts_multiples_of_dp_times_mb(dp: int, mb: int, batch: int) -> None:
+    Plan(dp=dp, microbatches=mb).check_batch(batch)
+
+
+def test_check_batch_names_numbers_and_nearest_batches() -> None:
+    with pytest.raises(PlanError) as caught:
+        Plan(dp=2, microbatches=4).check_batch(10)
+    message = str(caught.value)
+    assert "global batch 10 is not divisible by dp * microbatches = 2 * 4 = 8" in message
+    assert "Fix: use a global batch of 8 or 16" in message
+    assert "use mb=1" in message  # 10 / 2 = 5 samples per replica: only mb=1 divides them
+    assert caught.value.field == "batch" and caught.value.value == 10
+
+
+def test_check_batch_suggests_a_valid_mb_or_dp() -> None:
+    with pytest.raises(PlanError) as caught:
+        Plan(dp=2, microbatches=4).check_batch(12)
+    message = str(caught.value)
+    assert "8 or 16" in message and "use mb=3" in message and "use dp=1" in message
+    Plan(dp=2, microbatches=3).check_batch(12)  # the suggested mb does fit
+    Plan(dp=1, microbatches=4).check_batch(12)  # and so does the suggested dp
+
+
+def test_check_batch_below_the_unit_suggests_only_the_batch_above() -> None:
+    with pytest.raises(PlanError, match=r"Fix: use a global batch of 8\.$"):
+        Plan(dp=2, microbatches=4).check_batch(3)
+
+
+@pytest.mark.parametrize("batch", [0, -8, True, 8.0])
+def test_check_batch_rejects_a_non_positive_int(batch: object) -> None:
+    with pytest.raises(PlanError, match=r"global batch must be a positive integer.*Fix:"):
+        Plan().check_batch(batch)  # type: ignore[arg-type]
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_plan_error_is_a_value_error() -> None:
+    assert issubclass(PlanError, ValueError) and issubclass(PlanError, FxparError)
+    with pytest.raises(ValueError):
+        Plan.parse("dp=0")
+
+
+def test_unknown_key_lists_keys_and_suggests_the_closest() -> None:
+    with pytest.raises(PlanError) as caught:
+        Plan.parse("dpp=2")
+    message = str(caught.value)
+    assert "unknown plan key 'dpp'" in message and "dpp=2" in message
+    assert "Did you mean 'dp'?" in message
+    assert "Supported keys: dp, mb (or microbatches), bucket_mb" in message
+    assert "Fix: rename or remove 'dpp'" in message
+    assert caught.value.field == "dpp" and caught.value.value == "2"
+
+
+def test_unknown_key_without_a_close_match_has_no_suggestion() -> None:
+    with pytest.raises(PlanError, match="Supported keys") as caught:
+        Plan.parse({"learning_rate": 3e-4})
+    assert "Did you mean" not in str(caught.value)
+
+
+def test_unknown_key_suggestion_uses_difflib_for_other_typos() -> None:
+    with pytest.raises(PlanError, match="Did you mean 'microbatches'"):
+        Plan.parse("microbatch=4")
+    with pytest.raises(PlanError, match="Did you mean 'bucket_mb'"):
+        Plan.parse("bucket_mib=4")
+
+
+@pytest.mark.parametrize(
+    ("key", "meaning"),
+    [
+        ("tp", "tensor parallelism"),
+        ("pp", "pipeline parallelism"),
+        ("zero", "ZeRO"),
+        ("schedule", "pipeline schedules"),
+        ("sp", "sequence parallelism"),
+        ("precision", "mixed precision"),
+        ("split", "pipeline split points"),
+        ("tp_rules", "tensor-parallel sharding rules"),
+        ("virtual_stages", "virtual"),
+    ],
+)
+def test_planned_keys_are_refused_naming_the_capability(key: str, meaning: str) -> None:
+    assert key in PLANNED_KEYS
+    with pytest.raises(PlanError) as caught:
+        Plan.parse(f"dp=2 {key}=2")
+    message = str(caught.value)
+    assert f"this fxpar version does not implement {PLANNED_KEYS[key]} yet" in message
+    assert meaning in message and f"{key}=2" in message
+    assert "Supported keys: dp, mb (or microbatches), bucket_mb" in message
+    assert f"Fix: remove {key}=2" in message
+    assert caught.value.field == key and caught.value.value == "2"
+
+
+def test_planned_keys_table_is_exactly_the_later_capabilities() -> None:
+    later = {"tp", "pp", "zero", "schedule", "sp", "precision", "split", "tp_rules"}
+    assert set(PLANNED_KEYS) == later | {"virtual_stages"}
+
+
+def test_planned_key_in_a_dict_is_refused_too() -> None:
+    with pytest.raises(PlanError, match="does not implement pipeline parallelism yet"):
+        Plan.parse({"dp": 2, "pp": 4})
+
+
+@pytest.mark.parametrize("text", ["auto", " AUTO "])
+def test_auto_is_not_available_yet(text: str) -> None:
+    with pytest.raises(PlanError, match=r"automatic planning.*not available.*'dp=2'") as caught:
+        Plan.parse(text)
+    assert caught.value.field == "plan" and caught.value.value == text
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "value", "problem", "fix"),
+    [
+        ("dp", "dp", "dp", "has no '='", "write it as dp=<value>"),
+        ("dp=2 mb", "mb", "mb", "has no '='", "write it as mb=<value>"),
+        ("dp = 2", "dp", "dp", "has no '='", "no spaces around '='"),
+        ("dp=", "dp", "dp=", "has no value after '='", "give one, e.g. dp=2"),
+        ("=2", "plan", "=2", "has no key before '='", "name the field, e.g. dp=2"),
+        ("dp=2=3", "dp", "dp=2=3", "has more than one '='", "separate entries with spaces"),
+    ],
+)
+def test_malformed_entries(text: str, field: str, value: str, problem: str, fix: str) -> None:
+    with pytest.raises(PlanError) as caught:
+        Plan.parse(text)
+    message = str(caught.value)
+    assert f"plan entry {value!r} {problem}" in message
+    assert "key=value" in message and "Fix: " in message and fix in message
+    assert caught.value.field == field and caught.value.value == value
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "written"),
+    [
+        ("dp=2 dp=4", "dp", "dp=2 and dp=4"),
+        ("mb=2, microbatches=4", "microbatches", "mb=2 and microbatches=4"),
+        ({"mb": 2, "microbatches": 2}, "microbatches", "mb=2 and microbatches=2"),
+    ],
+)
+def test_duplicate_keys(spec: str | dict[str, int], field: str, written: str) -> None:
+    with pytest.raises(PlanError, match=f"plan field {field} is given twice: {written}. Fix: keep"):
+        Plan.parse(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "value"),
+    [
+        ("dp=two", "dp", "two"),
+        ("dp=0", "dp", 0),
+        ("dp=-1", "dp", -1),
+        ("dp=1.5", "dp", "1.5"),
+        ("mb=0", "microbatches", 0),
+        ("microbatches=x", "microbatches", "x"),
+        ({"dp": True}, "dp", True),
+        ({"dp": 2.0}, "dp", 2.0),
+        ({"mb": None}, "microbatches", None),
+    ],
+)
+def test_bad_integer_values(spec: str | dict[str, object], field: str, value: object) -> None:
+    with pytest.raises(PlanError) as caught:
+        Plan.parse(spec)
+    message = str(caught.value)
+    assert f"plan field {field}" in message and "must be a positive integer" in message
+    assert f"got {value!r}" in message and "Fix: write e.g." in message
+    assert caught.value.field == field and caught.value.value == value
+
+
+@pytest.mark.parametrize(
+    ("spec", "shown"),
+    [
+        ("bucket_mb=0", "0.0"),
+        ("bucket_mb=-2", "-2.0"),
+        ("bucket_mb=nan", "nan"),
+        ("bucket_mb=inf", "inf"),
+        ("bucket_mb=big", "'big'"),
+        ({"bucket_mb": True}, "True"),
+    ],
+)
+def test_bad_bucket_sizes(spec: str | dict[str, object], shown: str) -> None:
+    expected = (
+        f"plan field bucket_mb must be a positive, finite number of MiB (the gradient-bucket "
+        f"size); got {shown}. Fix: write e.g. bucket_mb=25, or leave bucket_mb out"
+    )
+    with pytest.raises(PlanError, match=re.escape(expected)) as caught:
+        Plan.parse(spec)
+    assert caught.value.field == "bucket_mb"
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"dp": 0}, {"microbatches": -3}, {"dp": "2"}, {"bucket_mb": float("nan")}]
+)
+def test_constructor_validates_like_parse(kwargs: dict[str, object]) -> None:
+    (field,) = kwargs
+    with pytest.raises(PlanError, match=f"plan field {field}") as caught:
+        Plan(**kwargs)  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "missing.yaml"
+    with pytest.raises(PlanError, match=r"does not exist.*Fix: check the path") as caught:
+        Plan.parse(path)
+    assert "missing.yaml" in str(caught.value)
+    assert caught.value.field == "plan" and caught.value.value == str(path)
+
+
+@pytest.mark.parametrize("spec", ["plan.toml", Path("plan.toml"), Path("plan")])
+def test_unsupported_file_suffix(spec: str | Path) -> None:
+    with pytest.raises(PlanError, match=r"\.json, \.yaml or \.yml\. Fix: save the plan") as caught:
+        Plan.parse(spec)
+    assert "plan.toml" in str(caught.value) or "no suffix" in str(caught.value)
+    assert caught.value.value == str(spec)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "kind"),
+    [
+        ("plan.json", "[2, 4]", "list"),
+        ("plan.yaml", "- dp\n- 2\n", "list"),
+        ("plan.yml", "dp=2\n", "str"),
+        ("plan.yaml", "", "NoneType"),
+    ],
+)
+def test_file_that_is_not_a_mapping(tmp_path: Path, name: str, content: str, kind: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    expected = f"holds a {kind} .*not a mapping.*Fix: write a mapping"
+    with pytest.raises(PlanError, match=expected) as e:
+        Plan.parse(path)
+    assert e.value.field == "plan" and e.value.value == str(path)
+
+
+@pytest.mark.parametrize(("name", "content"), [("plan.json", "{dp: 2"), ("plan.yaml", "dp: [2")])
+def test_file_with_bad_syntax(tmp_path: Path, name: str, content: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(PlanError, match=r"is not valid (JSON|YAML)\. Fix: correct its syntax") as e:
+        Plan.parse(path)
+    assert e.value.field == "plan" and e.value.value == str(path)
+
+
+def test_error_inside_a_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_text("dp: 2\ntp: 4\n")
+    with pytest.raises(PlanError, match=r"plan\.yaml.*tensor parallelism") as caught:
+        Plan.parse(path)
+    assert caught.value.field == "tp" and caught.value.value == 4
+
+
+def test_from_json_errors() -> None:
+    with pytest.raises(PlanError, match="plan JSON is not valid JSON"):
+        Plan.from_json("{")
+    with pytest.raises(PlanError, match="plan JSON holds a list"):
+        Plan.from_json("[1]")
+    with pytest.raises(PlanError, match="Did you mean 'dp'"):
+        Plan.from_json('{"dpp": 2}')
