@@ -21,12 +21,14 @@ def torchrun(tmp_path):
     the output folder as its first argument and saves `rank{r}.pt` there.
     """
 
-    def launch(script: str, nproc: int, *args: str, timeout: float = 300) -> list:
+    def launch(
+        script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None
+    ) -> list:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", str(WORKERS / script), str(tmp_path), *args,
         ]
-        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout, env=env, cwd=WORKERS
         )
@@ -38,3 +40,12 @@ def torchrun(tmp_path):
         return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
     return launch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,8 +1,12 @@
 """torchrun worker: trains the tiny GPT under each plan given, saves what the test compares.
 
     torchrun --standalone --nproc-per-node 2 dp_worker.py OUT_DIR "dp=2" "dp=2 mb=2 bucket_mb=0.01"
+
+FXPAR_TEST_DEVICE and FXPAR_TEST_BACKEND, when set, choose bind()'s device and backend
+(the GPU tier runs NCCL on one GPU, or several gloo ranks sharing one GPU).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,15 +22,20 @@ for plan in plans:
     tokens, labels = global_batches()[0]
     program = fxpar.compile(build_model(), plan, example_inputs=(tokens, labels))
     program.check()
-    runner = program.bind(timeout=60)
+    runner = program.bind(
+        timeout=60,
+        device=os.environ.get("FXPAR_TEST_DEVICE"),
+        backend=os.environ.get("FXPAR_TEST_BACKEND"),
+    )
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
     losses, first_grads, step_logs = [], None, []
     for tokens, labels in global_batches():
         runner.reset_comm_stats()
-        losses.append(runner.step(*runner.local_batch(tokens, labels)))
+        local = [t.to(runner.device) for t in runner.local_batch(tokens, labels)]
+        losses.append(runner.step(*local))
         step_logs.append((runner.comm_log(), runner.comm_stats()))
         if first_grads is None:
-            first_grads = {n: p.grad.clone() for n, p in runner.module.named_parameters()}
+            first_grads = {n: p.grad.cpu() for n, p in runner.module.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
     results[plan] = {

@@ -1,0 +1,98 @@
+"""Tier 1/4: compile, rank modules, predicted collectives and their static check, bind errors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import BindError, PlanError
+from fxpar.collectives import Collective, check_collectives
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+TOKENS = torch.randint(0, 64, (8, 16))
+
+
+def compile_gpt(plan: str) -> fxpar.Program:
+    torch.manual_seed(0)
+    return fxpar.compile(GPT(CONFIG), plan, example_inputs=(TOKENS, TOKENS))
+
+
+def test_rank_module_prints_the_code_the_rank_runs():
+    program = compile_gpt("dp=4")
+    assert program.world_size == 4
+    module = program.rank_module(3)
+    assert module.meta["fxpar.coord"].dp == 3
+    code = module.code
+    assert "def forward(self, idx, targets)" in code
+    assert "torch.ops.aten.scaled_dot_product_attention.default" in code
+    assert code.rstrip().endswith("return cross_entropy_loss")
+    with pytest.raises(ValueError, match="rank 4"):
+        program.rank_module(4)
+
+
+def test_collectives_cover_every_gradient_once_and_the_loss():
+    program = compile_gpt("dp=4 bucket_mb=0.02")
+    parameters = program.captured.parameter_count()
+    calls = program.collectives(2)
+    assert len(calls) == len(program.buckets) > 1
+    assert {c.group for c in calls} == {(0, 1, 2, 3)}
+    assert sum(c.numel for c in calls) == parameters + 1  # + the loss in the last bucket
+    assert calls[-1].tag.endswith("+ loss")
+    program.check()
+
+
+def test_one_replica_communicates_nothing():
+    assert compile_gpt("dp=1").collectives(0) == ()
+
+
+def test_check_names_the_group_and_ranks_of_a_mismatch():
+    def collectives_of(rank):
+        numel = 10 if rank != 1 else 12
+        return [Collective(kind="all_reduce", group=(0, 1), numel=numel, dtype=torch.float32,
+                           tag="gradient bucket 0")]
+
+    with pytest.raises(PlanError, match=r"collective #0 on process group \[0, 1\].*rank 1 issues"):
+        check_collectives(2, collectives_of)
+
+
+def test_batch_not_divisible_is_a_plan_error_before_anything_runs():
+    with pytest.raises(PlanError, match="batch"):
+        compile_gpt("dp=3")
+
+
+class _FixedBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.proj(x).view(8, 4), y)
+
+
+def test_a_model_that_fixes_its_batch_cannot_be_split():
+    with pytest.raises(PlanError, match="fixes the batch size to 8"):
+        fxpar.compile(_FixedBatch(), "dp=2", example_inputs=(torch.randn(8, 4), torch.randn(8, 4)))
+
+
+def test_bind_outside_torchrun_shows_the_command(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(BindError, match="torchrun --standalone --nproc-per-node 2"):
+        compile_gpt("dp=2").bind()
+
+
+def test_bind_with_the_wrong_world_size_is_a_plan_error(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(PlanError, match="WORLD_SIZE is 3"):
+        compile_gpt("dp=2").bind()
