@@ -35,7 +35,7 @@ for plan in plans:
         losses.append(runner.step(*local))
         step_logs.append((runner.comm_log(), runner.comm_stats()))
         if first_grads is None:
-            first_grads = {n: p.grad.cpu() for n, p in runner.module.named_parameters()}
+            first_grads = {n: p.grad.to("cpu", copy=True) for n, p in runner.module.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
     results[plan] = {
