@@ -41,6 +41,10 @@ import yaml
 
 from fxpar.errors import PlanError
 
+Precision = Literal["fp32", "bf16-mixed"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
+ZERO_STAGES = (0, 1, 2, 3)
+
 # field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
 _FIELDS: dict[str, tuple[str, str, str]] = {
     "dp": ("dp", "a positive integer (the number of data-parallel replicas)", "dp=2"),
@@ -50,12 +54,18 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
         "a positive, finite number of MiB (the gradient-bucket size)",
         "bucket_mb=25, or leave bucket_mb out to let the cost model choose",
     ),
+    "zero": ("zero", "one of 0, 1, 2, 3 (the ZeRO stage: what is sharded over dp)", "zero=1"),
+    "precision": (
+        "precision",
+        "one of " + ", ".join(repr(p) for p in PRECISIONS) + " (how weights and math are stored)",
+        "precision=bf16-mixed",
+    ),
 }
 # Keys the text form and mappings accept -> field: the short keys and the field names.
 _FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in _FIELDS.items()} | {
     name: name for name in _FIELDS
 }
-_SUPPORTED_KEYS = "dp, mb (or microbatches), bucket_mb"
+_SUPPORTED_KEYS = "dp, mb (or microbatches), bucket_mb, zero, precision"
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
 _DEGREE_FIELDS: tuple[str, ...] = ("dp",)
@@ -64,10 +74,8 @@ _DEGREE_FIELDS: tuple[str, ...] = ("dp",)
 PLANNED_KEYS: dict[str, str] = {
     "tp": "tensor parallelism",
     "pp": "pipeline parallelism",
-    "zero": "ZeRO sharding of optimizer state, gradients and parameters",
     "schedule": "pipeline schedules",
     "sp": "sequence parallelism",
-    "precision": "mixed precision",
     "split": "explicit pipeline split points",
     "tp_rules": "tensor-parallel sharding rules",
     "virtual_stages": "interleaved (virtual) pipeline stages",
@@ -93,6 +101,12 @@ class Plan:
     dp: int = 1
     microbatches: int = 1
     bucket_mb: float | None = None
+    # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
+    # 3 also parameters. The cost model estimates every stage; the runtime runs stage 0 so far.
+    zero: int = 0
+    # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state. Estimated;
+    # the runtime trains in fp32 so far.
+    precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("dp", "microbatches"):
@@ -104,6 +118,11 @@ class Plan:
             if not (real and math.isfinite(size) and size > 0):
                 raise _invalid_value("bucket_mb", size)
             object.__setattr__(self, "bucket_mb", float(size))
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise _invalid_value("zero", self.zero)
+        object.__setattr__(self, "zero", int(self.zero))
+        if self.precision not in PRECISIONS:
+            raise _invalid_value("precision", self.precision)
 
     # -- the degrees -----------------------------------------------------------------------------
 
@@ -226,7 +245,7 @@ class Plan:
         """The canonical text form: `dp=2 mb=4`, default-valued fields left out."""
         default = Plan()
         entries = [
-            f"{_FIELDS[name][0]}={value!r}"
+            f"{_FIELDS[name][0]}={value}"
             for name, value in self.to_dict().items()
             if value != getattr(default, name)
         ]
@@ -317,6 +336,10 @@ def _split_entries(text: str) -> list[tuple[str, str]]:
 
 def _value_from_text(name: str, text: str) -> object:
     """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises."""
+    if name == "precision":
+        return text
+    if name == "zero" and text.strip() == "0":
+        return 0
     if name == "bucket_mb":
         try:
             return float(text)

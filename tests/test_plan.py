@@ -113,8 +113,9 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 
 
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
-    assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4, "bucket_mb": None}
-    assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1, "bucket_mb": None}
+    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32"}
+    assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4} | defaults
+    assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1} | defaults
     assert Plan.parse(Plan(dp=2, bucket_mb=8.0).to_dict()) == Plan(dp=2, bucket_mb=8.0)
 
 
@@ -207,7 +208,7 @@ def test_unknown_key_lists_keys_and_suggests_the_closest() -> None:
     message = str(caught.value)
     assert "unknown plan key 'dpp'" in message and "dpp=2" in message
     assert "Did you mean 'dp'?" in message
-    assert "Supported keys: dp, mb (or microbatches), bucket_mb" in message
+    assert "Supported keys: dp, mb (or microbatches), bucket_mb, zero, precision" in message
     assert "Fix: rename or remove 'dpp'" in message
     assert caught.value.field == "dpp" and caught.value.value == "2"
 
@@ -230,10 +231,8 @@ def test_unknown_key_suggestion_uses_difflib_for_other_typos() -> None:
     [
         ("tp", "tensor parallelism"),
         ("pp", "pipeline parallelism"),
-        ("zero", "ZeRO"),
         ("schedule", "pipeline schedules"),
         ("sp", "sequence parallelism"),
-        ("precision", "mixed precision"),
         ("split", "pipeline split points"),
         ("tp_rules", "tensor-parallel sharding rules"),
         ("virtual_stages", "virtual"),
@@ -246,13 +245,13 @@ def test_planned_keys_are_refused_naming_the_capability(key: str, meaning: str) 
     message = str(caught.value)
     assert f"this fxpar version does not implement {PLANNED_KEYS[key]} yet" in message
     assert meaning in message and f"{key}=2" in message
-    assert "Supported keys: dp, mb (or microbatches), bucket_mb" in message
+    assert "Supported keys: dp, mb (or microbatches), bucket_mb, zero, precision" in message
     assert f"Fix: remove {key}=2" in message
     assert caught.value.field == key and caught.value.value == "2"
 
 
 def test_planned_keys_table_is_exactly_the_later_capabilities() -> None:
-    later = {"tp", "pp", "zero", "schedule", "sp", "precision", "split", "tp_rules"}
+    later = {"tp", "pp", "schedule", "sp", "split", "tp_rules"}
     assert set(PLANNED_KEYS) == later | {"virtual_stages"}
 
 
@@ -413,3 +412,25 @@ def test_from_json_errors() -> None:
         Plan.from_json("[1]")
     with pytest.raises(PlanError, match="Did you mean 'dp'"):
         Plan.from_json('{"dpp": 2}')
+
+
+# -- ZeRO stage and precision ----------------------------------------------------------------------
+
+
+def test_zero_and_precision_parse_and_round_trip() -> None:
+    plan = Plan.parse("dp=4 zero=3 precision=bf16-mixed")
+    assert (plan.zero, plan.precision) == (3, "bf16-mixed")
+    assert str(plan) == "dp=4 zero=3 precision=bf16-mixed"
+    assert Plan.parse(str(plan)) == plan == Plan.from_json(plan.to_json())
+    assert Plan.parse("zero=0") == Plan()
+
+
+@pytest.mark.parametrize("entry", ["zero=4", "zero=-1", "zero=one", "zero=1.0"])
+def test_zero_must_be_a_stage(entry: str) -> None:
+    with pytest.raises(PlanError, match=r"zero must be one of 0, 1, 2, 3.*Fix: write e.g. zero=1"):
+        Plan.parse(entry)
+
+
+def test_precision_must_be_known() -> None:
+    with pytest.raises(PlanError, match=r"precision must be one of 'fp32', 'bf16-mixed'.*'fp16'"):
+        Plan.parse("precision=fp16")

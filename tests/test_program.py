@@ -96,3 +96,10 @@ def test_bind_with_the_wrong_world_size_is_a_plan_error(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(PlanError, match="WORLD_SIZE is 3"):
         compile_gpt("dp=2").bind()
+
+
+@pytest.mark.parametrize("plan, field", [("dp=2 zero=1", "zero"), ("precision=bf16-mixed", "precision")])
+def test_bind_refuses_plan_fields_only_the_cost_model_supports(plan, field):
+    with pytest.raises(PlanError, match=f"plan {field}=.*program.estimate") as error:
+        compile_gpt(plan).bind()
+    assert error.value.field == field

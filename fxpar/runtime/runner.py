@@ -59,6 +59,7 @@ class Runner:
         device: torch.device | str | None,
         backend: str | None,
     ) -> Runner:
+        _check_runtime_supports(program.plan)
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)
         device = torch.device(device) if device is not None else _default_device(env.local_rank)
@@ -204,6 +205,26 @@ class Runner:
             self._buckets = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_runtime_supports(plan) -> None:
+    """Plan fields the cost model estimates but the runtime cannot run yet fail here, clearly."""
+    if plan.zero != 0:
+        raise PlanError(
+            f"plan zero={plan.zero}: the runtime does not shard optimizer state, gradients or "
+            "parameters yet; program.estimate() already predicts ZeRO's memory. Fix: bind a "
+            "plan with zero=0 to train",
+            field="zero",
+            value=plan.zero,
+        )
+    if plan.precision != "fp32":
+        raise PlanError(
+            f"plan precision={plan.precision}: the runtime trains in fp32 only so far; "
+            "program.estimate() already predicts mixed-precision memory. Fix: bind a plan with "
+            "precision=fp32 to train",
+            field="precision",
+            value=plan.precision,
+        )
 
 
 def _default_device(local_rank: int) -> torch.device:
