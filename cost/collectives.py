@@ -1,8 +1,15 @@
 """Collective costs (ring algorithms) and the gradient-bucket size rule built on them.
 
-Per rank, a ring all-reduce of a payload of M bytes over n ranks takes 2(n-1) steps and
-moves 2(n-1)/n x M bytes; reduce-scatter and all-gather take n-1 steps and move (n-1)/n x M
-(nccl-tests PERFORMANCE.md, "bus bandwidth" factors). Time is alpha x steps + wire / bandwidth.
+Per rank, over n ranks and a payload of M bytes (nccl-tests PERFORMANCE.md "bus bandwidth"
+factors):
+
+    kind             steps      wire bytes per rank
+    all_reduce       2(n-1)     2(n-1)/n x M
+    reduce_scatter   n-1        (n-1)/n x M      (M: its input)
+    all_gather       n-1        (n-1)/n x M      (M: its output)
+    broadcast        n-1        M                (a pipelined chain)
+
+Time is the alpha-beta model: alpha x steps + wire bytes / bandwidth.
 """
 
 from __future__ import annotations
@@ -14,19 +21,30 @@ from fxpar.cost.hardware import Link
 MiB = 2**20
 DDP_DEFAULT_BUCKET_BYTES = 25 * MiB  # torch DDP's bucket_cap_mb default
 
-
-def all_reduce_wire_bytes(payload: sympy.Expr | int, n: int) -> sympy.Expr:
-    """Bytes each rank sends in a ring all-reduce of `payload` bytes over `n` ranks."""
-    return sympy.Rational(2 * (n - 1), n) * payload
+_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
 
 
-def all_reduce_time(payload: sympy.Expr | int, n: int, link: Link) -> sympy.Expr:
-    """Seconds for a ring all-reduce: 2(n-1) latency steps plus its wire bytes at link speed."""
+def wire_bytes(kind: str, payload: sympy.Expr | int, n: int) -> sympy.Expr:
+    """Bytes each rank sends in a ring `kind` of `payload` bytes over `n` ranks."""
     if n == 1:
         return sympy.Integer(0)
-    return 2 * (n - 1) * sympy.Float(link.alpha) + all_reduce_wire_bytes(payload, n) / sympy.Float(
+    if kind == "broadcast":
+        return sympy.sympify(payload)
+    return sympy.Rational(_STEPS[kind] * (n - 1), n) * payload
+
+
+def collective_time(kind: str, payload: sympy.Expr | int, n: int, link: Link) -> sympy.Expr:
+    """Seconds for one ring `kind`: latency steps plus its wire bytes at link speed."""
+    if n == 1:
+        return sympy.Integer(0)
+    steps = _STEPS[kind] * (n - 1)
+    return steps * sympy.Float(link.alpha) + wire_bytes(kind, payload, n) / sympy.Float(
         link.bandwidth
     )
+
+
+def all_reduce_wire_bytes(payload: sympy.Expr | int, n: int) -> sympy.Expr:
+    return wire_bytes("all_reduce", payload, n)
 
 
 def gradient_bucket_bytes(n: int, link: Link, *, latency_share: float = 0.1) -> int:

@@ -18,8 +18,12 @@ from typing import Literal
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.passes.data_parallel import Bucket
 
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+# When in the step a collective runs; the cost model overlaps forward and backward ones with
+# compute and counts "step" ones (around the optimizer step) as exposed.
+Phase = Literal["forward", "backward", "step"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +36,7 @@ class Collective:
     dtype: torch.dtype
     op: Literal["sum", "none"] = "sum"
     tag: str = ""  # what it is for, e.g. "gradient bucket 0"; not part of the match
+    phase: Phase = "backward"  # not part of the match either
 
     @property
     def payload_bytes(self) -> int:
@@ -73,3 +78,52 @@ def check_collectives(
                         f"{b or 'nothing'}; the job would hang. This is an fxpar bug for a "
                         "plan it accepted: please report it with the plan and model"
                     )
+
+
+def data_parallel_collectives(
+    buckets: tuple[Bucket, ...], group: tuple[int, ...], *, zero: int
+) -> tuple[Collective, ...]:
+    """What one data-parallel rank issues per step, by ZeRO stage (Rajbhandari et al. 2020).
+
+    * stage 0 (DDP): one all-reduce per gradient bucket, in bucket order, after the last
+      microbatch's backward. The step's loss rides along as one extra element of the last
+      bucket, so `runner.step` returns the global-batch mean without a call of its own.
+    * stages 1 and 2: a reduce-scatter per bucket in backward (each rank keeps the gradient
+      shard its optimizer-state shard needs), the loss all-reduce, then an all-gather per
+      bucket of the updated parameters after the optimizer step: 2P moved, like DDP.
+    * stage 3: parameters live sharded, so each bucket is all-gathered before its first use
+      in forward (the last bucket first) and again in backward, then its gradients are
+      reduce-scattered: 3P moved (ZeRO Sec. 7).
+
+    Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs.
+    """
+    n = len(group)
+    if n == 1:
+        return ()
+    calls: list[Collective] = []
+
+    def call(kind, numel, dtype, tag, phase) -> None:
+        calls.append(Collective(kind=kind, group=group, numel=numel, dtype=dtype, tag=tag, phase=phase))
+
+    padded = {b.index: -(-b.numel // n) * n for b in buckets}
+    loss_dtype = buckets[-1].dtype if buckets else torch.float32
+    if zero == 0:
+        for b in buckets:
+            last = b.index == len(buckets) - 1
+            numel = b.numel + (1 if last else 0)
+            call("all_reduce", numel, b.dtype, f"gradient bucket {b.index}" + (" + loss" if last else ""), "backward")
+        if not buckets:
+            call("all_reduce", 1, loss_dtype, "loss", "backward")
+        return tuple(calls)
+    if zero == 3:
+        for b in reversed(buckets):
+            call("all_gather", padded[b.index], b.dtype, f"parameters of bucket {b.index}", "forward")
+    for b in buckets:
+        if zero == 3:
+            call("all_gather", padded[b.index], b.dtype, f"parameters of bucket {b.index}", "backward")
+        call("reduce_scatter", padded[b.index], b.dtype, f"gradient bucket {b.index}", "backward")
+    call("all_reduce", 1, loss_dtype, "loss", "backward")
+    if zero in (1, 2):
+        for b in buckets:
+            call("all_gather", padded[b.index], b.dtype, f"updated parameters of bucket {b.index}", "step")
+    return tuple(calls)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.collectives import Collective, check_collectives
+from fxpar.collectives import Collective, check_collectives, data_parallel_collectives
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.hardware import hardware_profile
 from fxpar.errors import PlanError
@@ -32,6 +32,7 @@ from fxpar.plan import Plan
 from fxpar.trace import CapturedGraph, capture
 
 if TYPE_CHECKING:
+    from fxpar.cost.estimate import Estimate
     from fxpar.runtime.runner import Runner
 
 
@@ -58,7 +59,9 @@ def compile(
     if plan.bucket_mb is not None:
         bucket_bytes = int(plan.bucket_mb * MiB)
     else:
-        bucket_bytes = gradient_bucket_bytes(mesh.dp, hardware_profile(hardware).intra_node)
+        # Nominal, never measured, constants: every rank must choose the same buckets.
+        link = hardware_profile(hardware, measured=False).intra_node
+        bucket_bytes = gradient_bucket_bytes(mesh.dp, link)
     graph_module = run_passes(
         captured.graph_module, [partial(assign_gradient_buckets, bucket_bytes=bucket_bytes)]
     )
@@ -109,30 +112,28 @@ class Program:
     def collectives(self, rank: int) -> tuple[Collective, ...]:
         """Every collective `rank` issues in one training step, in issue order.
 
-        Data parallelism all-reduces each gradient bucket once per step (after the last
-        microbatch), in bucket order. The step's loss rides along as one extra element of the
-        last bucket, so `runner.step` returns the global-batch mean without a call of its own.
+        See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues.
         """
         group = self.mesh.group(rank, Axis.DP)
-        if len(group) == 1:
-            return ()
-        calls = []
-        for bucket in self.buckets:
-            last = bucket.index == len(self.buckets) - 1
-            calls.append(
-                Collective(
-                    kind="all_reduce",
-                    group=group,
-                    numel=bucket.numel + (1 if last else 0),
-                    dtype=bucket.dtype,
-                    tag=f"gradient bucket {bucket.index}" + (" + loss" if last else ""),
-                )
-            )
-        if not self.buckets:
-            calls.append(
-                Collective(kind="all_reduce", group=group, numel=1, dtype=torch.float32, tag="loss")
-            )
-        return tuple(calls)
+        return data_parallel_collectives(self.buckets, group, zero=self.plan.zero)
+
+    def estimate(
+        self,
+        hardware: str = "h100",
+        *,
+        optimizer: str = "adamw",
+        batch: int | None = None,
+        seq: int | None = None,
+    ) -> Estimate:
+        """Predict FLOPs, memory, bytes moved and time of one step (see `fxpar.cost.estimate`).
+
+        Evaluated at the example inputs' batch and seq unless given; `hardware` is a profile
+        name ("cpu" is measured on this machine) and `optimizer` one of adamw, adam, sgd,
+        sgd-momentum.
+        """
+        from fxpar.cost.estimate import estimate
+
+        return estimate(self, hardware=hardware, optimizer=optimizer, batch=batch, seq=seq)
 
     def check(self) -> None:
         """Prove that all ranks of every process group issue matching collectives."""

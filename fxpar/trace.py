@@ -42,6 +42,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from fxpar import meta
+from fxpar.cost.symbols import dim_symbol
 from fxpar.errors import CaptureError
 
 # Readable names of the dynamic dims, by position in an input tensor.
@@ -59,6 +60,7 @@ class CapturedGraph:
     input_names: tuple[str, ...]
     symbols: dict[str, sympy.Symbol]  # "batch", "seq", ... -> readable symbol
     example_sizes: dict[sympy.Symbol, int]  # readable symbol -> its size in the example inputs
+    example_shapes: tuple[tuple[int, ...], ...]  # of the example inputs, as given
     _renames: dict[sympy.Symbol, sympy.Symbol] = field(repr=False)  # export symbol -> readable
 
     @property
@@ -69,8 +71,9 @@ class CapturedGraph:
     @property
     def example_batch(self) -> int:
         """The batch size of the example inputs (the global batch of one step)."""
-        node = next(n for n in self.graph_module.graph.nodes if n.op == "placeholder")
-        return int(node.meta["val"].shape[0])
+        # Read from the example, never `int()` of the graph's SymInt: that would specialise
+        # the symbol to a constant in export's ShapeEnv, for every node at once.
+        return self.example_shapes[0][0]
 
     def readable(self, expr: object) -> sympy.Expr:
         """`expr` (an int, SymInt or export's sympy expression) in fxpar's readable symbols."""
@@ -211,6 +214,7 @@ def _unlift(
         input_names=tuple(input_names),
         symbols=symbols,
         example_sizes=sizes,
+        example_shapes=tuple(tuple(x.shape) for x in example_inputs),
         _renames=renames,
     )
 
@@ -298,7 +302,7 @@ def _readable_symbols(
             name = _DIM_NAMES.get(dim, f"dim{dim}")
             if name in symbols and sizes[symbols[name]] != example.shape[dim]:
                 name = f"{name}_{node.name}"  # same position, different size: its own symbol
-            symbol = symbols.setdefault(name, sympy.Symbol(name, integer=True, positive=True))
+            symbol = symbols.setdefault(name, dim_symbol(name))
             sizes[symbol] = int(example.shape[dim])
             renames[size.node.expr] = symbol
     return renames, symbols, sizes

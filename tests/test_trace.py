@@ -140,3 +140,10 @@ def test_model_must_return_a_scalar_loss():
 def test_inputs_must_be_tensors():
     with pytest.raises(CaptureError, match="example input 1 is a int"):
         capture(_TwoOutputs(), (torch.randn(4, 4), 3))
+
+
+def test_reading_the_example_batch_keeps_the_batch_symbolic(gpt_capture):
+    _, captured = gpt_capture
+    assert captured.example_batch == 4
+    placeholder = next(n for n in captured.graph_module.graph.nodes if n.op == "placeholder")
+    assert captured.shape(placeholder) == (captured.symbols["batch"], captured.symbols["seq"])

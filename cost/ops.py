@@ -1,0 +1,163 @@
+"""Compute rules: FLOPs and bytes of each aten op, one table keyed by op, one rule a line.
+
+Conventions (they decide what an MFU figure means, so they are stated, not implied):
+
+* a matmul-like op costs 2mnk FLOPs: one multiply and one add per term (`linear`, `mm`,
+  `addmm`, `bmm`, `matmul`, `baddbmm`); a bias add is counted under `other`;
+* `scaled_dot_product_attention` costs 4 x batch x heads x s_q x s_k x head_dim forward
+  (QK^T and attention x V), with no causal discount: the convention of Megatron-LM and of
+  Korthikanti et al. 2022, so MFU figures compare with theirs;
+* elementwise, norm, softmax and loss ops cost a few FLOPs per element (`_PER_ELEMENT`);
+* views, shape queries and metadata ops are free;
+* backward costs 2x forward for every op (Narayanan et al. 2021, appendix), so a training
+  step is 3x the forward FLOPs;
+* bytes are the sizes of the op's tensor inputs and output: what it reads and writes once.
+
+An op with no rule is not silently free: `cost_of` returns its bytes as a memory-bound cost
+with `costed=False`, and the estimate lists it under `uncosted`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+Shape = tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Forward cost of one node: matmul FLOPs, other FLOPs, bytes read plus written."""
+
+    matmul_flops: sympy.Expr
+    other_flops: sympy.Expr
+    bytes: sympy.Expr
+    costed: bool = True
+
+
+def _numel(shape: Shape) -> sympy.Expr:
+    return sympy.Mul(*shape) if shape else sympy.Integer(1)
+
+
+def _linear(inputs: list[Shape], out: Shape, args) -> tuple:
+    x, w = inputs[0], inputs[1]
+    rows = _numel(x[:-1])
+    bias = rows * w[0] if len(inputs) > 2 else 0
+    return 2 * rows * x[-1] * w[0], bias
+
+
+def _mm(inputs, out, args) -> tuple:
+    a, b = inputs[-2], inputs[-1]
+    extra = _numel(out) if len(inputs) == 3 else 0  # addmm / baddbmm add their input
+    return 2 * _numel(out) * a[-1], extra
+
+
+def _matmul(inputs, out, args) -> tuple:
+    a = inputs[0]
+    return 2 * _numel(out) * a[-1], 0
+
+
+def _attention(inputs, out, args) -> tuple:
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    scores = _numel(q[:-1]) * k[-2]  # batch x heads x s_q x s_k
+    return 2 * scores * q[-1] + 2 * scores * v[-1], 0
+
+
+# op -> rule giving (matmul FLOPs, other FLOPs) from input shapes, output shape and args.
+MATMUL_RULES: dict[object, Callable] = {
+    aten.linear: _linear,
+    aten.mm: _mm,
+    aten.addmm: _mm,
+    aten.bmm: _mm,
+    aten.baddbmm: _mm,
+    aten.matmul: _matmul,
+    aten.scaled_dot_product_attention: _attention,
+}
+
+# op -> FLOPs per output element (per input element for reductions and losses).
+_PER_ELEMENT: dict[object, int] = {
+    aten.add: 1, aten.sub: 1, aten.mul: 1, aten.div: 1, aten.neg: 1, aten.where: 1,
+    aten.pow: 1, aten.rsqrt: 1, aten.sqrt: 1, aten.exp: 1, aten.reciprocal: 1,
+    aten.maximum: 1, aten.minimum: 1, aten.clamp: 1, aten.masked_fill: 1,
+    aten.relu: 1, aten.sigmoid: 4, aten.tanh: 4, aten.silu: 5, aten.gelu: 8,
+    aten.cos: 1, aten.sin: 1,
+    aten.dropout: 2,  # draw the mask, multiply by it and rescale
+    aten.sum: 1, aten.mean: 1, aten.amax: 1, aten.var_mean: 3,
+    aten.layer_norm: 5,  # mean, variance, normalise, scale, shift
+    aten.rms_norm: 4,  # square, mean, normalise, scale
+    aten.softmax: 5, aten._softmax: 5, aten.log_softmax: 5, aten._log_softmax: 5,
+    aten.cross_entropy_loss: 6,  # log-softmax and the target pick, per logit
+    aten.nll_loss: 1, aten.mse_loss: 3,  # difference, square, mean
+    aten.abs: 1, aten.log: 1, aten.erf: 1, aten.square: 1, aten.addcmul: 2,
+    aten.linalg_vector_norm: 2,
+}
+_REDUCING = {
+    aten.sum, aten.mean, aten.amax, aten.var_mean, aten.cross_entropy_loss, aten.nll_loss,
+    aten.mse_loss, aten.linalg_vector_norm,
+}
+
+# Free: views and metadata. Copies and creations cost their bytes, no FLOPs.
+_FREE = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.permute, aten.t,
+    aten.expand, aten.unsqueeze, aten.squeeze, aten.slice, aten.select, aten.split,
+    aten.split_with_sizes, aten.chunk, aten.unbind, aten.alias, aten.detach, aten.sym_size,
+    aten.sym_numel, aten.sym_stride, aten.flatten, aten.unflatten, aten.view_as,
+    aten._assert_scalar, aten._assert_tensor_metadata, aten.lift_fresh_copy,
+    aten.broadcast_tensors, aten.expand_as,
+}
+_MEMORY_ONLY = {
+    aten.embedding, aten.clone, aten.contiguous, aten.cat, aten.stack, aten.arange,
+    aten.zeros, aten.ones, aten.full, aten.empty, aten.zeros_like, aten.ones_like,
+    aten.full_like, aten.empty_like, aten.copy, aten._to_copy, aten.to, aten.index_select,
+    aten.gather, aten.repeat_interleave, aten.repeat, aten.tril, aten.triu, aten.scalar_tensor,
+    aten.type_as,
+}
+
+
+def _tensor_shapes(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> list[Shape]:
+    return [
+        shape_of(arg)
+        for arg in node.all_input_nodes
+        if isinstance(arg.meta.get("val"), torch.Tensor)
+    ]
+
+
+def _nbytes(node: fx.Node, shape: Shape) -> sympy.Expr:
+    value = node.meta.get("val")
+    return _numel(shape) * value.dtype.itemsize if isinstance(value, torch.Tensor) else 0
+
+
+def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | None:
+    """The forward cost of a call_function node, or None for nodes that are not ops."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    packet = node.target.overloadpacket
+    if packet in _FREE:
+        return OpCost(sympy.Integer(0), sympy.Integer(0), sympy.Integer(0))
+    inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    in_shapes = [shape_of(a) for a in inputs]
+    value = node.meta.get("val")
+    out_shape = shape_of(node) if isinstance(value, torch.Tensor) else ()
+    moved = sum((_nbytes(a, s) for a, s in zip(inputs, in_shapes)), sympy.Integer(0))
+    moved += _nbytes(node, out_shape) if isinstance(value, torch.Tensor) else 0
+    if packet in MATMUL_RULES:
+        matmul, other = MATMUL_RULES[packet](in_shapes, out_shape, node.args)
+        return OpCost(sympy.sympify(matmul), sympy.sympify(other), moved)
+    if packet in _PER_ELEMENT:
+        counted = in_shapes[0] if packet in _REDUCING and in_shapes else out_shape
+        return OpCost(sympy.Integer(0), _PER_ELEMENT[packet] * _numel(counted), moved)
+    if packet in _MEMORY_ONLY:
+        return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
+    return OpCost(sympy.Integer(0), sympy.Integer(0), moved, costed=False)
+
+
+def op_name(node: fx.Node) -> str:
+    """`aten.linear.default` for an OpOverload target."""
+    return str(node.target)
+
+

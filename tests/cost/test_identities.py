@@ -1,0 +1,92 @@
+"""Tier 2: the cost model reproduces published closed forms exactly, symbolically."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+import fxpar
+from fxpar.cost.collectives import wire_bytes
+from fxpar.cost.memory import model_state_bytes
+from fxpar.cost.symbols import BATCH, SEQ
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+SHAPES = [  # (layers, hidden, heads, vocabulary, positions)
+    (2, 64, 4, 256, 64),
+    (3, 96, 6, 512, 128),
+]
+
+
+def compile_gpt(L, h, a, V, s, plan="dp=1", device="meta"):
+    with torch.device(device):
+        model = GPT(GPTConfig(n_layer=L, n_embd=h, n_head=a, vocab_size=V, block_size=s))
+    tokens = torch.randint(0, V, (4, s))
+    return fxpar.compile(model, plan, example_inputs=(tokens, tokens))
+
+
+@pytest.mark.parametrize("L, h, a, V, s", SHAPES)
+def test_training_matmul_flops_are_korthikanti_eq_7(L, h, a, V, s):
+    program = compile_gpt(L, h, a, V, s)
+    flops = program.estimate("h100").formulas["flops.matmul"]
+    B, T = BATCH, SEQ  # symbolic: the formula holds for every batch and sequence length
+    published = 72 * B * L * T * h**2 * (1 + T / (6 * h) + sympy.Rational(V, 12 * h * L))
+    assert sympy.simplify(flops - published) == 0
+
+
+@pytest.mark.parametrize("L, h, a, V, s", SHAPES)
+def test_parameter_count_is_narayanan_eq_2_plus_the_final_norm(L, h, a, V, s):
+    program = compile_gpt(L, h, a, V, s)
+    published = 12 * L * h**2 + 13 * L * h + (V + s) * h
+    assert program.captured.parameter_count() == published + 2 * h  # + final LayerNorm
+    assert program.estimate("h100").params == published + 2 * h
+
+
+def test_zero_model_states_are_rajbhandari_sec_5():
+    P, N = sympy.symbols("P N", positive=True)
+    total = {
+        zero: sum(model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=zero, dp=N).values())
+        for zero in range(4)
+    }
+    assert sympy.simplify(total[0] - 16 * P) == 0
+    assert sympy.simplify(total[1] - (4 * P + 12 * P / N)) == 0
+    assert sympy.simplify(total[2] - (2 * P + 14 * P / N)) == 0
+    assert sympy.simplify(total[3] - 16 * P / N) == 0
+    # The paper's example: 7.5B parameters over 64 ranks.
+    example = [float(total[z].subs({P: 7.5e9, N: 64})) / 1e9 for z in range(4)]
+    assert example == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+
+
+def test_fp32_adam_model_states_are_4_4_8():
+    state = model_state_bytes(10, precision="fp32", optimizer="adamw", zero=0, dp=1)
+    assert state == {"params": 40, "grads": 40, "optimizer": 80}
+
+
+def test_ring_wire_bytes():
+    M, n = sympy.Symbol("M", positive=True), 8
+    assert wire_bytes("all_reduce", M, n) == sympy.Rational(2 * (n - 1), n) * M
+    assert wire_bytes("reduce_scatter", M, n) == wire_bytes("all_gather", M, n) == sympy.Rational(7, 8) * M
+    assert wire_bytes("all_reduce", M, 1) == 0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_estimated_model_state_of_a_program_follows_the_stage(zero):
+    program = compile_gpt(*SHAPES[0], plan=f"dp=4 zero={zero} precision=bf16-mixed")
+    P = program.captured.parameter_count()
+    memory = program.estimate("h100").memory
+    expected = {0: 16 * P, 1: 4 * P + 12 * P / 4, 2: 2 * P + 14 * P / 4, 3: 16 * P / 4}[zero]
+    assert memory["params"] + memory["grads"] + memory["optimizer"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("zero, volume", [(0, 2), (1, 2), (2, 2), (3, 3)])
+def test_data_parallel_traffic_is_2p_or_3p_for_zero_3(zero, volume):
+    """FORMULAS.md / ZeRO Sec. 7: DP and ZeRO-1/2 move 2P per step, ZeRO-3 3P (wire, ring)."""
+    program = compile_gpt(*SHAPES[0], plan=f"dp=4 zero={zero} bucket_mb=0.05")
+    P = program.captured.parameter_count()
+    comm = program.estimate("h100").comm
+    wire = sum(entry["wire_bytes"] for entry in comm.values())
+    # Ring: each payload byte crosses (n-1)/n of the ranks; padding adds < n elements a bucket.
+    assert wire == pytest.approx(volume * 4 * P * 3 / 4, rel=1e-3)
