@@ -72,6 +72,11 @@ def test_dp2_matches_single_device_and_predicted_collectives(torchrun, reference
                 assert stats == {
                     "all_reduce": {"count": len(result["buckets"]), "bytes": 4 * parameters + 4}
                 }
+                # The cost model's prediction of the same step, byte for byte.
+                estimated = result["estimated_comm"]["all_reduce"]
+                assert (estimated["count"], estimated["payload_bytes"]) == (
+                    stats["all_reduce"]["count"], stats["all_reduce"]["bytes"]
+                )
     assert len(ranks[0]["dp=2 mb=2 bucket_mb=0.01"]["buckets"]) > 5  # small buckets: many
 
 

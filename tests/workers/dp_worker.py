@@ -44,6 +44,7 @@ for plan in plans:
         "state": runner.full_state_dict(),
         "comm": step_logs,
         "predicted": program.collectives(runner.rank),
+        "estimated_comm": program.estimate("h100").comm,
         "buckets": program.buckets,
     }
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
