@@ -58,5 +58,7 @@ def gradient_bucket_bytes(n: int, link: Link, *, latency_share: float = 0.1) -> 
     """
     if n <= 1:
         return DDP_DEFAULT_BUCKET_BYTES
-    smallest = n * link.alpha * link.bandwidth * (1 - latency_share) / latency_share
-    return int(min(max(smallest, 1), DDP_DEFAULT_BUCKET_BYTES))
+    M = sympy.Symbol("M", positive=True)
+    latency = collective_time("all_reduce", 0, n, link)
+    (smallest,) = sympy.solve(sympy.Eq(latency, latency_share * collective_time("all_reduce", M, n, link)), M)
+    return int(min(max(float(smallest), 1), DDP_DEFAULT_BUCKET_BYTES))
