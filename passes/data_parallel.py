@@ -6,7 +6,8 @@ gradient is ready, overlapping communication with the rest of backward. DDP gues
 order from `model.parameters()` reversed and rebuilds its buckets after a first iteration.
 fxpar reads the order from the captured graph instead: a parameter's gradient is complete
 when backward has passed its *first* use in forward, so sorting parameters by first use,
-latest first, is the order in which their gradients become ready. No warm-up iteration.
+latest first (and, within one op, later arguments first, as autograd delivers them), is the
+order in which their gradients become ready. No warm-up iteration.
 
 This pass only annotates; the runtime (`fxpar.runtime.gradient_buckets`) attaches the hooks
 that launch the all-reduces.
@@ -59,8 +60,11 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
         value = gm.get_parameter(name)
         if not (value.requires_grad and node in reaches_loss):
             continue
-        first_use = min(order[user] for user in node.users)
-        ready_order.append((-first_use, name, node, value))
+        first_user = min(node.users, key=order.__getitem__)
+        # Among parameters of one op, autograd hands out later arguments' gradients first
+        # (a linear's bias before its weight), so later arguments go first.
+        position = first_user.all_input_nodes.index(node)
+        ready_order.append(((-order[first_user], -position), name, node, value))
     ready_order.sort(key=lambda item: item[0])
 
     buckets: list[Bucket] = []

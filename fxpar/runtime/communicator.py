@@ -1,9 +1,10 @@
 """Every collective fxpar issues goes through here: counted, logged and with clear failures.
 
-`comm_stats()` answers "what did this step move?" with payload bytes per collective kind
-(all_reduce: its tensor; all_gather: its output; reduce_scatter: its input; broadcast: its
-tensor), the quantities the cost model predicts. `log` keeps each call as a `Collective`, the
-same record `Program.collectives(rank)` predicts, so tests compare them call for call.
+`comm_stats()` answers "what did the steps since the last reset move?" with counts and payload
+bytes per collective kind (all_reduce: its tensor; all_gather: its output; reduce_scatter: its
+input; broadcast: its tensor), the quantities the cost model predicts. `log` keeps the current
+step's calls as `Collective`s, the same record `Program.collectives(rank)` predicts, so tests
+compare them call for call.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class PendingCollective:
 class Communicator:
     def __init__(self, timeout: timedelta):
         self.timeout = timeout
-        self.log: list[Collective] = []
+        self.log: list[Collective] = []  # the calls of the current step (or since reset)
+        self._stats: dict[str, dict[str, int]] = {}
 
     def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> PendingCollective:
         """Start a sum all-reduce of `tensor` in place over `group`."""
@@ -60,14 +62,15 @@ class Communicator:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per collective kind: how many calls and how many payload bytes since the last reset."""
-        stats: dict[str, dict[str, int]] = {}
-        for call in self.log:
-            entry = stats.setdefault(call.kind, {"count": 0, "bytes": 0})
-            entry["count"] += 1
-            entry["bytes"] += call.payload_bytes
-        return stats
+        return {kind: dict(entry) for kind, entry in self._stats.items()}
 
     def reset(self) -> None:
+        """Zero the counters and forget the log."""
+        self._stats.clear()
+        self.log.clear()
+
+    def start_step(self) -> None:
+        """Keep the log to one step's calls, so a long run does not grow it without bound."""
         self.log.clear()
 
     def _record(
@@ -77,4 +80,7 @@ class Communicator:
             kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op, tag=tag
         )
         self.log.append(call)
+        entry = self._stats.setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += call.payload_bytes
         return call

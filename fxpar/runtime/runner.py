@@ -163,6 +163,7 @@ class Runner:
                 value=microbatches,
             )
         chunks = list(zip(*(t.tensor_split(microbatches) for t in local_batch)))
+        self.communicator.start_step()
         total = torch.zeros((), device=self.device)
         for i, chunk in enumerate(chunks):
             loss = self.module(*chunk)
@@ -188,7 +189,7 @@ class Runner:
         return self.communicator.stats()
 
     def comm_log(self) -> list:
-        """Every collective issued since the last reset, as `fxpar.collectives.Collective`."""
+        """The collectives of the last step, in issue order, as `fxpar.collectives.Collective`."""
         return list(self.communicator.log)
 
     def reset_comm_stats(self) -> None:

@@ -1,0 +1,242 @@
+"""fxpar dp=N against torch DistributedDataParallel: same model, weights, data, optimizer, buckets.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_ddp.py --steps 30 --warmup 5
+
+For each GPT size, both sides start from the same initial weights (one seeded model, deep-
+copied), train on the same global batches with AdamW (PyTorch's default implementation for
+the device) and all-reduce gradients in buckets of the same size (`bucket_mb` in the fxpar
+plan, `bucket_cap_mb` for DDP). One timed step is everything a training loop does:
+
+    DDP:    loss = ddp(x, y); loss.backward(); opt.step(); opt.zero_grad()
+    fxpar:  loss = runner.step(x, y);          opt.step(); opt.zero_grad()
+
+fxpar's step also returns the global-batch mean loss as a float (DDP's loss is this rank's
+own); that is part of fxpar's cost and stays in the timed region. The two sides are timed in
+alternating blocks (`harness.run_interleaved`), and their global-batch losses must agree to
+1e-5 relative at every step, or the comparison is void and the script exits 1.
+
+About DDP's first bucket: with the default `bucket_cap_mb=None`, DDP caps its first bucket
+at `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES` (1 MiB) and the others at 25 MiB. Passing
+`bucket_cap_mb` explicitly, as here, makes every DDP bucket (the first included) that size
+(torch >= 2.13, `_BucketCapacityConfig.create`); older releases kept the 1 MiB first bucket.
+The script prints the bucket sizes DDP actually used, after its first-iteration rebuild.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import fxpar
+from harness import (
+    Side, first_mismatch, format_table, mean_over_ranks, paired_ratio, run_interleaved,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from fxpar.runtime.runner import Runner
+
+GLOBAL_BATCH, SEQ = 16, 64
+# name -> GPT config; "medium" is large enough (3.3M parameters, 12.7 MiB of fp32 gradients)
+# that the all-reduce is a visible part of the step on gloo.
+MODELS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=2, n_head=4, n_embd=64),
+    "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
+    "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
+}
+OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
+LOSS_RELATIVE = 1e-5
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
+    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket MiB")
+    parser.add_argument("--models", nargs="+", default=["tiny", "small", "medium"],
+                        choices=list(MODELS))
+    parser.add_argument("--ddp-bucket-view", action="store_true",
+                        help="DDP with gradient_as_bucket_view=True (its default is False)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    return parser.parse_args()
+
+
+def global_batches(vocab_size: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ), generator=generator)
+              for _ in range(2))
+        for _ in range(count)
+    ]
+
+
+def ddp_bucket_bytes(ddp: DistributedDataParallel) -> list[int]:
+    """The bucket sizes DDP uses after its rebuild, in launch order."""
+    data = ddp._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    return [int(s) for s in str(sizes).split(",") if s.strip()]
+
+
+def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
+    """Train one model size under both sides; the result row and this model's runner.
+
+    The first bind creates the process group and later binds reuse it, so the runners of
+    earlier sizes are left open (their hooks sit on models nobody trains any more) and only
+    the last one is closed, as in tests/workers/dp_worker.py.
+    """
+    config = MODELS[name]
+    torch.manual_seed(args.seed)
+    model = GPT(config)
+    ddp_model = copy.deepcopy(model)  # same weights, same tying, separate tensors
+    batches = global_batches(config.vocab_size, args.warmup + args.steps, args.seed + 1)
+
+    plan = f"dp={int(os.environ['WORLD_SIZE'])} bucket_mb={args.bucket_mb:g}"
+    program = fxpar.compile(model, plan, example_inputs=batches[0])
+    runner = program.bind(timeout=120)
+    fx_optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    local = [runner.local_batch(*b) for b in batches]  # the same slices feed both sides
+
+    ddp = DistributedDataParallel(
+        ddp_model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.ddp_bucket_view
+    )
+    ddp_optimizer = torch.optim.AdamW(ddp.parameters(), **OPTIMIZER)
+
+    def ddp_step(i: int) -> torch.Tensor:
+        loss = ddp(*local[i])
+        loss.backward()
+        ddp_optimizer.step()
+        ddp_optimizer.zero_grad()
+        return loss.detach()
+
+    def fxpar_step(i: int) -> float:
+        loss = runner.step(*local[i])
+        fx_optimizer.step()
+        fx_optimizer.zero_grad()
+        return loss
+
+    runner.reset_comm_stats()
+    runs = run_interleaved(
+        [Side("ddp", ddp_step), Side("fxpar", fxpar_step)],
+        warmup=args.warmup, steps=args.steps, block=args.block,
+    )
+    ddp_losses = mean_over_ranks(runs["ddp"].losses)
+    fx_losses = runs["fxpar"].losses
+    mismatch = first_mismatch(ddp_losses, fx_losses, rel=LOSS_RELATIVE)
+    steps_run = args.warmup + args.steps
+    fx_calls = runner.comm_stats().get("all_reduce", {"count": 0, "bytes": 0})
+    result = {
+        "model": name,
+        "config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
+        "parameters": program.captured.parameter_count(),
+        "fxpar_buckets": len(program.buckets),
+        "fxpar_bucket_bytes": [b.nbytes for b in program.buckets],
+        "fxpar_all_reduces_per_step": fx_calls["count"] / steps_run,
+        "ddp_bucket_bytes": ddp_bucket_bytes(ddp),
+        "ddp": runs["ddp"].timing.to_dict(),
+        "fxpar": runs["fxpar"].timing.to_dict(),
+        "ratio": runs["fxpar"].timing.median / runs["ddp"].timing.median,
+        "paired_ratio": paired_ratio(runs["ddp"].timing, runs["fxpar"].timing),
+        "ddp_cpu": runs["ddp"].cpu.to_dict(),
+        "fxpar_cpu": runs["fxpar"].cpu.to_dict(),
+        "cpu_ratio": runs["fxpar"].cpu.median / runs["ddp"].cpu.median,
+        "losses_match": mismatch is None,
+        "max_loss_relative_difference": max(
+            abs(a - b) / max(abs(a), abs(b)) for a, b in zip(ddp_losses, fx_losses)
+        ),
+        "first_loss": fx_losses[0],
+        "last_loss": fx_losses[-1],
+    }
+    if mismatch is not None and runner.is_main:
+        step, a, b = mismatch
+        print(f"WARNING {name}: losses differ at step {step}: ddp {a!r} vs fxpar {b!r} "
+              f"(> {LOSS_RELATIVE:g} relative); the two sides did not train alike", flush=True)
+    return result, runner
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: one compute thread each
+    results, runner = [], None
+    for name in args.models:
+        result, runner = bench_model(name, args)
+        results.append(result)
+        if runner.is_main:
+            print(f"{name}: ddp {result['ddp']['median_ms']:.1f} ms, fxpar "
+                  f"{result['fxpar']['median_ms']:.1f} ms, ratio {result['ratio']:.3f}",
+                  flush=True)
+    is_main = runner.is_main
+    runner.close()  # destroys the process group (the earlier runners share it)
+    if is_main:
+        report(results, args)
+    return 0 if all(r["losses_match"] for r in results) else 1
+
+
+def report(results: list[dict], args: argparse.Namespace) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    header = ["model", "params", "buckets fxpar/ddp", "DDP ms/step [p10-p90]",
+              "fxpar ms/step [p10-p90]", "fxpar/DDP", "paired", "CPU ms DDP/fxpar", "CPU ratio",
+              "losses match"]
+    rows = []
+    for r in results:
+        ddp, fx = r["ddp"], r["fxpar"]
+        rows.append([
+            r["model"], f"{r['parameters']:,}",
+            f"{r['fxpar_buckets']}/{len(r['ddp_bucket_bytes']) or '?'}",
+            f"{ddp['median_ms']:.1f} [{ddp['p10_ms']:.1f}-{ddp['p90_ms']:.1f}]",
+            f"{fx['median_ms']:.1f} [{fx['p10_ms']:.1f}-{fx['p90_ms']:.1f}]",
+            f"{r['ratio']:.3f}",
+            f"{r['paired_ratio']:.3f}",
+            f"{r['ddp_cpu']['median_ms']:.1f}/{r['fxpar_cpu']['median_ms']:.1f}",
+            f"{r['cpu_ratio']:.3f}",
+            "yes" if r["losses_match"] else "NO",
+        ])
+    print()
+    print(f"fxpar dp={world} vs DDP, gloo on CPU, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread/rank, global batch {GLOBAL_BATCH}x{SEQ}, "
+          f"bucket {args.bucket_mb:g} MiB, median of {args.steps} steps after {args.warmup} "
+          f"warm-up (max over ranks), DDP gradient_as_bucket_view={args.ddp_bucket_view}, "
+          f"load average {os.getloadavg()[1]:.1f} (5 min)")
+    print(format_table(header, rows))
+    print("  fxpar/DDP: ratio of the medians; paired: median over k of fxpar step k / DDP step k "
+          "(adjacent blocks, so machine noise mostly cancels); CPU: median main-thread CPU "
+          "time per step (time.thread_time, mean over ranks), which leaves out waiting")
+    def mib(sizes: list[int]) -> str:
+        return ", ".join(f"{s / 2**20:.2f}" for s in sizes)
+
+    for r in results:
+        print(f"  {r['model']}: fxpar buckets MiB [{mib(r['fxpar_bucket_bytes'])}], "
+              f"DDP buckets MiB [{mib(r['ddp_bucket_bytes'])}], max loss rel diff "
+              f"{r['max_loss_relative_difference']:.1e}")
+    print("  DDP's first bucket: 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) only "
+          "when bucket_cap_mb is left at its default; here it is passed, so every DDP bucket "
+          f"is capped at {args.bucket_mb:g} MiB, as fxpar's are.")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, gloo",
+            "load_average": os.getloadavg(),
+            "world_size": world,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "results": results,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Side-by-side timing of fxpar and its native PyTorch peer, inside one torchrun job.
+
+Map: `Side` (one implementation: a name and a step function), `run_interleaved` (time the
+sides in alternating blocks), `Timing` (median, p10, p90 of one side), `paired_ratio`,
+`format_table`.
+
+Both sides train the same model from the same weights on the same batches, so they are
+timed in one process, in turns, and machine noise (another job, frequency scaling, the
+allocator warming up) lands on both alike. The schedule is blocks of `block` steps, with the
+order of the sides reversed every round (A B, B A, A B, ...) so neither side always runs
+right after the other:
+
+    warm-up:  A A A  B B B                  (untimed, `warmup` steps per side)
+    timed:    A A A A A  B B B B B  B B B B B  A A A A A  ...   (block=5)
+
+Every timed step starts after a barrier, so all ranks enter it together and the time is the
+step's, not the wait for a straggler's previous step. Each rank times its own steps with
+`time.perf_counter`; the times are combined with an all-reduce MAX after the run (never
+inside the timed region): a data-parallel step is as slow as its slowest rank.
+
+Each step's CPU time on the rank's main thread (`time.thread_time`) is kept too, as a second,
+quieter measure: time the thread spent waiting (for a collective, or for a core another
+process holds) does not count, so on a shared machine it shows the work each side does on
+the training thread when wall-clock medians drown in noise. Gloo's own threads are not in it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Side:
+    """One implementation under test. `step(i)` runs training step `i` and returns its loss."""
+
+    name: str
+    step: Callable[[int], float | torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per step over the timed steps of one side (max over ranks)."""
+
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def p10(self) -> float:
+        return statistics.quantiles(self.seconds, n=10, method="inclusive")[0]
+
+    @property
+    def p90(self) -> float:
+        return statistics.quantiles(self.seconds, n=10, method="inclusive")[-1]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "median_ms": 1e3 * self.median,
+            "p10_ms": 1e3 * self.p10,
+            "p90_ms": 1e3 * self.p90,
+            "steps_ms": [1e3 * s for s in self.seconds],
+        }
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """What one side did: per-step losses (warm-up included, in step order) and the timing."""
+
+    losses: tuple[float, ...]
+    timing: Timing
+    cpu: Timing  # main-thread CPU seconds per step, mean over ranks
+
+
+def run_interleaved(
+    sides: list[Side], *, warmup: int, steps: int, block: int
+) -> dict[str, SideRun]:
+    """Run `warmup + steps` training steps per side, timing the last `steps` (see module doc).
+
+    Side k runs its steps 0, 1, 2, ... in order, so each side trains exactly as it would
+    alone. Every rank must call this with the same arguments.
+    """
+    if steps < 10 or block < 1:
+        raise ValueError(f"need steps >= 10 and block >= 1, got steps={steps}, block={block}")
+    losses: dict[str, list[float | torch.Tensor]] = {s.name: [] for s in sides}
+    seconds: dict[str, list[float]] = {s.name: [] for s in sides}
+    cpu_seconds: dict[str, list[float]] = {s.name: [] for s in sides}
+
+    def run(side: Side, count: int, *, timed: bool) -> None:
+        for _ in range(count):
+            i = len(losses[side.name])
+            if timed:
+                dist.barrier()
+                start, cpu_start = time.perf_counter(), time.thread_time()
+                loss = side.step(i)
+                seconds[side.name].append(time.perf_counter() - start)
+                cpu_seconds[side.name].append(time.thread_time() - cpu_start)
+            else:
+                loss = side.step(i)
+            losses[side.name].append(loss)
+
+    for side in sides:
+        run(side, warmup, timed=False)
+    round_index = 0
+    while any(len(t) < steps for t in seconds.values()):
+        order = sides if round_index % 2 == 0 else sides[::-1]
+        for side in order:
+            run(side, min(block, steps - len(seconds[side.name])), timed=True)
+        round_index += 1
+
+    results = {}
+    for side in sides:
+        worst = torch.tensor(seconds[side.name], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        cpu = torch.tensor(cpu_seconds[side.name], dtype=torch.float64)
+        dist.all_reduce(cpu)
+        results[side.name] = SideRun(
+            losses=tuple(float(x) for x in losses[side.name]),
+            timing=Timing(tuple(worst.tolist())),
+            cpu=Timing(tuple((cpu / dist.get_world_size()).tolist())),
+        )
+    return results
+
+
+def paired_ratio(a: Timing, b: Timing) -> float:
+    """Median over k of b's k-th timed step divided by a's k-th: steps k of the two sides run
+    in adjacent blocks, so slow spells of the machine mostly cancel in each quotient."""
+    return statistics.median(y / x for x, y in zip(a.seconds, b.seconds, strict=True))
+
+
+def mean_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
+    """Average per-rank values (e.g. DDP's local losses) into the global-batch values."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tuple((tensor / dist.get_world_size()).tolist())
+
+
+def first_mismatch(
+    a: tuple[float, ...], b: tuple[float, ...], *, rel: float
+) -> tuple[int, float, float] | None:
+    """The first step whose losses differ by more than `rel` relative, or None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if abs(x - y) > rel * max(abs(x), abs(y)):
+            return i, x, y
+    return None
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table, columns padded to line up in a terminal too."""
+    widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(x).rjust(w) for x, w in zip(cells, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
