@@ -16,9 +16,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.fx as fx
 
+from fxpar import meta
 from fxpar.errors import PlanError
 from fxpar.passes.data_parallel import Bucket
+from fxpar.placement import Shard
+from fxpar.runtime import tensor_parallel_ops as ops
 
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 # When in the step a collective runs; the cost model overlaps forward and backward ones with
@@ -34,7 +38,7 @@ class Collective:
     group: tuple[int, ...]  # global ranks of the process group, sorted
     numel: int  # payload elements (all_reduce: its tensor; all_gather: its output; ...)
     dtype: torch.dtype
-    op: Literal["sum", "none"] = "sum"
+    op: Literal["sum", "max", "none"] = "sum"
     tag: str = ""  # what it is for, e.g. "gradient bucket 0"; not part of the match
     phase: Phase = "backward"  # not part of the match either
 
@@ -127,3 +131,75 @@ def data_parallel_collectives(
         for b in buckets:
             call("all_gather", padded[b.index], b.dtype, f"updated parameters of bucket {b.index}", "step")
     return tuple(calls)
+
+
+# Tensor-parallel op -> its forward and backward collectives: (kind, payload size, tag).
+# Payload size: "whole" is the global value's numel, "local" this rank's piece of it.
+_TP_CALLS = {
+    ops.all_reduce: ([("all_reduce", "local", "tp all_reduce (g)")], []),
+    ops.copy_to_region: ([], [("all_reduce", "local", "tp all_reduce (f backward)")]),
+    ops.split_to_shard: ([], [("all_gather", "whole", "tp all_gather (split backward)")]),
+    ops.all_gather: ([("all_gather", "whole", "tp all_gather")], []),
+    ops.gather_to_region: (
+        [("all_gather", "whole", "sp all_gather")],
+        [("reduce_scatter", "whole", "sp reduce_scatter (backward)")],
+    ),
+    ops.reduce_scatter: (
+        [("reduce_scatter", "whole", "sp reduce_scatter")],
+        [("all_gather", "whole", "sp all_gather (backward)")],
+    ),
+}
+
+
+def tensor_parallel_collectives(
+    gm: fx.GraphModule, group: tuple[int, ...], sizes: dict
+) -> tuple[Collective, ...]:
+    """One microbatch's tensor-parallel collectives: forward in graph order, then backward.
+
+    `sizes` gives export's size symbols their values in one microbatch. Backward collectives
+    are listed in reverse graph order, the order autograd runs them in, and only where a
+    gradient flows.
+    """
+    if len(group) == 1:
+        return ()
+    forward: list[Collective] = []
+    backward: list[Collective] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is ops.vocab_parallel_cross_entropy:
+            rows = _numel(source, sizes) // _numel_of_last(source, sizes)
+            for op, tag in (("max", "vocab-parallel max"), ("sum", "vocab-parallel target logit"),
+                            ("sum", "vocab-parallel sum of exponentials")):
+                forward.append(Collective(kind="all_reduce", group=group, numel=rows,
+                                          dtype=source.meta["val"].dtype, op=op, tag=tag, phase="forward"))
+            continue
+        if node.target not in _TP_CALLS:
+            continue
+        whole = _numel(source, sizes)
+        local = whole // len(group) if isinstance(meta.placement(source), Shard) else whole
+        fwd, bwd = _TP_CALLS[node.target]
+        dtype = source.meta["val"].dtype
+        for kind, size, tag in fwd:
+            numel = whole if size == "whole" else local
+            op = "none" if kind == "all_gather" else "sum"
+            forward.append(Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag, phase="forward"))
+        if meta.requires_grad(source):
+            for kind, size, tag in bwd:
+                numel = whole if size == "whole" else local
+                op = "none" if kind == "all_gather" else "sum"
+                backward.append(Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag, phase="backward"))
+    return tuple(forward + backward[::-1])
+
+
+def _numel(node: fx.Node, sizes: dict) -> int:
+    total = 1
+    for d in node.meta["val"].shape:
+        total *= int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d)
+    return total
+
+
+def _numel_of_last(node: fx.Node, sizes: dict) -> int:
+    d = node.meta["val"].shape[-1]
+    return int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d)

@@ -7,7 +7,9 @@ functions instead of poking at `node.meta` with string literals.
     key                       set by            holds
     fxpar.module_path         trace.capture     "h.0.attn.q": the module that emitted the node
     fxpar.parameter           trace.capture     state_dict name of a get_attr'd parameter
+    fxpar.requires_grad       trace.capture     whether autograd computes this value's gradient
     fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
+    fxpar.placement           tensor_parallel   the value's Placement across the tp group
 
 Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
 """
@@ -19,10 +21,13 @@ import torch.fx as fx
 MODULE_PATH = "fxpar.module_path"
 PARAMETER = "fxpar.parameter"
 BUCKET = "fxpar.bucket"
+PLACEMENT = "fxpar.placement"
+REQUIRES_GRAD = "fxpar.requires_grad"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
 GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter name
+GRAPH_NON_PERSISTENT = "fxpar.non_persistent"  # buffers kept out of the state dict
 
 
 def module_path(node: fx.Node) -> str:
@@ -44,3 +49,15 @@ def describe(node: fx.Node) -> str:
     """A one-line location of `node` for error messages: its code and module path."""
     path = module_path(node) or "<root module>"
     return f"{node.format_node()}  (module {path!r})"
+
+
+def placement(node: fx.Node):
+    """The node's tensor-parallel Placement (Replicate when the graph has no tp)."""
+    from fxpar.placement import R
+
+    return node.meta.get(PLACEMENT, R)
+
+
+def requires_grad(node: fx.Node) -> bool:
+    """Whether autograd computes a gradient for this value (see trace._requires_grad)."""
+    return node.meta.get(REQUIRES_GRAD, False)

@@ -54,6 +54,13 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
         "a positive, finite number of MiB (the gradient-bucket size)",
         "bucket_mb=25, or leave bucket_mb out to let the cost model choose",
     ),
+    "tp": ("tp", "a positive integer (the tensor-parallel degree)", "tp=2"),
+    "sequence_parallel": ("sp", "true or false (shard norms and dropout along the sequence)", "sp=true"),
+    "tp_rules": (
+        "tp_rules",
+        "'auto' or a mapping of module-path globs to colwise/rowwise/vocab/replicate",
+        'tp_rules={"h.*.attn.q":"colwise","h.*.attn.o":"rowwise"}',
+    ),
     "zero": ("zero", "one of 0, 1, 2, 3 (the ZeRO stage: what is sharded over dp)", "zero=1"),
     "precision": (
         "precision",
@@ -65,19 +72,16 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
 _FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in _FIELDS.items()} | {
     name: name for name in _FIELDS
 }
-_SUPPORTED_KEYS = "dp, mb (or microbatches), bucket_mb, zero, precision"
+_SUPPORTED_KEYS = "dp, tp, sp, tp_rules, mb (or microbatches), bucket_mb, zero, precision"
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
-_DEGREE_FIELDS: tuple[str, ...] = ("dp",)
+_DEGREE_FIELDS: tuple[str, ...] = ("dp", "tp")
 
 # Keys a later fxpar version will accept -> what they ask for. Refused, naming the capability.
 PLANNED_KEYS: dict[str, str] = {
-    "tp": "tensor parallelism",
     "pp": "pipeline parallelism",
     "schedule": "pipeline schedules",
-    "sp": "sequence parallelism",
     "split": "explicit pipeline split points",
-    "tp_rules": "tensor-parallel sharding rules",
     "virtual_stages": "interleaved (virtual) pipeline stages",
 }
 
@@ -99,6 +103,12 @@ class Plan:
     """
 
     dp: int = 1
+    tp: int = 1
+    # Which modules tensor parallelism splits: "auto" (Megatron's pairs, inferred from the
+    # graph) or {module-path glob: style}; see fxpar.passes.tp_rules. A Hugging Face
+    # `base_model_tp_plan` dict works as is.
+    tp_rules: str | Mapping[str, str] = "auto"
+    sequence_parallel: bool = False  # Korthikanti et al. 2022: norms on sequence shards
     microbatches: int = 1
     bucket_mb: float | None = None
     # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
@@ -109,7 +119,7 @@ class Plan:
     precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "microbatches"):
+        for name in ("dp", "tp", "microbatches"):
             if not _is_positive_int(value := getattr(self, name)):
                 raise _invalid_value(name, value)
             object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON
@@ -118,6 +128,22 @@ class Plan:
             if not (real and math.isfinite(size) and size > 0):
                 raise _invalid_value("bucket_mb", size)
             object.__setattr__(self, "bucket_mb", float(size))
+        if not isinstance(self.sequence_parallel, bool):
+            raise _invalid_value("sequence_parallel", self.sequence_parallel)
+        rules = self.tp_rules
+        if rules != "auto" and not (
+            isinstance(rules, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in rules.items())
+        ):
+            raise _invalid_value("tp_rules", rules)
+        if isinstance(rules, Mapping):
+            object.__setattr__(self, "tp_rules", dict(rules))
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError(
+                "plan field sequence_parallel (sp) needs tensor parallelism: it shards along the "
+                "sequence over the tp group, and tp=1. Fix: add tp=2 (or more), or drop sp.",
+                field="sequence_parallel",
+                value=True,
+            )
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise _invalid_value("zero", self.zero)
         object.__setattr__(self, "zero", int(self.zero))
@@ -245,7 +271,7 @@ class Plan:
         """The canonical text form: `dp=2 mb=4`, default-valued fields left out."""
         default = Plan()
         entries = [
-            f"{_FIELDS[name][0]}={value}"
+            f"{_FIELDS[name][0]}={_text(value)}"
             for name, value in self.to_dict().items()
             if value != getattr(default, name)
         ]
@@ -264,8 +290,13 @@ class Plan:
             )
         if world_size == self.world_size:
             return
-        degrees = " * ".join(f"{name}={value}" for name, value in self.degrees.items())
-        example = replace(self, dp=world_size)  # keeps tp and pp, once they exist, when they fit
+        degrees = " * ".join(
+            f"{name}={value}" for name, value in self.degrees.items() if value > 1 or name == "dp"
+        )
+        others = self.world_size // self.dp
+        example = replace(self, dp=world_size // others) if world_size % others == 0 else replace(
+            self, dp=world_size, tp=1
+        )
         raise PlanError(
             f"plan degrees multiply to {self.world_size} ({degrees}) but WORLD_SIZE is "
             f"{world_size}. Fix: launch with `torchrun --nproc-per-node {self.world_size} ...` "
@@ -307,9 +338,23 @@ class Plan:
         )
 
 
+def _text(value: object) -> str:
+    """A field's value in the text form: compact JSON for rules, lower-case booleans."""
+    if isinstance(value, Mapping):
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def _split_entries(text: str) -> list[tuple[str, str]]:
     """`"dp=2, mb=4"` -> `[("dp", "2"), ("mb", "4")]`; malformed entries raise `PlanError`."""
     entries = []
+    # tp_rules may be written as compact JSON: take it out before splitting on commas.
+    rules = re.search(r"tp_rules=(\{[^}]*\})", text)
+    if rules:
+        entries.append(("tp_rules", rules.group(1)))
+        text = text[: rules.start()] + text[rules.end():]
     for entry in re.split(r"[\s,]+", text):
         if not entry:
             continue
@@ -338,6 +383,19 @@ def _value_from_text(name: str, text: str) -> object:
     """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises."""
     if name == "precision":
         return text
+    if name == "sequence_parallel":
+        flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        if text.strip().lower() in flags:
+            return flags[text.strip().lower()]
+        raise _invalid_value(name, text)
+    if name == "tp_rules":
+        if text.strip() == "auto":
+            return "auto"
+        try:
+            rules = json.loads(text)
+        except json.JSONDecodeError:
+            raise _invalid_value(name, text) from None
+        return rules
     if name == "zero" and text.strip() == "0":
         return 0
     if name == "bucket_mb":

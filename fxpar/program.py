@@ -21,15 +21,24 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.collectives import Collective, check_collectives, data_parallel_collectives
+from fxpar.collectives import (
+    Collective,
+    check_collectives,
+    data_parallel_collectives,
+    tensor_parallel_collectives,
+)
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.hardware import hardware_profile
 from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
 from fxpar.passes.infra import copy_graph_module, run_passes
+from fxpar.passes.tensor_parallel import shard_tensor_parallel
+from fxpar.passes.tp_rules import parameter_placements
+from fxpar.placement import Shard, local_slice
 from fxpar.plan import Plan
-from fxpar.trace import CapturedGraph, capture
+from fxpar.runtime.process_groups import RankGroup
+from fxpar.trace import CapturedGraph, capture, restore_state_layout
 
 if TYPE_CHECKING:
     from fxpar.cost.estimate import Estimate
@@ -62,9 +71,22 @@ def compile(
         # Nominal, never measured, constants: every rank must choose the same buckets.
         link = hardware_profile(hardware, measured=False).intra_node
         bucket_bytes = gradient_bucket_bytes(mesh.dp, link)
-    graph_module = run_passes(
-        captured.graph_module, [partial(assign_gradient_buckets, bucket_bytes=bucket_bytes)]
-    )
+    # [Note: pass order] Tensor parallelism runs first: it decides which parameters are split,
+    # and gradient buckets are sized by the shards each rank really holds.
+    passes = []
+    if plan.tp > 1:
+        placements = parameter_placements(captured.graph_module, plan.tp_rules, tp=plan.tp)
+        passes.append(
+            partial(
+                shard_tensor_parallel,
+                placements=placements,
+                tp=plan.tp,
+                sequence_parallel=plan.sequence_parallel,
+                seq=frozenset(captured.export_symbols("seq")),
+            )
+        )
+    passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
+    graph_module = run_passes(captured.graph_module, passes)
     return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module)
 
 
@@ -102,11 +124,26 @@ class Program:
         return self.graph_module.meta[meta.GRAPH_BUCKETS]
 
     def rank_module(self, rank: int) -> fx.GraphModule:
-        """The GraphModule `rank` runs, with readable `.code`; shares the model's tensors."""
+        """The GraphModule `rank` runs, with readable `.code`.
+
+        Replicated parameters are the model's own tensors; tensor-parallel ones are copies of
+        this rank's slices (of meta tensors, for a meta model: nothing is allocated).
+        """
         coord = self.mesh.coord(rank)
         module = copy_graph_module(self.graph_module)
         module.meta["fxpar.rank"] = rank
         module.meta["fxpar.coord"] = coord
+        if self.mesh.tp > 1:
+            for name, node in meta.parameter_nodes(module.graph).items():
+                placement = meta.placement(node)
+                if isinstance(placement, Shard):
+                    whole = module.get_parameter(name)
+                    piece = local_slice(whole.detach(), placement, coord.tp, self.mesh.tp).clone()
+                    _replace_parameter(module, name, torch.nn.Parameter(piece, whole.requires_grad))
+            restore_state_layout(module)
+            module.tp_group = RankGroup(
+                axis=Axis.TP, ranks=self.mesh.group(rank, Axis.TP), handle=None, rank=rank
+            )
         return module
 
     def collectives(self, rank: int) -> tuple[Collective, ...]:
@@ -114,8 +151,23 @@ class Program:
 
         See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues.
         """
-        group = self.mesh.group(rank, Axis.DP)
-        return data_parallel_collectives(self.buckets, group, zero=self.plan.zero)
+        sizes = self._local_sizes()
+        tensor_parallel = tensor_parallel_collectives(
+            self.graph_module, self.mesh.group(rank, Axis.TP), sizes
+        )
+        data_parallel = data_parallel_collectives(
+            self.buckets, self.mesh.group(rank, Axis.DP), zero=self.plan.zero
+        )
+        return tensor_parallel * self.plan.microbatches + data_parallel
+
+    def _local_sizes(self) -> dict:
+        """Export's size symbols -> their values in one rank's microbatch of the example."""
+        local_batch = self.captured.example_batch // (self.plan.dp * self.plan.microbatches)
+        sizes = {}
+        for symbol, value in self.captured.example_sizes.items():
+            for exported in self.captured.export_symbols(symbol.name):
+                sizes[exported] = local_batch if symbol.name == "batch" else value
+        return sizes
 
     def estimate(
         self,
@@ -165,3 +217,9 @@ class Program:
             f"Program(plan='{self.plan}', world_size={self.world_size}, parameters={params:,}, "
             f"buckets={len(self.buckets)}, nodes={len(self.graph_module.graph.nodes)})"
         )
+
+
+def _replace_parameter(module: torch.nn.Module, dotted: str, value: torch.nn.Parameter) -> None:
+    owner_path, _, leaf = dotted.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    setattr(owner, leaf, value)

@@ -85,6 +85,10 @@ class CapturedGraph:
         """The shape of a tensor-valued node, each dim a sympy expression in readable symbols."""
         return tuple(self.readable(d) for d in node.meta["val"].shape)
 
+    def export_symbols(self, name: str) -> set[sympy.Symbol]:
+        """Export's own symbols (`s95`, `s24`) that fxpar calls `name` ("batch", "seq")."""
+        return {s for s, readable in self._renames.items() if readable.name == name}
+
     def parameter_count(self) -> int:
         """Trainable parameters, each tied group counted once."""
         return sum(p.numel() for p in self.parameters.values())
@@ -102,6 +106,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) ->
                 "(each input's dim 0 is the batch). Fix: pass configuration to the model's "
                 "constructor, not to forward."
             )
+    seen: set[int] = set()
+    example_inputs = list(example_inputs)
+    for i, x in enumerate(example_inputs):
+        # The same tensor passed twice would be captured as one input, wired to both uses.
+        if x.untyped_storage().data_ptr() in seen and not x.is_meta:
+            example_inputs[i] = x.clone()
+        seen.add(example_inputs[i].untyped_storage().data_ptr())
+    example_inputs = tuple(example_inputs)
     if any(p.is_meta for p in model.parameters()):
         # A meta-device model is captured for planning: its inputs live on meta too.
         example_inputs = tuple(x.to("meta") for x in example_inputs)
@@ -197,12 +209,19 @@ def _unlift(
     _return_the_loss(graph, exported)
     for node in graph.nodes:
         node.meta[meta.MODULE_PATH] = _module_path(node)
+        node.meta[meta.REQUIRES_GRAD] = _requires_grad(node, attributes)
+        if node.target is torch.ops.aten.view.default:
+            # Export drops a `.contiguous()` that is a no-op for the kernel it traced with (the
+            # CPU attention output is already laid out for `transpose(1, 2).view(B, T, C)`);
+            # another kernel, or a local shard, may return other strides. reshape is view
+            # where view works and copies where it must.
+            node.target = torch.ops.aten.reshape.default
 
     gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__ + "Graph")
-    _mark_non_persistent_buffers(gm, persistent, named_buffers, exported)
     aliases = {n: canonical[n] for n in named_parameters if canonical[n] != n}
     gm.meta[meta.GRAPH_ALIASES] = aliases
-    install_aliases(gm)
+    gm.meta[meta.GRAPH_NON_PERSISTENT] = tuple(n for n, _ in gm.named_buffers() if n not in persistent)
+    restore_state_layout(gm)
 
     renames, symbols, sizes = _readable_symbols(graph, example_inputs)
     used = {n for n in attributes if n in named_parameters}
@@ -217,6 +236,21 @@ def _unlift(
         example_shapes=tuple(tuple(x.shape) for x in example_inputs),
         _renames=renames,
     )
+
+
+def _requires_grad(node: fx.Node, attributes: dict[str, torch.Tensor]) -> bool:
+    """Whether autograd will compute a gradient for this value (export's fake values don't say).
+
+    True for trainable parameters and for floating-point results of anything that depends on
+    one; called in graph order, so inputs are decided first.
+    """
+    value = node.meta.get("val")
+    if node.op == "get_attr":
+        return bool(getattr(attributes.get(node.target), "requires_grad", False))
+    if node.op != "call_function":
+        return False
+    floating = isinstance(value, torch.Tensor) and value.is_floating_point() or isinstance(value, (list, tuple))
+    return floating and any(n.meta.get(meta.REQUIRES_GRAD, False) for n in node.all_input_nodes)
 
 
 def _canonical_parameter_names(model: torch.nn.Module) -> dict[str, str]:
@@ -256,13 +290,17 @@ def _module_path(node: fx.Node) -> str:
     return paths[-1] if paths else ""
 
 
-def install_aliases(gm: fx.GraphModule) -> None:
-    """Register each tied alias (`lm_head.weight`) as the same Parameter as its canonical name.
+def restore_state_layout(gm: fx.GraphModule) -> None:
+    """Make `gm.state_dict()` carry exactly the keys of `model.state_dict()` again.
 
-    The graph reads only canonical names, so a GraphModule built from it lacks the aliases;
-    installing them makes `gm.state_dict()` carry every key of `model.state_dict()`, while
-    `gm.parameters()` still yields each tied Parameter once.
+    A GraphModule built from a graph copies only what get_attr nodes read, and registers every
+    tensor as a persistent buffer. So: register each tied alias (`lm_head.weight`) as the same
+    Parameter as its canonical name (`gm.parameters()` still yields it once), and keep the
+    model's non-persistent buffers (rotary tables) and lifted constants out of the state dict.
     """
+    for name in gm.meta.get(meta.GRAPH_NON_PERSISTENT, ()):
+        owner_path, _, leaf = name.rpartition(".")
+        gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
     for alias, name in gm.meta.get(meta.GRAPH_ALIASES, {}).items():
         *prefix, leaf = alias.split(".")
         module = gm
@@ -271,20 +309,6 @@ def install_aliases(gm: fx.GraphModule) -> None:
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
         setattr(module, leaf, gm.get_parameter(name))
-
-
-def _mark_non_persistent_buffers(
-    gm: fx.GraphModule,
-    persistent: set[str],
-    named_buffers: dict[str, torch.Tensor],
-    exported: ExportedProgram,
-) -> None:
-    """Buffers the model keeps out of its state_dict (and lifted constants) stay out of ours."""
-    for name in [n for n, _ in gm.named_buffers()]:
-        if name not in persistent:
-            *prefix, leaf = name.split(".")
-            owner = gm.get_submodule(".".join(prefix))
-            owner._non_persistent_buffers_set.add(leaf)
 
 
 def _readable_symbols(

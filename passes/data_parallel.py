@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.placement import Shard
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class Bucket:
 def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.GraphModule:
     """Put every parameter that receives a gradient into a bucket of about `bucket_bytes`.
 
-    Requires: `fxpar.parameter` on the get_attr node of each parameter (trace.capture).
+    Requires: `fxpar.parameter` on the get_attr node of each parameter (trace.capture);
+    `fxpar.placement` where tensor parallelism split a parameter (sizes are per shard).
     Ensures: each parameter that requires grad and reaches the loss is in exactly one bucket
     (tied parameters are one parameter, so they are reduced once), its node carries
     `fxpar.bucket`, and `gm.meta["fxpar.buckets"]` lists the buckets in launch order:
@@ -54,6 +56,7 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    tp = gm.meta.get("fxpar.tp", 1)  # a tensor-parallel shard holds 1/tp of a split parameter
     reaches_loss = _nodes_reaching_output(gm.graph)
     ready_order = []
     for name, node in meta.parameter_nodes(gm.graph).items():
@@ -82,7 +85,7 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
             close()
         dtype = value.dtype
         names.append(name)
-        numel += value.numel()
+        numel += value.numel() // (tp if isinstance(meta.placement(node), Shard) else 1)
         node.meta[meta.BUCKET] = len(buckets)
         if numel * dtype.itemsize >= bucket_bytes:
             close()

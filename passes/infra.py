@@ -22,7 +22,7 @@ from functools import partial
 
 import torch.fx as fx
 
-from fxpar.trace import install_aliases
+from fxpar.trace import restore_state_layout
 
 log = logging.getLogger("fxpar.passes")
 
@@ -44,7 +44,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph.output(output)
     new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     new.meta = copy.copy(gm.meta)
-    install_aliases(new)
+    restore_state_layout(new)
     return new
 
 

@@ -113,7 +113,8 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 
 
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
-    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32"}
+    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "tp_rules": "auto",
+                "sequence_parallel": False}
     assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4} | defaults
     assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1} | defaults
     assert Plan.parse(Plan(dp=2, bucket_mb=8.0).to_dict()) == Plan(dp=2, bucket_mb=8.0)
@@ -126,7 +127,7 @@ def test_world_size_is_the_product_of_the_degrees() -> None:
     assert Plan().world_size == 1
     assert Plan(dp=8, microbatches=4).world_size == 8
     plan = Plan(dp=6)
-    assert plan.degrees == {"dp": 6}
+    assert plan.degrees == {"dp": 6, "tp": 1}
     assert plan.world_size == math.prod(plan.degrees.values())
 
 
@@ -208,7 +209,7 @@ def test_unknown_key_lists_keys_and_suggests_the_closest() -> None:
     message = str(caught.value)
     assert "unknown plan key 'dpp'" in message and "dpp=2" in message
     assert "Did you mean 'dp'?" in message
-    assert "Supported keys: dp, mb (or microbatches), bucket_mb, zero, precision" in message
+    assert "Supported keys: dp, tp, sp, tp_rules, mb (or microbatches), bucket_mb, zero, precision" in message
     assert "Fix: rename or remove 'dpp'" in message
     assert caught.value.field == "dpp" and caught.value.value == "2"
 
@@ -229,12 +230,9 @@ def test_unknown_key_suggestion_uses_difflib_for_other_typos() -> None:
 @pytest.mark.parametrize(
     ("key", "meaning"),
     [
-        ("tp", "tensor parallelism"),
         ("pp", "pipeline parallelism"),
         ("schedule", "pipeline schedules"),
-        ("sp", "sequence parallelism"),
         ("split", "pipeline split points"),
-        ("tp_rules", "tensor-parallel sharding rules"),
         ("virtual_stages", "virtual"),
     ],
 )
@@ -245,13 +243,13 @@ def test_planned_keys_are_refused_naming_the_capability(key: str, meaning: str) 
     message = str(caught.value)
     assert f"this fxpar version does not implement {PLANNED_KEYS[key]} yet" in message
     assert meaning in message and f"{key}=2" in message
-    assert "Supported keys: dp, mb (or microbatches), bucket_mb, zero, precision" in message
+    assert "Supported keys: dp, tp, sp, tp_rules, mb (or microbatches), bucket_mb, zero, precision" in message
     assert f"Fix: remove {key}=2" in message
     assert caught.value.field == key and caught.value.value == "2"
 
 
 def test_planned_keys_table_is_exactly_the_later_capabilities() -> None:
-    later = {"tp", "pp", "schedule", "sp", "split", "tp_rules"}
+    later = {"pp", "schedule", "split"}
     assert set(PLANNED_KEYS) == later | {"virtual_stages"}
 
 
@@ -399,10 +397,10 @@ def test_file_with_bad_syntax(tmp_path: Path, name: str, content: str) -> None:
 
 def test_error_inside_a_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "plan.yaml"
-    path.write_text("dp: 2\ntp: 4\n")
-    with pytest.raises(PlanError, match=r"plan\.yaml.*tensor parallelism") as caught:
+    path.write_text("dp: 2\npp: 4\n")
+    with pytest.raises(PlanError, match=r"plan\.yaml.*pipeline parallelism") as caught:
         Plan.parse(path)
-    assert caught.value.field == "tp" and caught.value.value == 4
+    assert caught.value.field == "pp" and caught.value.value == 4
 
 
 def test_from_json_errors() -> None:
@@ -434,3 +432,29 @@ def test_zero_must_be_a_stage(entry: str) -> None:
 def test_precision_must_be_known() -> None:
     with pytest.raises(PlanError, match=r"precision must be one of 'fp32', 'bf16-mixed'.*'fp16'"):
         Plan.parse("precision=fp16")
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+
+
+def test_tp_multiplies_into_the_world_and_round_trips() -> None:
+    plan = Plan.parse("dp=2 tp=4 sp=true")
+    assert plan.world_size == 8 and plan.degrees == {"dp": 2, "tp": 4}
+    assert str(plan) == "dp=2 tp=4 sp=true" and Plan.parse(str(plan)) == plan
+
+
+def test_tp_rules_mapping_round_trips_through_text_and_json() -> None:
+    rules = {"h.*.attn.[qkv]": "colwise", "h.*.attn.o": "rowwise"}
+    plan = Plan(tp=2, tp_rules=rules)
+    assert Plan.parse(str(plan)) == plan == Plan.from_json(plan.to_json())
+    assert Plan.parse({"tp": 2, "tp_rules": rules}) == plan
+
+
+def test_sequence_parallel_needs_tp() -> None:
+    with pytest.raises(PlanError, match="sequence_parallel .sp. needs tensor parallelism"):
+        Plan.parse("sp=true")
+
+
+def test_world_size_mismatch_example_keeps_tp() -> None:
+    with pytest.raises(PlanError, match=r"\(dp=1 \* tp=2\) but WORLD_SIZE is 4.*for example dp=2 tp=2"):
+        Plan(tp=2).check_world_size(4)

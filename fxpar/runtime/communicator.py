@@ -54,6 +54,31 @@ class Communicator:
         work = dist.all_reduce(tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 
+    def all_reduce_now(
+        self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str
+    ) -> None:
+        """All-reduce `tensor` in place (sum or max) and wait for it."""
+        call = self._record("all_reduce", tensor, group, tag, op=op, phase=phase)
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        work = dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=True)
+        PendingCollective(work, call, group, self.timeout).wait()
+
+    def all_gather_now(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str
+    ) -> None:
+        """Concatenate every rank's `tensor` along dim 0 into `output`, and wait."""
+        call = self._record("all_gather", output, group, tag, op="none", phase=phase)
+        work = dist.all_gather_into_tensor(output, tensor, group=group.handle, async_op=True)
+        PendingCollective(work, call, group, self.timeout).wait()
+
+    def reduce_scatter_now(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str
+    ) -> None:
+        """Sum `tensor` over the ranks and keep this rank's dim-0 slice in `output`, and wait."""
+        call = self._record("reduce_scatter", tensor, group, tag, phase=phase)
+        work = dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True)
+        PendingCollective(work, call, group, self.timeout).wait()
+
     def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
         """Broadcast `tensor` in place from the group's first rank, and wait for it."""
         call = self._record("broadcast", tensor, group, tag, op="none")
@@ -74,10 +99,17 @@ class Communicator:
         self.log.clear()
 
     def _record(
-        self, kind: CollectiveKind, tensor: torch.Tensor, group: RankGroup, tag: str, op="sum"
+        self,
+        kind: CollectiveKind,
+        tensor: torch.Tensor,
+        group: RankGroup,
+        tag: str,
+        op: str = "sum",
+        phase: str = "backward",
     ) -> Collective:
         call = Collective(
-            kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op, tag=tag
+            kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op,
+            tag=tag, phase=phase,
         )
         self.log.append(call)
         entry = self._stats.setdefault(kind, {"count": 0, "bytes": 0})

@@ -17,15 +17,26 @@ from fxpar.mesh import Axis, Mesh
 
 @dataclass(frozen=True)
 class RankGroup:
-    """One process group seen from this rank: the handle, its global ranks and a name."""
+    """One process group seen from one rank: its global ranks, the handle, and who counts calls.
+
+    Rank modules hold one per mesh axis they communicate on (`self.tp_group`): compiled, it has
+    no handle yet and only says which ranks it means; `bind()` swaps in the bound one.
+    """
 
     axis: Axis
     ranks: tuple[int, ...]
-    handle: dist.ProcessGroup | None  # None when the group has this rank alone
+    handle: dist.ProcessGroup | None  # None when unbound, or when the group has this rank alone
+    rank: int = 0  # the global rank that holds this view
+    communicator: object = None  # fxpar.runtime.communicator.Communicator once bound
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def index(self) -> int:
+        """This rank's position in the group (its coordinate on the axis)."""
+        return self.ranks.index(self.rank)
 
     @property
     def name(self) -> str:
@@ -54,5 +65,5 @@ def init_process_groups(
             else:
                 handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
             if rank in ranks:
-                mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle)
+                mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle, rank=rank)
     return mine

@@ -13,6 +13,7 @@ returns the global-batch mean loss, the same float on every rank.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +21,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from fxpar import meta
 from fxpar.errors import BindError, PlanError
 from fxpar.mesh import Axis
+from fxpar.placement import Shard, global_tensor
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.environment import TorchrunEnvironment
 from fxpar.runtime.gradient_buckets import GradientBuckets
@@ -97,13 +100,16 @@ class Runner:
             for tensor in state:
                 if tensor.device != self.device:
                     tensor.data = tensor.data.to(self.device)
+        _place_graph_constants(self.module, self.device)
+        if Axis.TP in self.groups and self.groups[Axis.TP].size > 1:
+            self.module.tp_group = replace(self.groups[Axis.TP], communicator=self.communicator)
         if self._dp.size > 1:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
             self._broadcast(state)
             self._buckets = GradientBuckets(
                 self.program.buckets,
-                self.program.captured.parameters,
+                self._parameters(),
                 self._dp,
                 self.communicator,
                 self.device,
@@ -196,8 +202,36 @@ class Runner:
         self.communicator.reset()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank.
+
+        Tensor-parallel shards are gathered over the tp group: every rank must call it.
+        """
+        return self._consolidate(self.module.state_dict())
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Each parameter's whole gradient (canonical names, tied weights once), on every rank."""
+        grads = {n: p.grad for n, p in self._parameters().items() if p.grad is not None}
+        return self._consolidate(grads)
+
+    def _parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: self.module.get_parameter(n) for n in meta.parameter_nodes(self.module.graph)}
+
+    def _consolidate(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole CPU copies of `tensors`, gathering tensor-parallel shards over the tp group."""
+        nodes = meta.parameter_nodes(self.module.graph)
+        aliases = self.module.meta.get(meta.GRAPH_ALIASES, {})
+        tp = self.groups.get(Axis.TP)
+        whole = {}
+        for key, value in tensors.items():
+            node = nodes.get(aliases.get(key, key))
+            placement = meta.placement(node) if node is not None else None
+            value = value.detach()
+            if isinstance(placement, Shard) and tp is not None and tp.size > 1:
+                pieces = [torch.empty_like(value) for _ in range(tp.size)]
+                dist.all_gather(pieces, value.contiguous(), group=tp.handle)
+                value = global_tensor(pieces, placement)
+            whole[key] = value.to("cpu", copy=True)
+        return whole
 
     def close(self) -> None:
         """Remove hooks and destroy the process groups (all ranks must call it)."""
@@ -206,6 +240,20 @@ class Runner:
             self._buckets = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:
+    """Tensors the graph creates (positions from `arange`) on this rank's device.
+
+    Export records the device of the capture (`device=cpu`); the rank may run elsewhere.
+    """
+    changed = False
+    for node in module.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        module.recompile()
 
 
 def _check_runtime_supports(plan) -> None:

@@ -27,14 +27,14 @@ def _close(result, reference, rel=1e-4):
 
 
 def test_world_size_one_on_nccl(torchrun):
-    (result,) = torchrun("dp_worker.py", 1, "dp=1", env={"FXPAR_TEST_DEVICE": "cuda"})
+    (result,) = torchrun("train_worker.py", 1, "dp=1", env={"FXPAR_TEST_DEVICE": "cuda"})
     assert len(result["dp=1"]["losses"]) == STEPS
     _close(result["dp=1"], train_single_device())
 
 
 def test_two_gloo_ranks_share_one_gpu(torchrun):
     ranks = torchrun(
-        "dp_worker.py", 2, "dp=2",
+        "train_worker.py", 2, "dp=2",
         env={"FXPAR_TEST_DEVICE": "cuda:0", "FXPAR_TEST_BACKEND": "gloo"},
     )
     reference = train_single_device()

@@ -13,8 +13,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from gpt2 import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from llama import Llama, LlamaConfig  # noqa: E402
 
 CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+# The three model families tensor parallelism is tested on: separate q/k/v; GPT-2's fused
+# c_attn; Llama's RMSNorm, rotary embeddings, grouped-query attention (4 query heads sharing
+# 2 key/value heads), SwiGLU and an untied head.
+MODELS = {
+    "gpt": lambda: GPT(CONFIG),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)),
+    "llama": lambda: Llama(LlamaConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                      intermediate_size=64, max_seq_len=32)),
+}
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
 # AdamW with eps=1e-6, not 1e-8: the key bias under softmax has an exactly-zero true gradient
 # that is float noise in practice, and a tiny eps turns that noise into full-size updates of
@@ -22,9 +33,9 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
 OPTIMIZER = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
 
 
-def build_model(seed: int = 0) -> GPT:
+def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return GPT(CONFIG)
+    return MODELS[name]()
 
 
 def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -39,9 +50,9 @@ def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def train_single_device() -> dict:
+def train_single_device(name: str = "gpt") -> dict:
     """Losses per step, gradients of step 1 and the final state of plain one-device training."""
-    model = build_model()
+    model = build_model(name)
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
     losses, first_grads = [], None
     for tokens, labels in global_batches():

@@ -1,9 +1,10 @@
 """torchrun worker: trains the tiny GPT under each plan given, saves what the test compares.
 
-    torchrun --standalone --nproc-per-node 2 dp_worker.py OUT_DIR "dp=2" "dp=2 mb=2 bucket_mb=0.01"
+    torchrun --standalone --nproc-per-node 2 train_worker.py OUT_DIR "dp=2" "dp=2 mb=2 bucket_mb=0.01"
 
-FXPAR_TEST_DEVICE and FXPAR_TEST_BACKEND, when set, choose bind()'s device and backend
-(the GPU tier runs NCCL on one GPU, or several gloo ranks sharing one GPU).
+FXPAR_TEST_MODEL picks the model of tiny_training.MODELS (default gpt). FXPAR_TEST_DEVICE
+and FXPAR_TEST_BACKEND, when set, choose bind()'s device and backend (the GPU tier runs NCCL on
+one GPU, or several gloo ranks sharing one GPU).
 """
 
 import os
@@ -20,7 +21,8 @@ torch.set_num_threads(1)
 results = {}
 for plan in plans:
     tokens, labels = global_batches()[0]
-    program = fxpar.compile(build_model(), plan, example_inputs=(tokens, labels))
+    model = os.environ.get("FXPAR_TEST_MODEL", "gpt")
+    program = fxpar.compile(build_model(model), plan, example_inputs=(tokens, labels))
     program.check()
     runner = program.bind(
         timeout=60,
@@ -35,7 +37,7 @@ for plan in plans:
         losses.append(runner.step(*local))
         step_logs.append((runner.comm_log(), runner.comm_stats()))
         if first_grads is None:
-            first_grads = {n: p.grad.to("cpu", copy=True) for n, p in runner.module.named_parameters()}
+            first_grads = runner.full_gradients()
         optimizer.step()
         optimizer.zero_grad()
     results[plan] = {

@@ -1,0 +1,231 @@
+"""Tensor parallelism as a rewrite: placements in, every collective derived.
+
+`shard_tensor_parallel(gm, placements=..., tp=..., sequence_parallel=...)` walks the graph
+once, in order. For each op it asks `tp_propagation.RULES` where the op needs its inputs; where
+an input lies otherwise it inserts the converting collective of `placement.REDISTRIBUTE` (as a
+call of an autograd function from `runtime.tensor_parallel_ops`, on the rank module's
+`tp_group`), and it rewrites what must change for local shards: the constants of views (head
+counts, hidden sizes), the split sizes of a fused q|k|v projection, the bias of a row-parallel
+linear (added once, after the sum), a vocabulary-parallel embedding and cross entropy.
+
+One rule needs no op in particular: a replicated input that requires grad and feeds math whose
+output is sharded or partial contributes only a partial gradient on each rank, so it passes
+through `copy_to_region` (Megatron's f: identity forward, all-reduce backward), once per value.
+Megatron's f and g thus fall out of the table instead of being placed by hand.
+
+    before (colwise q, rowwise o):          after, on each of tp ranks:
+      linear = aten.linear(ln, q_w, q_b)      copy = copy_to_region(ln, tp_group)
+      view = aten.view(linear, [B, T, 4, 8])  linear = aten.linear(copy, q_w, q_b)   # q_w: S(0)
+      ...                                     view = aten.view(linear, [B, T, 2, 8]) # 4 heads / 2
+      out = aten.linear(y, o_w, o_b)          out = aten.linear(y, o_w)              # partial
+                                              all_reduce = all_reduce(out, tp_group) # g
+                                              add = aten.add(all_reduce, o_b)
+
+Requires: `fxpar.parameter` on parameter nodes; `placements` for every parameter.
+Ensures: `fxpar.placement` on every tensor node (its global value's layout across the tp
+group); the graph computes each rank's local part; the loss is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxpar import meta
+from fxpar.errors import PlanError
+from fxpar.placement import Partial, Placement, R, Replicate, Shard
+from fxpar.mesh import Axis
+from fxpar.runtime import tensor_parallel_ops as ops
+from fxpar.runtime.process_groups import RankGroup
+from fxpar.passes.tp_propagation import Context, Decision, is_tensor, rule_for, shape_of
+
+GROUP_ATTRIBUTE = "tp_group"
+_COPY = "R*"  # a replicated value on its way into sharded math (Megatron's f)
+
+
+def shard_tensor_parallel(
+    gm: fx.GraphModule,
+    *,
+    placements: dict[str, Placement],
+    tp: int,
+    sequence_parallel: bool = False,
+    seq: frozenset = frozenset(),
+) -> fx.GraphModule:
+    """Rewrite `gm` so that it computes one tensor-parallel rank's share (see module doc)."""
+    graph = gm.graph
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        group = graph.create_node("get_attr", GROUP_ATTRIBUTE)
+    walk = _Walk(graph, group, Context({}, tp, sequence_parallel, seq))
+    for node in list(graph.nodes):
+        if node is group:
+            continue
+        if node.op == "get_attr" and (name := meta.parameter_name(node)) is not None:
+            walk.set(node, placements.get(name, R))
+        elif node.op == "call_function" and (is_tensor(node) or isinstance(node.meta.get("val"), (list, tuple))):
+            walk.visit(node)
+        elif node.op == "output":
+            loss = node.args[0]
+            node.args = (walk.convert(loss, R, before=node),)
+    gm.meta["fxpar.tp"] = tp
+    # Stand-in until rank specialisation names this rank's group and bind() connects it.
+    setattr(gm, GROUP_ATTRIBUTE, RankGroup(axis=Axis.TP, ranks=tuple(range(tp)), handle=None))
+    return gm
+
+
+class _Walk:
+    def __init__(self, graph: fx.Graph, group: fx.Node, ctx: Context):
+        self.graph, self.group, self.ctx = graph, group, ctx
+        self.converted: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def set(self, node: fx.Node, placement) -> None:
+        self.ctx.placements[node] = placement
+        node.meta[meta.PLACEMENT] = placement
+
+    def visit(self, node: fx.Node) -> None:
+        rule = rule_for(node)
+        inputs = {n: self.ctx.placement(n) for n in node.all_input_nodes if is_tensor(n)}
+        if rule is None:
+            if any(not isinstance(p, Replicate) for p in inputs.values()):
+                raise PlanError(
+                    f"tensor parallelism has no placement rule for op {node.target} at "
+                    f"{meta.describe(node)}; its inputs are "
+                    f"{', '.join(f'{n.name}: {p}' for n, p in inputs.items())}. Fix: add a rule "
+                    "for it to fxpar.passes.tp_propagation.RULES, or replicate the module "
+                    "(tp_rules={'<module>': 'replicate'})",
+                    field="tp",
+                )
+            decision = Decision(R, inputs)
+        else:
+            decision = rule(node, self.ctx)
+        sharded_output = not isinstance(decision.output, (Replicate, list))
+        for source, wanted in decision.inputs.items():
+            if (
+                sharded_output
+                and isinstance(wanted, Replicate)
+                and meta.requires_grad(source)
+            ):
+                wanted = _COPY
+            replacement = self.convert(source, wanted, before=node)
+            if replacement is not source:
+                node.replace_input_with(source, replacement)
+        if decision.rewrite is not None:
+            getattr(self, "_" + decision.rewrite)(node, decision)
+        self.set(node, decision.output)
+
+    # -- redistribution ------------------------------------------------------------------------
+
+    def convert(self, source: fx.Node, wanted, *, before: fx.Node) -> fx.Node:
+        """`source` laid out as `wanted`, through the collectives of placement.REDISTRIBUTE."""
+        have = self.ctx.placement(source)
+        if have == wanted:
+            return source
+        key = (source, str(wanted))
+        if key in self.converted:
+            return self.converted[key]
+        if wanted == _COPY:
+            base = self.convert(source, R, before=before) if not isinstance(have, Shard) else source
+            if isinstance(have, Shard):
+                node = self._call(ops.gather_to_region, source, have.dim, before=before)
+            else:
+                node = self._call(ops.copy_to_region, base, before=before)
+            placement = R
+        elif isinstance(have, Partial) and isinstance(wanted, Replicate):
+            node, placement = self._call(ops.all_reduce, source, before=before), R
+        elif isinstance(have, Partial) and isinstance(wanted, Shard):
+            node, placement = self._call(ops.reduce_scatter, source, wanted.dim, before=before), wanted
+        elif isinstance(have, Shard) and isinstance(wanted, Replicate) and have.parts == 1:
+            node, placement = self._call(ops.all_gather, source, have.dim, before=before), R
+        elif isinstance(have, Replicate) and isinstance(wanted, Shard) and wanted.parts == 1:
+            node, placement = self._call(ops.split_to_shard, source, wanted.dim, before=before), wanted
+        elif isinstance(have, Shard) and isinstance(wanted, Shard) and have.parts == wanted.parts == 1:
+            whole = self.convert(source, R, before=before)
+            return self.convert(whole, wanted, before=before)
+        else:
+            raise PlanError(
+                f"tensor parallelism cannot turn {source.name} ({meta.describe(source)}) from {have} "
+                f"into {wanted} for {before.format_node()}. Fix: replicate the module that "
+                "produces it (tp_rules={'<module>': 'replicate'})",
+                field="tp",
+            )
+        self.set(node, placement)
+        self.converted[key] = node
+        return node
+
+    def _call(self, function, source: fx.Node, *extra, before: fx.Node) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(function, (source, self.group, *extra))
+        node.meta["val"] = source.meta["val"]
+        node.meta[meta.MODULE_PATH] = meta.module_path(before)
+        node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
+        return node
+
+    # -- rewrites of the op itself -------------------------------------------------------------
+
+    def _local_sizes(self, node: fx.Node, decision: Decision) -> None:
+        """A view's size constants for the local shard: [B, T, 12, 64] -> [B, T, 6, 64]."""
+        index = 2 if node.target.overloadpacket is torch.ops.aten.unflatten else 1
+        if len(node.args) <= index or not isinstance(node.args[index], (list, tuple)):
+            return
+        sizes = list(node.args[index])
+        out_dim = decision.output.dim - (len(shape_of(node)) - len(sizes))
+        size = sizes[out_dim]
+        if isinstance(size, int) and size != -1:
+            if size % self.ctx.tp:
+                raise PlanError(
+                    f"{meta.describe(node)} has size {size} along its sharded dim, not "
+                    f"divisible by tp={self.ctx.tp} (for grouped-query attention: the number of "
+                    "key/value heads). Fix: choose tp dividing it",
+                    field="tp",
+                    value=self.ctx.tp,
+                )
+            sizes[out_dim] = size // self.ctx.tp
+        elif isinstance(size, fx.Node):
+            raise PlanError(
+                f"{meta.describe(node)} shards a dim whose size is computed at run time; "
+                "fxpar cannot rewrite it. Fix: replicate the module",
+                field="tp",
+            )
+        args = list(node.args)
+        args[index] = sizes
+        node.args = tuple(args)
+
+    def _local_split(self, node: fx.Node, decision: Decision) -> None:
+        """A fused projection's split sizes for the local shard: split(qkv, C) -> split(qkv, C/t)."""
+        args = list(node.args)
+        sizes = args[1]
+        args[1] = [s // self.ctx.tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // self.ctx.tp
+        node.args = tuple(args)
+
+    def _bias_after_reduction(self, node: fx.Node, decision: Decision) -> None:
+        """linear(x, w, b) with partial sums -> linear(x, w) + b, b added once after the sum."""
+        bias = node.args[2]
+        node.args = node.args[:2]
+        with self.graph.inserting_after(node):
+            add = self.graph.call_function(torch.ops.aten.add.Tensor, (node, bias))
+        add.meta.update({k: v for k, v in node.meta.items() if k != meta.PLACEMENT})
+        add.meta[meta.REQUIRES_GRAD] = meta.requires_grad(node) or meta.requires_grad(bias)
+        node.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
+        self.set(node, decision.output)
+        self.visit(add)
+
+    def _vocab_parallel_embedding(self, node: fx.Node, decision: Decision) -> None:
+        weight, indices = node.args[0], node.args[1]
+        node.target = ops.vocab_parallel_embedding
+        node.args, node.kwargs = (weight, indices, self.group), {}
+
+    def _vocab_parallel_cross_entropy(self, node: fx.Node, decision: Decision) -> None:
+        logits, target, *rest = node.args
+        options = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), rest)) | node.kwargs
+        if options.get("weight") is not None or options.get("label_smoothing", 0.0) != 0.0:
+            raise PlanError(
+                f"vocabulary-parallel cross entropy supports no class weights and no label "
+                f"smoothing ({meta.describe(node)}). Fix: replicate the output projection",
+                field="tp",
+            )
+        reduction = {0: "none", 1: "mean", 2: "sum"}[options.get("reduction", 1)]
+        if reduction == "none":
+            raise PlanError(f"{meta.describe(node)}: reduction='none' is not supported under tp", field="tp")
+        node.target = ops.vocab_parallel_cross_entropy
+        node.args = (logits, target, self.group, options.get("ignore_index", -100), reduction)
+        node.kwargs = {}

@@ -1,0 +1,394 @@
+"""Placement propagation: one rule per aten op, deciding where its inputs must lie.
+
+A rule sees the node and the placements of its tensor inputs, and returns a `Decision`: the
+placement every tensor input must have (the pass inserts the collective that gets it there,
+from `fxpar.placement.REDISTRIBUTE`) and the placement of the output, plus an optional rewrite
+of the node itself (local constants in a view, a vocabulary-parallel kernel). Adding an op is
+adding a line to `RULES`.
+
+An op without a rule is fine while all its inputs are replicated (every rank computes it
+whole); with a sharded or partial input it is a PlanError that names the node, its module path,
+the op, the input placements and the rule to add.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fxpar.placement import P, Partial, Placement, R, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Decision:
+    output: Placement | list[Placement]
+    inputs: dict[fx.Node, Placement] = field(default_factory=dict)
+    rewrite: str | None = None  # the name of a rewrite in passes.tensor_parallel
+
+
+class Context:
+    """What rules may ask: placements so far, global shapes, the degree, sequence parallelism."""
+
+    def __init__(self, placements: dict[fx.Node, Placement], tp: int, sequence_parallel: bool, seq):
+        self.placements, self.tp, self.sequence_parallel, self.seq = placements, tp, sequence_parallel, seq
+
+    def placement(self, node: fx.Node) -> Placement:
+        return self.placements.get(node, R)
+
+    def partial_target(self, node: fx.Node) -> Placement:
+        """Where a partial sum goes before non-linear math: whole, or sequence-sharded under SP."""
+        shape = shape_of(node)
+        if self.sequence_parallel and len(shape) >= 3 and shape[1] in self.seq:
+            return Shard(1)
+        return R
+
+
+def is_tensor(node: object) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def shape_of(node: fx.Node) -> tuple:
+    return tuple(d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in node.meta["val"].shape)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [n for n in node.all_input_nodes if is_tensor(n)]
+
+
+def _dim(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _resolve_partials(node, ctx, inputs) -> dict:
+    return {n: (ctx.partial_target(n) if isinstance(p, Partial) else p) for n, p in inputs.items()}
+
+
+# -- elementwise ops with broadcasting -------------------------------------------------------
+
+_LINEAR_IN_PARTIALS = {aten.add, aten.sub}  # P op P = P
+_SCALES_A_PARTIAL = {aten.mul, aten.div, aten.neg, aten._to_copy, aten.clone, aten.alias,
+                     aten.contiguous, aten.type_as, aten.to, aten.detach}  # P op R = P
+
+
+def elementwise(node: fx.Node, ctx: Context) -> Decision:
+    out_shape = shape_of(node)
+    rank = len(out_shape)
+    inputs = {n: ctx.placement(n) for n in tensor_inputs(node)}
+    packet = node.target.overloadpacket
+    partials = [n for n, p in inputs.items() if isinstance(p, Partial)]
+    if partials:
+        others = [p for n, p in inputs.items() if n not in partials]
+        if packet in _LINEAR_IN_PARTIALS and not others:
+            return Decision(P, dict(inputs))
+        divisor = packet is aten.div and node.args[0] is not partials[0]
+        if packet in _SCALES_A_PARTIAL and len(partials) == 1 and not divisor and all(
+            isinstance(p, Replicate) for p in others
+        ):
+            return Decision(P, dict(inputs))
+        inputs = _resolve_partials(node, ctx, inputs)
+    out_dim, parts = None, 1
+    for n, p in inputs.items():
+        if isinstance(p, Shard):
+            out_dim, parts = p.dim + rank - len(shape_of(n)), p.parts
+            break
+    if out_dim is None:
+        return Decision(R, inputs)
+    wanted = {}
+    for n, p in inputs.items():
+        shape = shape_of(n)
+        local_dim = out_dim - (rank - len(shape))
+        broadcast = local_dim < 0 or shape[local_dim] == 1 and out_shape[out_dim] != 1
+        wanted[n] = R if broadcast else Shard(local_dim, parts)
+    return Decision(Shard(out_dim, parts), wanted)
+
+
+# -- views and layout ops --------------------------------------------------------------------
+
+
+def _groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input and output dims with equal products: how a reshape regroups dims."""
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        gi, gj = [i] if i < len(in_shape) else [], [j] if j < len(out_shape) else []
+        pi = in_shape[i] if gi else sympy.Integer(1)
+        pj = out_shape[j] if gj else sympy.Integer(1)
+        i, j = i + bool(gi), j + bool(gj)
+        while sympy.simplify(pi - pj) != 0:
+            if (i < len(in_shape)) and (j >= len(out_shape) or _smaller(pi, pj)):
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            elif j < len(out_shape):
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _smaller(a, b) -> bool:
+    ratio = sympy.simplify(b / a)
+    return ratio.is_number and ratio > 1 or not ratio.is_number
+
+
+def view(node: fx.Node, ctx: Context) -> Decision:
+    source = node.args[0]
+    p = ctx.placement(source)
+    if not isinstance(p, Shard):
+        return Decision(p, {source: p})
+    in_shape, out_shape = shape_of(source), shape_of(node)
+    for gi, gj in _groups(in_shape, out_shape):
+        if p.dim in gi:
+            if gi[0] != p.dim or not gj:  # only the outermost dim of a merge stays contiguous
+                return Decision(R, {source: R})
+            target = gj[0]
+            if p.parts > 1 and len(gj) > 1 and out_shape[target] % p.parts == 0 and len(gi) == 1:
+                return Decision(R, {source: R})  # a fused q|k|v viewed before its split
+            size = out_shape[target]
+            if not (size.is_number and int(size) % (ctx.tp * p.parts) == 0):
+                return Decision(R, {source: R})
+            return Decision(Shard(target, p.parts), {source: p}, rewrite="local_sizes")
+    return Decision(R, {source: R})
+
+
+def expand(node: fx.Node, ctx: Context) -> Decision:
+    source, p = node.args[0], ctx.placement(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision(p, {source: p})
+    target = p.dim + len(shape_of(node)) - len(shape_of(source))
+    return Decision(Shard(target, p.parts), {source: p}, rewrite="local_sizes")
+
+
+def transpose(node: fx.Node, ctx: Context) -> Decision:
+    source, p = node.args[0], ctx.placement(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision(p, {source: p})
+    rank = len(shape_of(source))
+    packet = node.target.overloadpacket
+    if packet is aten.t:
+        order = [1, 0] if rank == 2 else [0]
+    elif packet is aten.permute:
+        order = [_dim(d, rank) for d in node.args[1]]
+    else:
+        a, b = _dim(node.args[1], rank), _dim(node.args[2], rank)
+        order = list(range(rank))
+        order[a], order[b] = order[b], order[a]
+    return Decision(Shard(order.index(p.dim), p.parts), {source: p})
+
+
+def unsqueeze(node: fx.Node, ctx: Context) -> Decision:
+    source, p = node.args[0], ctx.placement(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision(p, {source: p})
+    d = _dim(node.args[1], len(shape_of(node)))
+    return Decision(Shard(p.dim + (d <= p.dim), p.parts), {source: p})
+
+
+def slicing(node: fx.Node, ctx: Context) -> Decision:
+    """slice / select / narrow along a dim: fine unless it is the sharded one."""
+    source, p = node.args[0], ctx.placement(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision(p, {source: p})
+    rank = len(shape_of(source))
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, rank)
+    if d == p.dim:
+        return Decision(R, {source: R})
+    dropped = node.target.overloadpacket is aten.select and d < p.dim
+    return Decision(Shard(p.dim - dropped, p.parts), {source: p})
+
+
+def split(node: fx.Node, ctx: Context) -> Decision:
+    source, p = node.args[0], ctx.placement(node.args[0])
+    count = len(node.meta["val"])
+    if not isinstance(p, Shard):
+        return Decision([p] * count, {source: p})
+    d = _dim(node.args[2] if len(node.args) > 2 else 0, len(shape_of(source)))
+    if d != p.dim:
+        return Decision([p] * count, {source: p})
+    if p.parts == count:  # a fused projection's blocks come apart: each rank its own slices
+        return Decision([Shard(d)] * count, {source: p}, rewrite="local_split")
+    return Decision([R] * count, {source: R})
+
+
+def getitem(node: fx.Node, ctx: Context) -> Decision:
+    source, index = node.args
+    outputs = ctx.placements.get(source)
+    return Decision(outputs[index] if isinstance(outputs, list) else R)
+
+
+def concatenate(node: fx.Node, ctx: Context) -> Decision:
+    pieces = [n for n in node.args[0]]
+    rank = len(shape_of(node))
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, rank)
+    placements = {n: ctx.placement(n) for n in pieces}
+    first = next(iter(placements.values()))
+    if isinstance(first, Shard) and first.dim != d and all(p == first for p in placements.values()):
+        return Decision(first, placements)
+    return Decision(R, {n: R for n in pieces})
+
+
+def repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
+    source, p = node.args[0], ctx.placement(node.args[0])
+    if isinstance(p, Partial):
+        return Decision(P, {source: p})
+    return Decision(p, {source: p})  # whole blocks repeat locally, sharded dim included
+
+
+# -- reductions and normalisations -----------------------------------------------------------
+
+
+def _reduced_dims(node: fx.Node, rank: int) -> tuple[set[int], bool]:
+    packet = node.target.overloadpacket
+    if packet in (aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax):
+        return {_dim(node.args[1], rank)}, True
+    if packet is aten.layer_norm:
+        return set(range(rank - len(node.args[1]), rank)), True
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = range(rank) if dims is None else ([dims] if isinstance(dims, int) else dims)
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return {_dim(d, rank) for d in dims}, keepdim
+
+
+def reduction(node: fx.Node, ctx: Context) -> Decision:
+    source = node.args[0]
+    inputs = _resolve_partials(node, ctx, {n: ctx.placement(n) for n in tensor_inputs(node)})
+    p, rank = inputs[source], len(shape_of(source))
+    reduced, keepdim = _reduced_dims(node, rank)
+    if not isinstance(p, Shard):
+        return Decision(R, {n: R for n in inputs})
+    if p.dim in reduced:
+        return Decision(R, {n: R for n in inputs})
+    out_dim = p.dim if keepdim else p.dim - sum(d < p.dim for d in reduced)
+    wanted = {n: (p if n is source else R) for n in inputs}  # norm weights stay replicated
+    return Decision(Shard(out_dim, p.parts), wanted)
+
+
+# -- contractions ----------------------------------------------------------------------------
+
+
+def linear(node: fx.Node, ctx: Context) -> Decision:
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    wp, xp = ctx.placement(weight), ctx.placement(x)
+    rank = len(shape_of(x))
+    if isinstance(wp, Shard) and wp.dim == 0:  # column-parallel
+        inputs = {x: R, weight: wp} | ({bias: wp} if bias is not None else {})
+        return Decision(Shard(rank - 1, wp.parts), inputs)
+    if isinstance(wp, Shard) and wp.dim == 1:  # row-parallel: partial sums, bias after the sum
+        inputs = {x: Shard(rank - 1, wp.parts), weight: wp}
+        return Decision(P, inputs, rewrite="bias_after_reduction" if bias is not None else None)
+    if isinstance(xp, Shard) and xp.dim < rank - 1:  # a replicated weight on a batch/seq shard
+        return Decision(xp, {x: xp, weight: R} | ({bias: R} if bias is not None else {}))
+    if isinstance(xp, Partial) and bias is None:
+        return Decision(P, {x: P, weight: R})
+    return Decision(R, {n: R for n in tensor_inputs(node)})
+
+
+def attention(node: fx.Node, ctx: Context) -> Decision:
+    q = node.args[0]
+    inputs = _resolve_partials(node, ctx, {n: ctx.placement(n) for n in tensor_inputs(node)})
+    rank = len(shape_of(q))
+    shard = next((p for p in inputs.values() if isinstance(p, Shard) and p.dim < rank - 2), None)
+    if shard is None:
+        return Decision(R, {n: R for n in inputs})
+    wanted = {}
+    for n in inputs:
+        shape = shape_of(n)
+        local = shard.dim - (rank - len(shape))
+        wanted[n] = R if local < 0 or shape[local] == 1 else Shard(local)
+    return Decision(Shard(shard.dim), wanted)
+
+
+def matmul(node: fx.Node, ctx: Context) -> Decision:
+    a, b = node.args[0], node.args[1]
+    inputs = _resolve_partials(node, ctx, {a: ctx.placement(a), b: ctx.placement(b)})
+    pa, pb = inputs[a], inputs[b]
+    ra, rb, rank = len(shape_of(a)), len(shape_of(b)), len(shape_of(node))
+    if isinstance(pa, Shard) and isinstance(pb, Shard) and pa.dim == ra - 1 and pb.dim == rb - 2:
+        return Decision(P, inputs)  # the contracted dim is sharded: partial sums
+    for p, r in ((pa, ra), (pb, rb)):
+        if isinstance(p, Shard) and p.dim < r - 2:  # a batch dim: both sides shard it
+            d = p.dim + rank - r
+            return Decision(Shard(d), {a: Shard(d - rank + ra), b: Shard(d - rank + rb)})
+    if isinstance(pa, Shard) and pa.dim == ra - 2 and isinstance(pb, Replicate):
+        return Decision(Shard(rank - 2), inputs)
+    if isinstance(pb, Shard) and pb.dim == rb - 1 and isinstance(pa, Replicate):
+        return Decision(Shard(rank - 1), inputs)
+    return Decision(R, {a: R, b: R})
+
+
+# -- vocabulary-parallel embedding and loss --------------------------------------------------
+
+
+def embedding(node: fx.Node, ctx: Context) -> Decision:
+    weight, indices = node.args[0], node.args[1]
+    wp, ip = ctx.placement(weight), ctx.placement(indices)
+    if isinstance(wp, Shard) and wp.dim == 0:
+        return Decision(P, {weight: wp, indices: R}, rewrite="vocab_parallel_embedding")
+    if isinstance(wp, Shard) and wp.dim == 1:
+        return Decision(Shard(len(shape_of(node)) - 1), {weight: wp, indices: R})
+    return Decision(ip if isinstance(ip, Shard) else R, {weight: R, indices: ip if isinstance(ip, Shard) else R})
+
+
+def cross_entropy(node: fx.Node, ctx: Context) -> Decision:
+    logits, target = node.args[0], node.args[1]
+    p = ctx.placement(logits)
+    if isinstance(p, Shard) and p.dim == len(shape_of(logits)) - 1 and len(shape_of(logits)) == 2:
+        return Decision(R, {logits: p, target: R}, rewrite="vocab_parallel_cross_entropy")
+    return Decision(R, {n: R for n in tensor_inputs(node)})
+
+
+def creation(node: fx.Node, ctx: Context) -> Decision:
+    return Decision(R, {n: R for n in tensor_inputs(node)})
+
+
+def passthrough(node: fx.Node, ctx: Context) -> Decision:
+    source = node.args[0]
+    p = ctx.placement(source)
+    return Decision(p, {source: p})
+
+
+_ELEMENTWISE = [
+    aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.pow, aten.rsqrt, aten.sqrt,
+    aten.exp, aten.log, aten.gelu, aten.silu, aten.relu, aten.tanh, aten.sigmoid, aten.where,
+    aten.masked_fill, aten.dropout, aten.reciprocal, aten.maximum, aten.minimum, aten.clamp,
+    aten.cos, aten.sin, aten.abs, aten.square, aten.erf, aten.eq, aten.ne, aten.lt, aten.gt,
+    aten.le, aten.ge, aten.logical_not, aten.logical_and, aten.bitwise_not, aten._to_copy,
+    aten.to, aten.type_as, aten.clone, aten.contiguous, aten.alias, aten.detach,
+]
+RULES: dict[object, Callable[[fx.Node, Context], Decision]] = {
+    **{op: elementwise for op in _ELEMENTWISE},
+    aten.view: view, aten._unsafe_view: view, aten.reshape: view, aten.expand: expand,
+    aten.flatten: view, aten.unflatten: view, aten.squeeze: view,
+    aten.transpose: transpose, aten.permute: transpose, aten.t: transpose,
+    aten.unsqueeze: unsqueeze,
+    aten.slice: slicing, aten.select: slicing, aten.narrow: slicing,
+    aten.split: split, aten.split_with_sizes: split, aten.chunk: split, aten.unbind: split,
+    operator.getitem: getitem,
+    aten.cat: concatenate, aten.repeat_interleave: repeat_interleave,
+    aten.layer_norm: reduction, aten.softmax: reduction, aten._softmax: reduction,
+    aten.log_softmax: reduction, aten._log_softmax: reduction, aten.mean: reduction,
+    aten.sum: reduction, aten.amax: reduction,
+    aten.linear: linear, aten.matmul: matmul, aten.bmm: matmul, aten.mm: matmul,
+    aten.scaled_dot_product_attention: attention,
+    aten.embedding: embedding, aten.cross_entropy_loss: cross_entropy,
+    aten.arange: creation, aten.zeros: creation, aten.ones: creation, aten.full: creation,
+    aten.empty: creation, aten.scalar_tensor: creation, aten.zeros_like: passthrough,
+    aten.ones_like: passthrough, aten.full_like: passthrough, aten.empty_like: passthrough,
+    aten.tril: passthrough, aten.triu: passthrough,
+}
+
+
+def rule_for(node: fx.Node) -> Callable[[fx.Node, Context], Decision] | None:
+    target = node.target
+    key = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    return RULES.get(key)
