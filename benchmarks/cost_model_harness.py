@@ -1,0 +1,269 @@
+"""Measurements that `bench_cost_model.py` sets against `program.estimate()`, one per term.
+
+Map: `model_state_bytes` (params, grads, optimizer state actually held), `saved_activations`
+(bytes autograd saves in a real forward), `allocation_peak` (peak CPU bytes allocated inside
+a region, from the profiler's allocation events), `cuda_peak`, `timed_steps` (per-phase step
+times), `isolated_collectives` (the step's collectives alone, without compute),
+`per_op_seconds` (a prototype measured compute model: every op timed alone), `format_table`.
+
+Each measurement reads the real objects, never the cost model, so a term it agrees with is
+agreement, not the same code run twice:
+
+* model state: the sum of `nbytes` of every distinct parameter, `.grad` and optimizer-state
+  tensor, right after `optimizer.step()` (gradients are still there, the state exists);
+* activations: the same quantity the cost model derives symbolically (bytes of the distinct
+  storages autograd packs for backward, parameters left out), here from the real forward
+  through `torch.autograd.graph.saved_tensors_hooks`;
+* peak memory: an independent check. On the CPU, `torch.profiler` with
+  `profile_memory=True` reports every allocation and free made while it runs (c10's
+  `ProfiledCPUMemoryReporter`); their running sum is the net memory the region allocated,
+  its maximum the region's peak above what was held when it started. The bytes held at the
+  start (model state, the gradient buckets, the input batch) are counted from the tensors
+  themselves. On a CUDA device, the caching allocator's own `max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._C._autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held now (call after `step()`).
+
+    `optimizer_moments` leaves out Adam's per-tensor `step` counters, which `optimizer` counts:
+    the split shows which part of a difference they make.
+    """
+    params = list(module.parameters())  # each tied parameter once
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [
+        (name, value)
+        for per_param in optimizer.state.values()
+        for name, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "params": sum(p.nbytes for p in params),
+        "grads": sum(g.nbytes for g in grads),
+        "grads_storage": distinct_storage_bytes(grads),  # the bucket buffers under dp > 1
+        "optimizer": sum(v.nbytes for _, v in state),
+        "optimizer_moments": sum(v.nbytes for name, v in state if name != "step"),
+        "optimizer_tensors": len(state),
+        "parameter_tensors": len(params),
+    }
+
+
+def saved_activations(run: Callable[[], object], exclude: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes of the distinct storages autograd saves while `run()` executes, minus `exclude`'s.
+
+    `run` may include the backward: backward packs nothing (no double backward), and the
+    saved tensors are only referenced here until the count is taken.
+    """
+    excluded = {_storage_key(t) for t in exclude}
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    storages: dict[int, int] = {}
+    for tensor in saved:
+        key = _storage_key(tensor)
+        if key in excluded or not tensor.untyped_storage().nbytes():
+            continue
+        storages[key] = tensor.untyped_storage().nbytes()
+    packed = len(saved)
+    saved.clear()
+    return {"bytes": sum(storages.values()), "storages": len(storages), "packed": packed}
+
+
+def allocation_peak(run: Callable[[], object]) -> dict[str, int]:
+    """Peak and final net bytes allocated on the CPU while `run()` executes (profiler events).
+
+    Frees of tensors allocated before the region are not reported by the profiler, so the
+    numbers are the region's own allocations: the peak above what was held at its start.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        if e.device_type() != DeviceType.CPU:
+            continue
+        running += e.nbytes()
+        peak = max(peak, running)
+    return {"peak": peak, "final": running, "events": len(events)}
+
+
+def cuda_peak(run: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated on a CUDA `device` while `run()` executes, all tensors included."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def timed_steps(
+    phases: list[Callable[[], object]], *, warmup: int, steps: int, world_size: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Wall and main-thread CPU seconds of each phase of the last `steps` of `warmup + steps`.
+
+    A step runs `phases` in order; a barrier before each step lets every rank start together.
+    Wall times are combined over ranks with an all-reduce MAX (a data-parallel step is as slow
+    as its slowest rank), CPU times (`time.thread_time`) with a mean, both after the run. CPU
+    time leaves out the time the thread waited, for a collective or for a core another
+    process held, so on a shared machine it is the quieter measure of the work done.
+    """
+    wall: list[list[float]] = []
+    cpu: list[list[float]] = []
+    for i in range(warmup + steps):
+        if world_size > 1:
+            dist.barrier()
+        marks = [(time.perf_counter(), time.thread_time())]
+        for phase in phases:
+            phase()
+            marks.append((time.perf_counter(), time.thread_time()))
+        if i >= warmup:
+            wall.append([b[0] - a[0] for a, b in zip(marks, marks[1:])])
+            cpu.append([b[1] - a[1] for a, b in zip(marks, marks[1:])])
+    if world_size > 1:
+        worst = torch.tensor(wall, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        wall = worst.tolist()
+        mean = torch.tensor(cpu, dtype=torch.float64)
+        dist.all_reduce(mean)
+        cpu = (mean / world_size).tolist()
+    return wall, cpu
+
+
+def isolated_collectives(
+    payloads: list[tuple[int, torch.dtype]], *, warmup: int, steps: int,
+    device: torch.device | str = "cpu",
+) -> float:
+    """Median seconds to all-reduce buffers of these (numel, dtype) one after another, alone.
+
+    The step's all-reduces without the compute they overlap: what the alpha-beta link model
+    predicts before any overlap is applied.
+    """
+    buffers = [torch.zeros(n, dtype=d, device=device) for n, d in payloads]
+    seconds = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(b, async_op=True) for b in buffers]
+        for w in works:
+            w.wait()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+    worst = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return statistics.median(worst.tolist())
+
+
+class _RecordingInterpreter(fx.Interpreter):
+    """Runs a graph and keeps every aten call with its real arguments."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.calls: list[tuple[object, tuple, dict]] = []
+
+    def call_function(self, target, args, kwargs):
+        if isinstance(target, torch._ops.OpOverload):
+            self.calls.append((target, args, kwargs))
+        return super().call_function(target, args, kwargs)
+
+
+def per_op_seconds(
+    gm: fx.GraphModule, inputs: list[torch.Tensor], *, sync: Callable[[], None] = lambda: None,
+    repeats: int = 7,
+) -> dict[str, float]:
+    """Sum over the graph's aten calls of each call's forward + backward time, run alone.
+
+    A prototype of a measured compute model: each distinct (op, argument shapes) is timed once
+    (median of `repeats`) on fresh copies of its real arguments, floating ones requiring grad,
+    then backward from a random output gradient; the sum weighs each by its occurrences.
+    """
+    recorder = _RecordingInterpreter(gm)
+    with torch.no_grad():
+        recorder.run(*inputs)
+
+    def signature(value):
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), tuple(value.stride()), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return tuple(signature(v) for v in value)
+        return value
+
+    def fresh(value):
+        if isinstance(value, torch.Tensor):
+            copy = value.detach().clone()
+            return copy.requires_grad_(True) if copy.is_floating_point() else copy
+        if isinstance(value, (list, tuple)):
+            return type(value)(fresh(v) for v in value)
+        return value
+
+    timed: dict[tuple, float] = {}
+    total = 0.0
+    for target, args, kwargs in recorder.calls:
+        key = (str(target), signature(args), signature(tuple(sorted(kwargs.items()))))
+        if key not in timed:
+            args2, kwargs2 = fresh(args), {k: fresh(v) for k, v in kwargs.items()}
+            with torch.no_grad():
+                probe = target(*args2, **kwargs2)
+            grad = (torch.randn_like(probe)
+                    if isinstance(probe, torch.Tensor) and probe.is_floating_point() else None)
+
+            def forward_backward():
+                out = target(*args2, **kwargs2)
+                if grad is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                    out.backward(grad)
+                sync()
+
+            forward_backward()
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                forward_backward()
+                seconds.append(time.perf_counter() - start)
+            timed[key] = statistics.median(seconds)
+        total += timed[key]
+    return {"seconds": total, "calls": len(recorder.calls), "distinct": len(timed)}
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table whose columns also line up in a terminal (first column left-aligned)."""
+    widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        padded = [str(x).ljust(w) if i == 0 else str(x).rjust(w)
+                  for i, (x, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":")
+                          for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
