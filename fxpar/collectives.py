@@ -193,6 +193,18 @@ def tensor_parallel_collectives(
     return tuple(forward + backward[::-1])
 
 
+def partial_gradient_collectives(gm: fx.GraphModule, group: tuple[int, ...]) -> tuple[Collective, ...]:
+    """The one all-reduce per step that completes replicated parameters' partial gradients."""
+    names = meta.partial_gradient_parameters(gm.graph)
+    if len(group) == 1 or not names:
+        return ()
+    nodes = meta.parameter_nodes(gm.graph)
+    numel = sum(nodes[n].meta["val"].numel() for n in names)
+    dtype = nodes[names[0]].meta["val"].dtype
+    return (Collective(kind="all_reduce", group=group, numel=numel, dtype=dtype,
+                       tag="tp partial parameter gradients", phase="step"),)
+
+
 def _numel(node: fx.Node, sizes: dict) -> int:
     total = 1
     for d in node.meta["val"].shape:

@@ -10,6 +10,8 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.requires_grad       trace.capture     whether autograd computes this value's gradient
     fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
     fxpar.placement           tensor_parallel   the value's Placement across the tp group
+    fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
+                                                partial sum over the tp group
 
 Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
 """
@@ -23,6 +25,7 @@ PARAMETER = "fxpar.parameter"
 BUCKET = "fxpar.bucket"
 PLACEMENT = "fxpar.placement"
 REQUIRES_GRAD = "fxpar.requires_grad"
+GRAD_PARTIAL = "fxpar.grad_partial"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
@@ -61,3 +64,8 @@ def placement(node: fx.Node):
 def requires_grad(node: fx.Node) -> bool:
     """Whether autograd computes a gradient for this value (see trace._requires_grad)."""
     return node.meta.get(REQUIRES_GRAD, False)
+
+
+def partial_gradient_parameters(graph: fx.Graph) -> list[str]:
+    """Replicated parameters whose gradients each tp rank holds only a summand of."""
+    return [n for n, node in parameter_nodes(graph).items() if node.meta.get(GRAD_PARTIAL)]

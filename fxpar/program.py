@@ -25,6 +25,7 @@ from fxpar.collectives import (
     Collective,
     check_collectives,
     data_parallel_collectives,
+    partial_gradient_collectives,
     tensor_parallel_collectives,
 )
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
@@ -152,13 +153,13 @@ class Program:
         See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues.
         """
         sizes = self._local_sizes()
-        tensor_parallel = tensor_parallel_collectives(
-            self.graph_module, self.mesh.group(rank, Axis.TP), sizes
-        )
+        tp_group = self.mesh.group(rank, Axis.TP)
+        tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)
         data_parallel = data_parallel_collectives(
             self.buckets, self.mesh.group(rank, Axis.DP), zero=self.plan.zero
         )
-        return tensor_parallel * self.plan.microbatches + data_parallel
+        partial = partial_gradient_collectives(self.graph_module, tp_group)
+        return tensor_parallel * self.plan.microbatches + data_parallel + partial
 
     def _local_sizes(self) -> dict:
         """Export's size symbols -> their values in one rank's microbatch of the example."""

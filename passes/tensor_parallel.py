@@ -40,6 +40,11 @@ from fxpar.runtime.process_groups import RankGroup
 from fxpar.passes.tp_propagation import Context, Decision, is_tensor, rule_for, shape_of
 
 GROUP_ATTRIBUTE = "tp_group"
+
+
+def _order(graph: fx.Graph):
+    positions = {n: i for i, n in enumerate(graph.nodes)}
+    return positions.__getitem__
 _COPY = "R*"  # a replicated value on its way into sharded math (Megatron's f)
 
 
@@ -67,6 +72,7 @@ def shard_tensor_parallel(
         elif node.op == "output":
             loss = node.args[0]
             node.args = (walk.convert(loss, R, before=node),)
+    walk.settle_parameters_feeding_shards()
     gm.meta["fxpar.tp"] = tp
     # Stand-in until rank specialisation names this rank's group and bind() connects it.
     setattr(gm, GROUP_ATTRIBUTE, RankGroup(axis=Axis.TP, ranks=tuple(range(tp)), handle=None))
@@ -77,6 +83,7 @@ class _Walk:
     def __init__(self, graph: fx.Graph, group: fx.Node, ctx: Context):
         self.graph, self.group, self.ctx = graph, group, ctx
         self.converted: dict[tuple[fx.Node, str], fx.Node] = {}
+        self.sharded_uses: dict[fx.Node, list[fx.Node]] = {}  # parameter -> sharded consumers
 
     def set(self, node: fx.Node, placement) -> None:
         self.ctx.placements[node] = placement
@@ -105,6 +112,9 @@ class _Walk:
                 and isinstance(wanted, Replicate)
                 and meta.requires_grad(source)
             ):
+                if meta.parameter_name(source) is not None:
+                    self.sharded_uses.setdefault(source, []).append(node)  # see below
+                    continue
                 wanted = _COPY
             replacement = self.convert(source, wanted, before=node)
             if replacement is not source:
@@ -112,6 +122,25 @@ class _Walk:
         if decision.rewrite is not None:
             getattr(self, "_" + decision.rewrite)(node, decision)
         self.set(node, decision.output)
+
+    def settle_parameters_feeding_shards(self) -> None:
+        """Replicated parameters in sharded math: one coalesced gradient all-reduce, not f each.
+
+        Under sequence parallelism every norm weight and row-parallel bias meets sequence
+        shards; an f per parameter would all-reduce each gradient separately during backward.
+        Megatron instead all-reduces such gradients together once backward is done, and so does
+        fxpar: a parameter whose every use is sharded math gets `fxpar.grad_partial`, and the
+        runtime sums those gradients over the tp group in one call after the last microbatch.
+        A parameter also used whole keeps an f on its sharded uses.
+        """
+        for parameter, consumers in self.sharded_uses.items():
+            tensor_users = [u for u in parameter.users if u.op != "output"]
+            if len(set(consumers)) == len(tensor_users):
+                parameter.meta[meta.GRAD_PARTIAL] = True
+                continue
+            copy = self.convert(parameter, _COPY, before=min(consumers, key=_order(self.graph)))
+            for consumer in consumers:
+                consumer.replace_input_with(parameter, copy)
 
     # -- redistribution ------------------------------------------------------------------------
 

@@ -42,10 +42,21 @@ class Context:
     def placement(self, node: fx.Node) -> Placement:
         return self.placements.get(node, R)
 
+    def has_seq_dim(self, node: fx.Node) -> bool:
+        shape = shape_of(node)
+        return len(shape) >= 3 and shape[1] in self.seq
+
+    def sequence_shard(self, node: fx.Node, inputs: dict[fx.Node, Placement]) -> fx.Node | None:
+        """Under sequence parallelism, the one replicated stream input a norm or dropout should
+        take on sequence shards (Korthikanti et al. 2022, Sec. 4.2.2), if there is one."""
+        if not self.sequence_parallel or any(not isinstance(p, Replicate) for p in inputs.values()):
+            return None
+        streams = [n for n in inputs if self.has_seq_dim(n)]
+        return streams[0] if len(streams) == 1 and self.has_seq_dim(node) else None
+
     def partial_target(self, node: fx.Node) -> Placement:
         """Where a partial sum goes before non-linear math: whole, or sequence-sharded under SP."""
-        shape = shape_of(node)
-        if self.sequence_parallel and len(shape) >= 3 and shape[1] in self.seq:
+        if self.sequence_parallel and self.has_seq_dim(node):
             return Shard(1)
         return R
 
@@ -73,6 +84,9 @@ def _resolve_partials(node, ctx, inputs) -> dict:
 # -- elementwise ops with broadcasting -------------------------------------------------------
 
 _LINEAR_IN_PARTIALS = {aten.add, aten.sub}  # P op P = P
+# Elementwise ops that start a norm or are dropout: under sequence parallelism they move the
+# replicated residual stream onto sequence shards (RMSNorm begins with x.pow(2)).
+_ON_SEQUENCE_SHARDS = {aten.dropout, aten.pow, aten.square, aten.mul, aten.to, aten._to_copy}
 _SCALES_A_PARTIAL = {aten.mul, aten.div, aten.neg, aten._to_copy, aten.clone, aten.alias,
                      aten.contiguous, aten.type_as, aten.to, aten.detach}  # P op R = P
 
@@ -93,6 +107,8 @@ def elementwise(node: fx.Node, ctx: Context) -> Decision:
         ):
             return Decision(P, dict(inputs))
         inputs = _resolve_partials(node, ctx, inputs)
+    if (stream := ctx.sequence_shard(node, inputs)) is not None and packet in _ON_SEQUENCE_SHARDS:
+        inputs[stream] = Shard(1)
     out_dim, parts = None, 1
     for n, p in inputs.items():
         if isinstance(p, Shard):
@@ -261,6 +277,8 @@ def _reduced_dims(node: fx.Node, rank: int) -> tuple[set[int], bool]:
 def reduction(node: fx.Node, ctx: Context) -> Decision:
     source = node.args[0]
     inputs = _resolve_partials(node, ctx, {n: ctx.placement(n) for n in tensor_inputs(node)})
+    if node.target.overloadpacket is aten.layer_norm and ctx.sequence_shard(node, {source: inputs[source]}) is source:
+        inputs[source] = Shard(1)
     p, rank = inputs[source], len(shape_of(source))
     reduced, keepdim = _reduced_dims(node, rank)
     if not isinstance(p, Shard):

@@ -52,6 +52,10 @@ class Runner:
         self.module = program.rank_module(rank)
         self._dp = groups[Axis.DP]
         self._buckets: GradientBuckets | None = None
+        tp = groups.get(Axis.TP)
+        self._partial_gradient_names = (
+            meta.partial_gradient_parameters(self.module.graph) if tp is not None and tp.size > 1 else []
+        )
 
     @classmethod
     def create(
@@ -180,9 +184,22 @@ class Runner:
             if self._buckets is not None:
                 self._buckets.start_backward(synchronize=last, loss=total if last else None)
             loss.backward()
-        if self._buckets is None:
-            return float(total)
-        return self._buckets.finish()
+        loss = float(total) if self._buckets is None else self._buckets.finish()
+        self._complete_partial_gradients()
+        return loss
+
+    def _complete_partial_gradients(self) -> None:
+        """Sum, over the tp group, the gradients each rank holds a summand of (one call)."""
+        names = self._partial_gradient_names
+        if not names:
+            return
+        grads = [self.module.get_parameter(n).grad for n in names]
+        flat = _flatten_dense_tensors(grads)
+        self.communicator.all_reduce_now(
+            flat, self.groups[Axis.TP], tag="tp partial parameter gradients", phase="step"
+        )
+        for grad, whole in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(whole)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **options: Any):
         """`optimizer_class` over this rank's parameters (each tied group once)."""

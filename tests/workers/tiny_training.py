@@ -19,12 +19,12 @@ from llama import Llama, LlamaConfig  # noqa: E402
 CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 # The three model families tensor parallelism is tested on: separate q/k/v; GPT-2's fused
 # c_attn; Llama's RMSNorm, rotary embeddings, grouped-query attention (4 query heads sharing
-# 2 key/value heads), SwiGLU and an untied head.
+# 4 key/value heads), SwiGLU and an untied head.
 MODELS = {
     "gpt": lambda: GPT(CONFIG),
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)),
-    "llama": lambda: Llama(LlamaConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                                      intermediate_size=64, max_seq_len=32)),
+    "llama": lambda: Llama(LlamaConfig(vocab_size=64, n_layer=2, n_head=8, n_kv_head=4, n_embd=64,
+                                      intermediate_size=128, max_seq_len=32)),
 }
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
 # AdamW with eps=1e-6, not 1e-8: the key bias under softmax has an exactly-zero true gradient
