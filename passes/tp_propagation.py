@@ -21,6 +21,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxpar import meta
+from fxpar.errors import PlanError
 from fxpar.placement import P, Partial, Placement, R, Replicate, Shard
 
 aten = torch.ops.aten
@@ -170,8 +172,17 @@ def view(node: fx.Node, ctx: Context) -> Decision:
             if p.parts > 1 and len(gj) > 1 and out_shape[target] % p.parts == 0 and len(gi) == 1:
                 return Decision(R, {source: R})  # a fused q|k|v viewed before its split
             size = out_shape[target]
-            if not (size.is_number and int(size) % (ctx.tp * p.parts) == 0):
+            if not size.is_number:
                 return Decision(R, {source: R})
+            if int(size) % (ctx.tp * p.parts):
+                raise PlanError(
+                    f"{meta.describe(node)} splits a tensor-parallel dim into {int(size)} parts "
+                    f"(heads), not divisible by tp={ctx.tp} (for grouped-query attention: the "
+                    "number of key/value heads). Fix: choose tp dividing it, or replicate the "
+                    "projections (tp_rules)",
+                    field="tp",
+                    value=ctx.tp,
+                )
             return Decision(Shard(target, p.parts), {source: p}, rewrite="local_sizes")
     return Decision(R, {source: R})
 

@@ -94,10 +94,13 @@ def parameter_placements(
     """The tensor-parallel placement of every parameter under `rules` (see module doc)."""
     roles = parameter_roles(gm)
     styles = infer_styles(gm) if rules == "auto" else _match_rules(roles, rules)
+    fused = fused_projections(gm)
     placements = {}
     for name, (kind, role) in roles.items():
         style = styles.get(_module_of(name), "replicate")
         placement = placement_for(kind, role, style)
+        if isinstance(placement, Shard) and placement.dim == 0 and name in fused:
+            placement = Shard(0, parts=fused[name])
         if isinstance(placement, Shard):
             size = meta.parameter_nodes(gm.graph)[name].meta["val"].shape[placement.dim]
             if size % tp:
@@ -110,6 +113,31 @@ def parameter_placements(
                 )
         placements[name] = placement
     return placements
+
+
+def fused_projections(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameters of projections whose output is split into equal blocks: {name: blocks}.
+
+    GPT-2's `c_attn` computes q|k|v in one matmul and splits it. Cutting its weight into tp
+    contiguous slices would give rank 0 all of q; as `Shard(0, parts=3)` each rank holds its
+    own slice of each block, so the local output splits into local q, k and v heads.
+    """
+    fused = {}
+    for node in gm.graph.nodes:
+        if _packet(node) is not aten.linear:
+            continue
+        width = node.meta["val"].shape[-1]
+        for user in node.users:
+            packet = _packet(user)
+            dim = user.args[2] if len(user.args) > 2 else 0
+            if packet in (aten.split, aten.chunk) and dim in (-1, len(node.meta["val"].shape) - 1):
+                size = user.args[1]
+                blocks = size if packet is aten.chunk else width // size
+                if packet is aten.chunk or width % size == 0:
+                    for parameter in node.args[1:]:
+                        if isinstance(parameter, fx.Node) and meta.parameter_name(parameter):
+                            fused[meta.parameter_name(parameter)] = int(blocks)
+    return fused
 
 
 def _match_rules(roles: dict[str, tuple[str, str]], rules: Mapping[str, str]) -> dict[str, str]:
