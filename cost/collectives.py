@@ -8,6 +8,7 @@ factors):
     reduce_scatter   n-1        (n-1)/n x M      (M: its input)
     all_gather       n-1        (n-1)/n x M      (M: its output)
     broadcast        n-1        M                (a pipelined chain)
+    send / recv      1          M / 0            (point to point between pipeline stages)
 
 Time is the alpha-beta model: alpha x steps + wire bytes / bandwidth.
 """
@@ -21,23 +22,23 @@ from fxpar.cost.hardware import Link
 MiB = 2**20
 DDP_DEFAULT_BUCKET_BYTES = 25 * MiB  # torch DDP's bucket_cap_mb default
 
-_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "send": 1, "recv": 1}
 
 
 def wire_bytes(kind: str, payload: sympy.Expr | int, n: int) -> sympy.Expr:
     """Bytes each rank sends in a ring `kind` of `payload` bytes over `n` ranks."""
-    if n == 1:
+    if n == 1 or kind == "recv":
         return sympy.Integer(0)
-    if kind == "broadcast":
+    if kind in ("broadcast", "send"):
         return sympy.sympify(payload)
     return sympy.Rational(_STEPS[kind] * (n - 1), n) * payload
 
 
 def collective_time(kind: str, payload: sympy.Expr | int, n: int, link: Link) -> sympy.Expr:
     """Seconds for one ring `kind`: latency steps plus its wire bytes at link speed."""
-    if n == 1:
+    if n == 1 or kind == "recv":  # a transfer is timed once, on the sending side
         return sympy.Integer(0)
-    steps = _STEPS[kind] * (n - 1)
+    steps = _STEPS[kind] * (1 if kind == "send" else n - 1)
     return steps * sympy.Float(link.alpha) + wire_bytes(kind, payload, n) / sympy.Float(
         link.bandwidth
     )

@@ -24,7 +24,7 @@ from fxpar.passes.data_parallel import Bucket
 from fxpar.placement import Shard
 from fxpar.runtime import tensor_parallel_ops as ops
 
-CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"]
 # When in the step a collective runs; the cost model overlaps forward and backward ones with
 # compute and counts "step" ones (around the optimizer step) as exposed.
 Phase = Literal["forward", "backward", "step"]
@@ -64,6 +64,8 @@ def check_collectives(
     per_group: dict[tuple[int, ...], dict[int, list[Collective]]] = {}
     for rank in range(world_size):
         for call in collectives_of(rank):
+            if call.kind in ("send", "recv"):
+                continue  # point to point: matched pair by pair (pipeline_program.check_pipeline)
             if rank not in call.group:
                 raise PlanError(f"rank {rank} issues a collective on a group without it: {call}")
             per_group.setdefault(call.group, {}).setdefault(rank, []).append(call)
@@ -85,7 +87,7 @@ def check_collectives(
 
 
 def data_parallel_collectives(
-    buckets: tuple[Bucket, ...], group: tuple[int, ...], *, zero: int
+    buckets: tuple[Bucket, ...], group: tuple[int, ...], *, zero: int, carry_loss: bool = True
 ) -> tuple[Collective, ...]:
     """What one data-parallel rank issues per step, by ZeRO stage (Rajbhandari et al. 2020).
 
@@ -113,10 +115,10 @@ def data_parallel_collectives(
     loss_dtype = buckets[-1].dtype if buckets else torch.float32
     if zero == 0:
         for b in buckets:
-            last = b.index == len(buckets) - 1
+            last = b.index == len(buckets) - 1 and carry_loss
             numel = b.numel + (1 if last else 0)
             call("all_reduce", numel, b.dtype, f"gradient bucket {b.index}" + (" + loss" if last else ""), "backward")
-        if not buckets:
+        if not buckets and carry_loss:
             call("all_reduce", 1, loss_dtype, "loss", "backward")
         return tuple(calls)
     if zero == 3:

@@ -41,6 +41,7 @@ import yaml
 
 from fxpar.errors import PlanError
 
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
 Precision = Literal["fp32", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -55,6 +56,22 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
         "bucket_mb=25, or leave bucket_mb out to let the cost model choose",
     ),
     "tp": ("tp", "a positive integer (the tensor-parallel degree)", "tp=2"),
+    "pp": ("pp", "a positive integer (the number of pipeline ranks)", "pp=2"),
+    "schedule": (
+        "schedule",
+        "one of " + ", ".join(repr(s) for s in SCHEDULES) + " (the pipeline schedule)",
+        "schedule=1f1b",
+    ),
+    "virtual_stages": (
+        "virtual_stages",
+        "a positive integer (model chunks per pipeline rank; > 1 with schedule=interleaved)",
+        "virtual_stages=2",
+    ),
+    "split": (
+        "split",
+        "a list of module paths, each starting a new pipeline stage",
+        'split=["h.4","h.8"] (JSON/YAML or Python)',
+    ),
     "sequence_parallel": ("sp", "true or false (shard norms and dropout along the sequence)", "sp=true"),
     "tp_rules": (
         "tp_rules",
@@ -72,18 +89,16 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
 _FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in _FIELDS.items()} | {
     name: name for name in _FIELDS
 }
-_SUPPORTED_KEYS = "dp, tp, sp, tp_rules, mb (or microbatches), bucket_mb, zero, precision"
+_SUPPORTED_KEYS = (
+    "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
+    "zero, precision"
+)
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
-_DEGREE_FIELDS: tuple[str, ...] = ("dp", "tp")
+_DEGREE_FIELDS: tuple[str, ...] = ("dp", "pp", "tp")
 
 # Keys a later fxpar version will accept -> what they ask for. Refused, naming the capability.
-PLANNED_KEYS: dict[str, str] = {
-    "pp": "pipeline parallelism",
-    "schedule": "pipeline schedules",
-    "split": "explicit pipeline split points",
-    "virtual_stages": "interleaved (virtual) pipeline stages",
-}
+PLANNED_KEYS: dict[str, str] = {}  # every capability the plan names has landed
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
 # A bare word with a file suffix (`plan.toml`, `configs/plan.txt`) is a path, not plan text.
@@ -103,12 +118,18 @@ class Plan:
     """
 
     dp: int = 1
+    pp: int = 1
     tp: int = 1
     # Which modules tensor parallelism splits: "auto" (Megatron's pairs, inferred from the
     # graph) or {module-path glob: style}; see fxpar.passes.tp_rules. A Hugging Face
     # `base_model_tp_plan` dict works as is.
     tp_rules: str | Mapping[str, str] = "auto"
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms on sequence shards
+    # Pipeline: the order of microbatch forwards and backwards (fxpar.schedules), model chunks
+    # per rank (Narayanan et al. 2021's interleaving), and optional stage starts by module.
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    split: tuple[str, ...] = ()
     microbatches: int = 1
     bucket_mb: float | None = None
     # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
@@ -119,7 +140,7 @@ class Plan:
     precision: Precision = "fp32"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "microbatches"):
+        for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
             if not _is_positive_int(value := getattr(self, name)):
                 raise _invalid_value(name, value)
             object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON
@@ -128,6 +149,13 @@ class Plan:
             if not (real and math.isfinite(size) and size > 0):
                 raise _invalid_value("bucket_mb", size)
             object.__setattr__(self, "bucket_mb", float(size))
+        if self.schedule not in SCHEDULES:
+            raise _invalid_value("schedule", self.schedule)
+        split = self.split
+        if isinstance(split, str) or not all(isinstance(m, str) for m in split):
+            raise _invalid_value("split", split)
+        object.__setattr__(self, "split", tuple(split))
+        self._check_pipeline()
         if not isinstance(self.sequence_parallel, bool):
             raise _invalid_value("sequence_parallel", self.sequence_parallel)
         rules = self.tp_rules
@@ -149,6 +177,40 @@ class Plan:
         object.__setattr__(self, "zero", int(self.zero))
         if self.precision not in PRECISIONS:
             raise _invalid_value("precision", self.precision)
+
+    def _check_pipeline(self) -> None:
+        interleaved = self.schedule == "interleaved"
+        if interleaved != (self.virtual_stages > 1):
+            raise PlanError(
+                f"schedule={self.schedule} with virtual_stages={self.virtual_stages}: the "
+                "interleaved schedule needs virtual_stages >= 2, and only it uses them. Fix: "
+                "schedule=interleaved virtual_stages=2, or virtual_stages=1",
+                field="virtual_stages",
+                value=self.virtual_stages,
+            )
+        stages = self.pp * self.virtual_stages
+        if self.pp > 1 and self.schedule in ("1f1b", "interleaved") and self.microbatches < self.pp:
+            raise PlanError(
+                f"schedule={self.schedule} with pp={self.pp} needs at least {self.pp} microbatches "
+                f"(one in flight per stage), got mb={self.microbatches}. Fix: mb={self.pp} or "
+                f"more (GPipe Sec. 2.3: the bubble is negligible from mb >= 4 pp = {4 * self.pp})",
+                field="microbatches",
+                value=self.microbatches,
+            )
+        if interleaved and self.microbatches % self.pp:
+            raise PlanError(
+                f"the interleaved schedule processes microbatches in groups of pp={self.pp}; "
+                f"mb={self.microbatches} is not a multiple. Fix: mb={self.microbatches + self.pp - self.microbatches % self.pp}",
+                field="microbatches",
+                value=self.microbatches,
+            )
+        if self.split and len(self.split) != stages - 1:
+            raise PlanError(
+                f"split names {len(self.split)} stage starts, but pp x virtual_stages = {stages} "
+                f"stages need {stages - 1}. Fix: name {stages - 1} module paths",
+                field="split",
+                value=list(self.split),
+            )
 
     # -- the degrees -----------------------------------------------------------------------------
 
@@ -261,7 +323,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, object]:
         """All fields under their canonical (field) names: `{"dp": 2, "microbatches": 4, ...}`."""
-        return asdict(self)
+        return asdict(self) | {"split": list(self.split)}
 
     def to_json(self) -> str:
         """`to_dict` as JSON; `Plan.from_json(plan.to_json()) == plan`."""
@@ -269,11 +331,11 @@ class Plan:
 
     def __str__(self) -> str:
         """The canonical text form: `dp=2 mb=4`, default-valued fields left out."""
-        default = Plan()
+        default = Plan().to_dict()
         entries = [
             f"{_FIELDS[name][0]}={_text(value)}"
             for name, value in self.to_dict().items()
-            if value != getattr(default, name)
+            if value != default[name]
         ]
         return " ".join(entries) or "dp=1"
 
@@ -342,6 +404,8 @@ def _text(value: object) -> str:
     """A field's value in the text form: compact JSON for rules, lower-case booleans."""
     if isinstance(value, Mapping):
         return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, (tuple, list)):
+        return ";".join(value)
     if isinstance(value, bool):
         return str(value).lower()
     return str(value)
@@ -381,8 +445,10 @@ def _split_entries(text: str) -> list[tuple[str, str]]:
 
 def _value_from_text(name: str, text: str) -> object:
     """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises."""
-    if name == "precision":
+    if name in ("precision", "schedule"):
         return text
+    if name == "split":
+        return tuple(m for m in text.split(";") if m)
     if name == "sequence_parallel":
         flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
         if text.strip().lower() in flags:
@@ -424,10 +490,8 @@ def _invalid_value(name: str, value: object) -> PlanError:
 
 
 def _unknown_key(key: str, value: object) -> PlanError:
-    # Supported keys first, so "dpp" suggests "dp" rather than the planned "pp".
-    close = difflib.get_close_matches(key.lower(), _FIELD_OF_KEY, n=1)
-    close = close or difflib.get_close_matches(key.lower(), PLANNED_KEYS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    close = difflib.get_close_matches(key.lower(), _FIELD_OF_KEY, n=2)
+    hint = f" Did you mean {' or '.join(repr(c) for c in sorted(close))}?" if close else ""
     return PlanError(
         f"unknown plan key {key!r} (in {key}={value}).{hint} Supported keys: {_SUPPORTED_KEYS}. "
         f"Fix: rename or remove {key!r}.",

@@ -34,6 +34,15 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
 from fxpar.passes.infra import copy_graph_module, run_passes
+from fxpar.passes.pipeline import assign_stages
+from fxpar.pipeline_program import (
+    Stage,
+    build_stages,
+    check_pipeline,
+    node_time,
+    pipeline_collectives,
+)
+from fxpar.schedules import Schedule, schedule
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.placement import Shard, local_slice
@@ -86,9 +95,17 @@ def compile(
                 seq=frozenset(captured.export_symbols("seq")),
             )
         )
-    passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
+    # The pipeline cut comes after: stages hold tensor-parallel shards, and each stage's
+    # buckets hold only that stage's parameters.
+    stages_count = plan.pp * plan.virtual_stages
+    if stages_count > 1:
+        cost = node_time(captured, hardware_profile(hardware, measured=False))
+        passes.append(partial(assign_stages, stages=stages_count, split=plan.split, cost=cost))
+    else:
+        passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
     graph_module = run_passes(captured.graph_module, passes)
-    return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module)
+    stages = build_stages(graph_module, bucket_bytes=bucket_bytes) if stages_count > 1 else None
+    return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module, stages=stages)
 
 
 def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
@@ -108,12 +125,22 @@ class Program:
     """The compiled job: the global annotated graph, the plan and the mesh (see module doc)."""
 
     def __init__(
-        self, *, plan: Plan, mesh: Mesh, captured: CapturedGraph, graph_module: fx.GraphModule
+        self,
+        *,
+        plan: Plan,
+        mesh: Mesh,
+        captured: CapturedGraph,
+        graph_module: fx.GraphModule,
+        stages: tuple[Stage, ...] | None = None,
     ):
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
         self.graph_module = graph_module
+        self.stages = stages  # pipeline stages, or None without a pipeline
+        self.schedule: Schedule | None = (
+            schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages) if stages else None
+        )
 
     @property
     def world_size(self) -> int:
@@ -121,17 +148,37 @@ class Program:
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
-        """Gradient buckets in launch order (bucket 0's gradients are ready first)."""
+        """Gradient buckets in launch order (bucket 0's gradients are ready first).
+
+        With a pipeline each stage has its own: `program.stages[i].buckets`.
+        """
+        if self.stages is not None:
+            raise AttributeError("a pipelined program has buckets per stage: program.stages[i].buckets")
         return self.graph_module.meta[meta.GRAPH_BUCKETS]
 
     def rank_module(self, rank: int) -> fx.GraphModule:
-        """The GraphModule `rank` runs, with readable `.code`.
+        """The GraphModule `rank` runs, with readable `.code`: its stage, with a pipeline
+        (its first chunk with virtual stages; `stage_modules` gives all of them).
 
         Replicated parameters are the model's own tensors; tensor-parallel ones are copies of
         this rank's slices (of meta tensors, for a meta model: nothing is allocated).
         """
+        return self.stage_modules(rank)[0]
+
+    def stage_modules(self, rank: int) -> list[fx.GraphModule]:
+        """The GraphModules `rank` runs: one, or one per pipeline chunk it holds, in stage order."""
         coord = self.mesh.coord(rank)
-        module = copy_graph_module(self.graph_module)
+        if self.stages is None:
+            return [self._specialise(self.graph_module, rank)]
+        return [
+            self._specialise(stage.graph_module, rank)
+            for stage in self.stages
+            if self.schedule.rank_of(stage.index) == coord.pp
+        ]
+
+    def _specialise(self, graph_module: fx.GraphModule, rank: int) -> fx.GraphModule:
+        coord = self.mesh.coord(rank)
+        module = copy_graph_module(graph_module)
         module.meta["fxpar.rank"] = rank
         module.meta["fxpar.coord"] = coord
         if self.mesh.tp > 1:
@@ -153,6 +200,10 @@ class Program:
         See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues.
         """
         sizes = self._local_sizes()
+        if self.stages is not None:
+            return pipeline_collectives(
+                rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages, sizes=sizes
+            )
         tp_group = self.mesh.group(rank, Axis.TP)
         tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)
         data_parallel = data_parallel_collectives(
@@ -189,8 +240,11 @@ class Program:
         return estimate(self, hardware=hardware, optimizer=optimizer, batch=batch, seq=seq)
 
     def check(self) -> None:
-        """Prove that all ranks of every process group issue matching collectives."""
+        """Prove that all ranks of every process group issue matching collectives, and, with a
+        pipeline, that every send has its receive and the schedule cannot deadlock."""
         check_collectives(self.world_size, self.collectives)
+        if self.schedule is not None:
+            check_pipeline(self.world_size, self.schedule, self.collectives)
 
     def bind(
         self,
@@ -214,9 +268,12 @@ class Program:
 
     def __repr__(self) -> str:
         params = self.captured.parameter_count()
+        layout = (
+            f"stages={len(self.stages)}" if self.stages else f"buckets={len(self.buckets)}"
+        )
         return (
             f"Program(plan='{self.plan}', world_size={self.world_size}, parameters={params:,}, "
-            f"buckets={len(self.buckets)}, nodes={len(self.graph_module.graph.nodes)})"
+            f"{layout}, nodes={len(self.graph_module.graph.nodes)})"
         )
 
 

@@ -297,11 +297,17 @@ def restore_state_layout(gm: fx.GraphModule) -> None:
     tensor as a persistent buffer. So: register each tied alias (`lm_head.weight`) as the same
     Parameter as its canonical name (`gm.parameters()` still yields it once), and keep the
     model's non-persistent buffers (rotary tables) and lifted constants out of the state dict.
+    A pipeline stage holds only some of the model's state: only what it holds is restored.
     """
+    held = {n for n, _ in gm.named_buffers()}
     for name in gm.meta.get(meta.GRAPH_NON_PERSISTENT, ()):
-        owner_path, _, leaf = name.rpartition(".")
-        gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
+        if name in held:
+            owner_path, _, leaf = name.rpartition(".")
+            gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
+    parameters = {n for n, _ in gm.named_parameters()}
     for alias, name in gm.meta.get(meta.GRAPH_ALIASES, {}).items():
+        if name not in parameters:
+            continue
         *prefix, leaf = alias.split(".")
         module = gm
         for part in prefix:

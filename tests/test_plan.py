@@ -114,7 +114,8 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
     defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "tp_rules": "auto",
-                "sequence_parallel": False}
+                "sequence_parallel": False, "pp": 1, "schedule": "1f1b", "virtual_stages": 1,
+                "split": []}
     assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4} | defaults
     assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1} | defaults
     assert Plan.parse(Plan(dp=2, bucket_mb=8.0).to_dict()) == Plan(dp=2, bucket_mb=8.0)
@@ -127,7 +128,7 @@ def test_world_size_is_the_product_of_the_degrees() -> None:
     assert Plan().world_size == 1
     assert Plan(dp=8, microbatches=4).world_size == 8
     plan = Plan(dp=6)
-    assert plan.degrees == {"dp": 6, "tp": 1}
+    assert plan.degrees == {"dp": 6, "pp": 1, "tp": 1}
     assert plan.world_size == math.prod(plan.degrees.values())
 
 
@@ -208,8 +209,8 @@ def test_unknown_key_lists_keys_and_suggests_the_closest() -> None:
         Plan.parse("dpp=2")
     message = str(caught.value)
     assert "unknown plan key 'dpp'" in message and "dpp=2" in message
-    assert "Did you mean 'dp'?" in message
-    assert "Supported keys: dp, tp, sp, tp_rules, mb (or microbatches), bucket_mb, zero, precision" in message
+    assert "Did you mean 'dp' or 'pp'?" in message
+    assert "Supported keys: dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, zero, precision" in message
     assert "Fix: rename or remove 'dpp'" in message
     assert caught.value.field == "dpp" and caught.value.value == "2"
 
@@ -225,37 +226,6 @@ def test_unknown_key_suggestion_uses_difflib_for_other_typos() -> None:
         Plan.parse("microbatch=4")
     with pytest.raises(PlanError, match="Did you mean 'bucket_mb'"):
         Plan.parse("bucket_mib=4")
-
-
-@pytest.mark.parametrize(
-    ("key", "meaning"),
-    [
-        ("pp", "pipeline parallelism"),
-        ("schedule", "pipeline schedules"),
-        ("split", "pipeline split points"),
-        ("virtual_stages", "virtual"),
-    ],
-)
-def test_planned_keys_are_refused_naming_the_capability(key: str, meaning: str) -> None:
-    assert key in PLANNED_KEYS
-    with pytest.raises(PlanError) as caught:
-        Plan.parse(f"dp=2 {key}=2")
-    message = str(caught.value)
-    assert f"this fxpar version does not implement {PLANNED_KEYS[key]} yet" in message
-    assert meaning in message and f"{key}=2" in message
-    assert "Supported keys: dp, tp, sp, tp_rules, mb (or microbatches), bucket_mb, zero, precision" in message
-    assert f"Fix: remove {key}=2" in message
-    assert caught.value.field == key and caught.value.value == "2"
-
-
-def test_planned_keys_table_is_exactly_the_later_capabilities() -> None:
-    later = {"pp", "schedule", "split"}
-    assert set(PLANNED_KEYS) == later | {"virtual_stages"}
-
-
-def test_planned_key_in_a_dict_is_refused_too() -> None:
-    with pytest.raises(PlanError, match="does not implement pipeline parallelism yet"):
-        Plan.parse({"dp": 2, "pp": 4})
 
 
 @pytest.mark.parametrize("text", ["auto", " AUTO "])
@@ -398,9 +368,9 @@ def test_file_with_bad_syntax(tmp_path: Path, name: str, content: str) -> None:
 def test_error_inside_a_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text("dp: 2\npp: 4\n")
-    with pytest.raises(PlanError, match=r"plan\.yaml.*pipeline parallelism") as caught:
+    with pytest.raises(PlanError, match=r"plan\.yaml.*needs at least 4 microbatches") as caught:
         Plan.parse(path)
-    assert caught.value.field == "pp" and caught.value.value == 4
+    assert caught.value.field == "microbatches" and caught.value.value == 1
 
 
 def test_from_json_errors() -> None:
@@ -408,7 +378,7 @@ def test_from_json_errors() -> None:
         Plan.from_json("{")
     with pytest.raises(PlanError, match="plan JSON holds a list"):
         Plan.from_json("[1]")
-    with pytest.raises(PlanError, match="Did you mean 'dp'"):
+    with pytest.raises(PlanError, match="Did you mean 'dp'"):  # also 'pp': both are one letter off
         Plan.from_json('{"dpp": 2}')
 
 
@@ -439,7 +409,7 @@ def test_precision_must_be_known() -> None:
 
 def test_tp_multiplies_into_the_world_and_round_trips() -> None:
     plan = Plan.parse("dp=2 tp=4 sp=true")
-    assert plan.world_size == 8 and plan.degrees == {"dp": 2, "tp": 4}
+    assert plan.world_size == 8 and plan.degrees == {"dp": 2, "pp": 1, "tp": 4}
     assert str(plan) == "dp=2 tp=4 sp=true" and Plan.parse(str(plan)) == plan
 
 
@@ -458,3 +428,26 @@ def test_sequence_parallel_needs_tp() -> None:
 def test_world_size_mismatch_example_keeps_tp() -> None:
     with pytest.raises(PlanError, match=r"\(dp=1 \* tp=2\) but WORLD_SIZE is 4.*for example dp=2 tp=2"):
         Plan(tp=2).check_world_size(4)
+
+
+# -- pipeline parallelism --------------------------------------------------------------------------
+
+
+def test_pipeline_fields_round_trip() -> None:
+    for text in ("dp=2 pp=2 mb=4", "pp=2 schedule=interleaved virtual_stages=2 mb=4",
+                 "pp=2 split=h.1 mb=2", "pp=4 schedule=gpipe mb=2"):
+        plan = Plan.parse(text)
+        assert str(plan) == text and Plan.parse(str(plan)) == plan == Plan.from_json(plan.to_json())
+    assert Plan.parse("dp=2 pp=2 tp=2 mb=2").world_size == 8
+
+
+@pytest.mark.parametrize("text, match", [
+    ("pp=2 mb=1", "needs at least 2 microbatches"),
+    ("pp=2 mb=3 schedule=interleaved virtual_stages=2", "groups of pp=2; mb=3 is not a multiple. Fix: mb=4"),
+    ("pp=2 mb=2 virtual_stages=2", "interleaved schedule needs virtual_stages >= 2, and only it"),
+    ("pp=2 mb=2 split=h.1;h.2", "split names 2 stage starts, but pp x virtual_stages = 2 stages need 1"),
+    ("schedule=zb", "schedule must be one of '1f1b', 'gpipe', 'interleaved'"),
+])
+def test_pipeline_plan_errors(text: str, match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        Plan.parse(text)

@@ -79,6 +79,19 @@ class Communicator:
         work = dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
 
+    def send(self, tensor: torch.Tensor, rank: int, peer: int, *, tag: str, phase: str, key: int) -> PendingCollective:
+        """Start sending `tensor` to global rank `peer`; wait on the result before reusing it."""
+        pair = RankGroup(axis=None, ranks=tuple(sorted((rank, peer))), handle=None, rank=rank)
+        call = self._record("send", tensor, pair, tag, op="none", phase=phase)
+        work = dist.isend(tensor.contiguous(), dst=peer, tag=key)
+        return PendingCollective(work, call, pair, self.timeout)
+
+    def recv(self, tensor: torch.Tensor, rank: int, peer: int, *, tag: str, phase: str, key: int) -> None:
+        """Receive into `tensor` from global rank `peer`, and wait."""
+        pair = RankGroup(axis=None, ranks=tuple(sorted((rank, peer))), handle=None, rank=rank)
+        call = self._record("recv", tensor, pair, tag, op="none", phase=phase)
+        PendingCollective(dist.irecv(tensor, src=peer, tag=key), call, pair, self.timeout).wait()
+
     def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
         """Broadcast `tensor` in place from the group's first rank, and wait for it."""
         call = self._record("broadcast", tensor, group, tag, op="none")

@@ -12,7 +12,8 @@ Averaging is DDP's: divide by the group size, then sum-all-reduce.
 
 The last bucket has one element more: the step's local loss, summed over microbatches. It is
 averaged with the gradients, so every rank learns the global-batch mean loss without a
-collective of its own.
+collective of its own. (Not with a pipeline: only the last stage knows the loss, after the
+other stages' buckets are long gone; `carry_loss=False` leaves the slot out.)
 """
 
 from __future__ import annotations
@@ -49,16 +50,20 @@ class GradientBuckets:
         group: RankGroup,
         communicator: Communicator,
         loss_device: torch.device,
+        *,
+        carry_loss: bool = True,
     ):
         self.group = group
         self.communicator = communicator
-        if not buckets:  # nothing to train: the loss travels alone
+        self.carry_loss = carry_loss
+        if not buckets and carry_loss:  # nothing to train: the loss travels alone
             buckets = (Bucket(0, (), 0, torch.float32),)
+        extra = 1 if carry_loss else 0
         self.states = [
-            _BucketState(b, [parameters[n] for n in b.parameters], 1 if i == len(buckets) - 1 else 0)
+            _BucketState(b, [parameters[n] for n in b.parameters], extra if i == len(buckets) - 1 else 0)
             for i, b in enumerate(buckets)
         ]
-        if not self.states[-1].parameters:
+        if self.states and not self.states[-1].parameters:
             self.states[-1].buffer = self.states[-1].buffer.to(loss_device)
         self.synchronize = True  # False for the microbatches before the last one
         self._pending: list[PendingCollective] = []
@@ -87,8 +92,8 @@ class GradientBuckets:
         for state in self.states:
             state.pending = len(state.parameters)
         if synchronize:
-            assert loss is not None
-            self.states[-1].buffer[-1].copy_(loss.detach())
+            if self.carry_loss:
+                self.states[-1].buffer[-1].copy_(loss.detach())
             self._next = 0
 
     def _launch_ready(self) -> None:
@@ -96,12 +101,12 @@ class GradientBuckets:
             state = self.states[self._next]
             state.buffer.div_(self.group.size)
             tag = f"gradient bucket {state.bucket.index}"
-            if self._next == len(self.states) - 1:
+            if self._next == len(self.states) - 1 and self.carry_loss:
                 tag += " + loss"
             self._pending.append(self.communicator.all_reduce(state.buffer, self.group, tag=tag))
             self._next += 1
 
-    def finish(self) -> float:
+    def finish(self) -> float | None:
         """Launch what remains, wait for every all-reduce, return the global mean loss."""
         self._launch_ready()
         if self._next < len(self.states):
@@ -119,7 +124,7 @@ class GradientBuckets:
         for pending in self._pending:
             pending.wait()
         self._pending.clear()
-        return float(self.states[-1].buffer[-1])
+        return float(self.states[-1].buffer[-1]) if self.carry_loss else None
 
     def remove(self) -> None:
         for handle in self._handles:

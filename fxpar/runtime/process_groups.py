@@ -23,7 +23,7 @@ class RankGroup:
     no handle yet and only says which ranks it means; `bind()` swaps in the bound one.
     """
 
-    axis: Axis
+    axis: Axis | None  # None for a pair of pipeline peers or a tied-parameter group
     ranks: tuple[int, ...]
     handle: dist.ProcessGroup | None  # None when unbound, or when the group has this rank alone
     rank: int = 0  # the global rank that holds this view
@@ -40,13 +40,16 @@ class RankGroup:
 
     @property
     def name(self) -> str:
-        return f"{self.axis.value} group {list(self.ranks)}"
+        axis = self.axis.value if self.axis is not None else "point-to-point"
+        return f"{axis} group {list(self.ranks)}"
 
 
 def init_process_groups(
-    mesh: Mesh, *, rank: int, backend: str, timeout: timedelta, device_id=None
-) -> dict[Axis, RankGroup]:
-    """Initialise torch.distributed and return this rank's group on each mesh axis."""
+    mesh: Mesh, *, rank: int, backend: str, timeout: timedelta, device_id=None,
+    extra: tuple[tuple[int, ...], ...] = (),
+) -> tuple[dict[Axis, RankGroup], dict[tuple[int, ...], RankGroup]]:
+    """Initialise torch.distributed; return this rank's group on each mesh axis, and those of
+    the `extra` groups (tied-parameter owners) that contain it."""
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -66,4 +69,9 @@ def init_process_groups(
                 handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle, rank=rank)
-    return mine
+    others = {}
+    for ranks in extra:
+        handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+        if rank in ranks:
+            others[ranks] = RankGroup(axis=None, ranks=ranks, handle=handle, rank=rank)
+    return mine, others

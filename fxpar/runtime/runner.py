@@ -6,9 +6,10 @@
         loss = runner.step(*runner.local_batch(tokens, labels))
         opt.step(); opt.zero_grad()
 
-`step` splits the local batch into the plan's microbatches, runs forward and backward on the
-rank module for each, lets the gradient buckets all-reduce during the last backward, and
-returns the global-batch mean loss, the same float on every rank.
+`step` splits the local batch into the plan's microbatches and runs forward and backward on
+the rank's module (or, with a pipeline, the schedule's actions on its stage modules), lets the
+gradient buckets all-reduce during the last backward, and returns the global-batch mean loss,
+the same float on every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fxpar.placement import Shard, global_tensor
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.environment import TorchrunEnvironment
 from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ class Runner:
         rank: int,
         device: torch.device,
         groups: dict[Axis, RankGroup],
+        tied_groups: dict[tuple[int, ...], RankGroup],
         communicator: Communicator,
     ):
         self.program = program
@@ -49,13 +52,19 @@ class Runner:
         self.device = device
         self.groups = groups
         self.communicator = communicator
-        self.module = program.rank_module(rank)
+        self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
         self._dp = groups[Axis.DP]
-        self._buckets: GradientBuckets | None = None
-        tp = groups.get(Axis.TP)
-        self._partial_gradient_names = (
-            meta.partial_gradient_parameters(self.module.graph) if tp is not None and tp.size > 1 else []
+        self._tied = _tied_parameters(program, rank, tied_groups, self.modules)
+        self._buckets: list[GradientBuckets] = []
+        self._pipeline = (
+            PipelineExecutor(self, program) if program.stages is not None else None
         )
+        self.record_timeline = False  # set True to keep each action's start and end
+
+    @property
+    def module(self) -> torch.fx.GraphModule:
+        """The rank's module (its first pipeline chunk with virtual stages)."""
+        return self.modules[0]
 
     @classmethod
     def create(
@@ -75,15 +84,17 @@ class Runner:
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        groups = init_process_groups(
+        tied = _all_tied_groups(program)
+        groups, tied_groups = init_process_groups(
             program.mesh,
             rank=env.rank,
             backend=backend,
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
+            extra=tied,
         )
         runner = cls(
-            program, rank=env.rank, device=device, groups=groups,
+            program, rank=env.rank, device=device, groups=groups, tied_groups=tied_groups,
             communicator=Communicator(timeout),
         )
         runner._place_state()
@@ -92,8 +103,8 @@ class Runner:
     # -- binding ------------------------------------------------------------------------
 
     def _place_state(self) -> None:
-        """Move this rank's state to its device and make data-parallel replicas identical."""
-        state = list(self.module.parameters()) + list(self.module.buffers())
+        """Move this rank's state to its device and make every replica and tied copy identical."""
+        state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
         if any(t.is_meta for t in state):
             raise BindError(
                 "the model's parameters are on the meta device, which is for planning only. "
@@ -104,31 +115,40 @@ class Runner:
             for tensor in state:
                 if tensor.device != self.device:
                     tensor.data = tensor.data.to(self.device)
-        _place_graph_constants(self.module, self.device)
-        if Axis.TP in self.groups and self.groups[Axis.TP].size > 1:
-            self.module.tp_group = replace(self.groups[Axis.TP], communicator=self.communicator)
+        tp = self.groups.get(Axis.TP)
+        for module in self.modules:
+            _place_graph_constants(module, self.device)
+            if tp is not None and tp.size > 1:
+                module.tp_group = replace(tp, communicator=self.communicator)
         if self._dp.size > 1:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
-            self._broadcast(state)
-            self._buckets = GradientBuckets(
-                self.program.buckets,
-                self._parameters(),
-                self._dp,
-                self.communicator,
-                self.device,
-            )
+            self._broadcast(state, self._dp)
+        for parameter, group in self._tied:
+            self._broadcast([parameter], group)
+        if self._dp.size > 1:
+            stages = self.program.stages
+            for module in self.modules:
+                buckets = (
+                    stages[module.meta["fxpar.stage"]].buckets if stages else self.program.buckets
+                )
+                self._buckets.append(
+                    GradientBuckets(
+                        buckets, _parameters(module), self._dp, self.communicator, self.device,
+                        carry_loss=self._pipeline is None,
+                    )
+                )
         self.communicator.reset()
 
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor], group: RankGroup) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
-            for dtype, group in by_dtype.items():
-                flat = _flatten_dense_tensors([t.data for t in group])
-                self.communicator.broadcast(flat, self._dp, tag=f"initial {dtype} state")
-                for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+            for dtype, same in by_dtype.items():
+                flat = _flatten_dense_tensors([t.data for t in same])
+                self.communicator.broadcast(flat, group, tag=f"initial {dtype} state")
+                for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
                     t.copy_(synced)
 
     # -- training -------------------------------------------------------------------------
@@ -174,6 +194,8 @@ class Runner:
             )
         chunks = list(zip(*(t.tensor_split(microbatches) for t in local_batch)))
         self.communicator.start_step()
+        if self._pipeline is not None:
+            return self._pipeline.run(chunks)
         total = torch.zeros((), device=self.device)
         for i, chunk in enumerate(chunks):
             loss = self.module(*chunk)
@@ -181,29 +203,42 @@ class Runner:
                 loss = loss / microbatches
             total += loss.detach()
             last = i == microbatches - 1
-            if self._buckets is not None:
-                self._buckets.start_backward(synchronize=last, loss=total if last else None)
+            for buckets in self._buckets:
+                buckets.start_backward(synchronize=last, loss=total if last else None)
             loss.backward()
-        loss = float(total) if self._buckets is None else self._buckets.finish()
-        self._complete_partial_gradients()
+        loss = self._buckets[0].finish() if self._buckets else float(total)
+        self.complete_gradients()
         return loss
 
-    def _complete_partial_gradients(self) -> None:
-        """Sum, over the tp group, the gradients each rank holds a summand of (one call)."""
-        names = self._partial_gradient_names
-        if not names:
+    def complete_gradients(self) -> None:
+        """After the last backward: finish bucket all-reduces, sum partial tensor-parallel
+        gradients over tp, and sum tied parameters' gradients over the stages that share them."""
+        for buckets in self._buckets[1:] if self._pipeline is None else self._buckets:
+            buckets.finish()
+        tp = self.groups.get(Axis.TP)
+        if tp is not None and tp.size > 1:
+            for module in self.modules:
+                names = meta.partial_gradient_parameters(module.graph)
+                grads = [module.get_parameter(n).grad for n in names]
+                self._sum_into(grads, tp, "tp partial parameter gradients")
+        for parameter, group in self._tied:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            name = next(n for n, p in _parameters_of(self.modules) if p is parameter)
+            self._sum_into([parameter.grad], group, f"tied {name} gradient")
+
+    def _sum_into(self, grads: list[torch.Tensor], group: RankGroup, tag: str) -> None:
+        grads = [g for g in grads if g is not None]
+        if not grads:
             return
-        grads = [self.module.get_parameter(n).grad for n in names]
         flat = _flatten_dense_tensors(grads)
-        self.communicator.all_reduce_now(
-            flat, self.groups[Axis.TP], tag="tp partial parameter gradients", phase="step"
-        )
+        self.communicator.all_reduce_now(flat, group, tag=tag, phase="step")
         for grad, whole in zip(grads, _unflatten_dense_tensors(flat, grads)):
             grad.copy_(whole)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **options: Any):
         """`optimizer_class` over this rank's parameters (each tied group once)."""
-        return optimizer_class(self.module.parameters(), **options)
+        return optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
 
     # -- observation ----------------------------------------------------------------------
 
@@ -218,25 +253,34 @@ class Runner:
     def reset_comm_stats(self) -> None:
         self.communicator.reset()
 
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """With `record_timeline = True`: (action, start, end) of every pipeline action of the
+        last step, in seconds of `time.perf_counter`."""
+        return list(self._pipeline.timeline) if self._pipeline is not None else []
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank.
 
-        Tensor-parallel shards are gathered over the tp group: every rank must call it.
+        Tensor-parallel shards are gathered over the tp group and pipeline stages over the pp
+        group: every rank must call it.
         """
-        return self._consolidate(self.module.state_dict())
+        state = {}
+        for module in self.modules:
+            state.update(self._consolidate(module, module.state_dict()))
+        return self._across_pipeline(state)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each parameter's whole gradient (canonical names, tied weights once), on every rank."""
-        grads = {n: p.grad for n, p in self._parameters().items() if p.grad is not None}
-        return self._consolidate(grads)
+        grads = {}
+        for module in self.modules:
+            local = {n: p.grad for n, p in _parameters(module).items() if p.grad is not None}
+            grads.update(self._consolidate(module, local))
+        return self._across_pipeline(grads)
 
-    def _parameters(self) -> dict[str, torch.nn.Parameter]:
-        return {n: self.module.get_parameter(n) for n in meta.parameter_nodes(self.module.graph)}
-
-    def _consolidate(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _consolidate(self, module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole CPU copies of `tensors`, gathering tensor-parallel shards over the tp group."""
-        nodes = meta.parameter_nodes(self.module.graph)
-        aliases = self.module.meta.get(meta.GRAPH_ALIASES, {})
+        nodes = meta.parameter_nodes(module.graph)
+        aliases = module.meta.get(meta.GRAPH_ALIASES, {})
         tp = self.groups.get(Axis.TP)
         whole = {}
         for key, value in tensors.items():
@@ -250,13 +294,67 @@ class Runner:
             whole[key] = value.to("cpu", copy=True)
         return whole
 
+    def _across_pipeline(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        pp = self.groups.get(Axis.PP)
+        if pp is None or pp.size == 1:
+            return tensors
+        pieces: list[dict] = [None] * pp.size  # type: ignore[list-item]
+        dist.all_gather_object(pieces, tensors, group=pp.handle)
+        merged = {}
+        for piece in pieces:
+            for key, value in piece.items():
+                merged.setdefault(key, value)
+        keys = self.program.captured.graph_module.state_dict().keys()
+        ordered = {k: merged[k] for k in keys if k in merged}
+        return ordered | {k: v for k, v in merged.items() if k not in ordered}
+
     def close(self) -> None:
         """Remove hooks and destroy the process groups (all ranks must call it)."""
-        if self._buckets is not None:
-            self._buckets.remove()
-            self._buckets = None
+        for buckets in self._buckets:
+            buckets.remove()
+        self._buckets.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _parameters(module: torch.fx.GraphModule) -> dict[str, torch.nn.Parameter]:
+    return {n: module.get_parameter(n) for n in meta.parameter_nodes(module.graph)}
+
+
+def _parameters_of(modules) -> list[tuple[str, torch.nn.Parameter]]:
+    seen, result = set(), []
+    for module in modules:
+        for name, parameter in _parameters(module).items():
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                result.append((name, parameter))
+    return result
+
+
+def _all_tied_groups(program: Program) -> tuple[tuple[int, ...], ...]:
+    if program.stages is None:
+        return ()
+    from fxpar.pipeline_program import tied_parameter_groups
+
+    groups = tied_parameter_groups(program.mesh, program.schedule, program.stages)
+    return tuple(g for name in sorted(groups) for g in groups[name])
+
+
+def _tied_parameters(
+    program: Program, rank: int, tied_groups: dict[tuple[int, ...], RankGroup], modules
+) -> list[tuple[torch.nn.Parameter, RankGroup]]:
+    """(this rank's copy, the group of its owners) for each parameter shared across stages."""
+    if program.stages is None:
+        return []
+    from fxpar.pipeline_program import tied_parameter_groups
+
+    mine = dict(_parameters_of(modules))
+    tied = []
+    for name, groups in sorted(tied_parameter_groups(program.mesh, program.schedule, program.stages).items()):
+        for group in groups:
+            if rank in group and name in mine:
+                tied.append((mine[name], tied_groups[group]))
+    return tied
 
 
 def _place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:
@@ -297,3 +395,5 @@ def _default_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+

@@ -15,10 +15,15 @@ from gpt import GPT, GPTConfig  # noqa: E402
 
 
 def bytes_saved_by_a_real_forward(model, tokens) -> int:
-    """Distinct non-parameter storages autograd packs during one eager forward."""
+    """Distinct non-parameter storages autograd packs during one eager forward.
+
+    Targets are a copy of the tokens: `capture` clones an input passed twice, so the formula
+    counts the embedding's indices and the loss's targets as two storages, as they are in
+    training (one tensor passed as both would be saved once).
+    """
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        model(tokens, tokens)
+        model(tokens, tokens.clone())
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}
     for t in saved:

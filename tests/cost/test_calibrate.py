@@ -1,30 +1,98 @@
-"""Tier 2: the measured `cpu` profile: plausible readings, cached on disk and reused."""
+"""Tier 2: the measured `cpu` profile: plausible readings, cached on disk and reused, never
+cached under load, written atomically, and measurable from a script without a main guard."""
 
 import json
+import logging
+import subprocess
+import sys
 
 import pytest
 
 from fxpar.cost import calibrate
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
-from fxpar.cost.hardware import NOMINAL_CPU, hardware_profile
+from fxpar.cost.hardware import NOMINAL_CPU, PROFILES, hardware_profile
+
+# Readings as `calibrate_cpu` returns them, for the tests of the caching policy.
+FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
+        "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5, "alpha": 5e-5,
+        "link_bandwidth": 1.5e9, "threads": 1, "cores": 2, "load_average": 0.5}
 
 
-def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FXPAR_CACHE_DIR", str(tmp_path))
     calibrate.measure_cpu.cache_clear()
-    try:
-        profile = hardware_profile("cpu")
-        readings = profile.measured
-        assert 1e8 < readings["matmul_flops"] < 1e14
-        assert 1e8 < readings["memory_bandwidth"] < 1e13
-        assert 0 < readings["alpha"] < 0.05 and 1e6 < readings["link_bandwidth"] < 1e12
-        (cache,) = tmp_path.glob("hardware-cpu-*.json")
-        # A second process-start reads the file instead of measuring: change it and see.
-        cache.write_text(json.dumps(readings | {"alpha": 1.0}))
-        calibrate.measure_cpu.cache_clear()
-        assert hardware_profile("cpu").intra_node.alpha == 1.0
-    finally:
-        calibrate.measure_cpu.cache_clear()
+    yield tmp_path
+    calibrate.measure_cpu.cache_clear()
+
+
+def test_cpu_profile_is_measured_once_and_cached(fresh_cache, monkeypatch):
+    monkeypatch.setattr(calibrate.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine
+    profile = hardware_profile("cpu")
+    readings = profile.measured
+    assert 1e8 < readings["matmul_flops"] < 1e14
+    assert 1e8 < readings["memory_bandwidth"] < 1e13
+    assert 0.05 < profile.attention_efficiency < 2
+    assert 1e-8 < readings["op_overhead"] < 1e-3
+    assert 0 <= readings["optimizer_tensor_overhead"] < 1e-2
+    assert 0 < readings["alpha"] < 0.05 and 1e6 < readings["link_bandwidth"] < 1e12
+    assert profile.comm_overlap == 0.0  # gloo and compute share the cores
+    (cache,) = fresh_cache.glob("hardware-cpu-*.json")
+    # A second process-start reads the file instead of measuring: change it and see.
+    cache.write_text(json.dumps(readings | {"alpha": 1.0}))
+    calibrate.measure_cpu.cache_clear()
+    assert hardware_profile("cpu").intra_node.alpha == 1.0
+
+
+def test_a_reading_under_load_is_used_but_not_cached(fresh_cache, monkeypatch, caplog):
+    loaded = FAKE | {"load_average": 7.5}
+    monkeypatch.setattr(calibrate, "calibrate_cpu", lambda: dict(loaded))
+    with caplog.at_level(logging.WARNING, logger=calibrate.__name__):
+        profile = calibrate.measure_cpu()
+    assert profile.measured == loaded
+    assert list(fresh_cache.iterdir()) == []
+    assert "measured under load" in caplog.text and "not caching" in caplog.text
+
+
+def test_a_cache_from_before_a_reading_existed_is_measured_again(fresh_cache, monkeypatch):
+    old = {k: FAKE[k] for k in ("matmul_flops", "memory_bandwidth", "alpha", "link_bandwidth")}
+    calibrate.write_cache(old)
+    monkeypatch.setattr(calibrate, "calibrate_cpu", lambda: dict(FAKE))
+    profile = calibrate.measure_cpu()
+    assert profile.op_overhead == FAKE["op_overhead"]
+    assert profile.attention_efficiency == pytest.approx(0.5)
+    (cache,) = fresh_cache.glob("hardware-cpu-*.json")
+    assert json.loads(cache.read_text()) == FAKE
+
+
+def test_the_cache_is_written_atomically(fresh_cache, monkeypatch):
+    cache = calibrate.write_cache(FAKE)
+    assert [p.name for p in fresh_cache.iterdir()] == [cache.name]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate.json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.write_cache(FAKE | {"alpha": 1.0})
+    assert [p.name for p in fresh_cache.iterdir()] == [cache.name]  # no temporary left over
+    assert json.loads(cache.read_text()) == FAKE  # the old file, whole
+
+
+def test_link_calibration_runs_from_a_script_without_a_main_guard(tmp_path):
+    """multiprocessing's spawn re-imported the calling script; child processes do not."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from fxpar.cost.calibrate import _gloo_link\nprint(_gloo_link())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("link_bandwidth") == 1  # measured once, not re-run by a child
+
+
+def test_gpu_profiles_overlap_communication_and_cpu_does_not():
+    assert all(p.comm_overlap == 1.0 for p in PROFILES.values())
+    assert all(0.5 <= p.attention_efficiency <= 0.75 for p in PROFILES.values())
+    assert NOMINAL_CPU.comm_overlap == 0.0
 
 
 def test_nominal_cpu_is_fixed():

@@ -47,7 +47,7 @@ for plan in plans:
         "comm": step_logs,
         "predicted": program.collectives(runner.rank),
         "estimated_comm": program.estimate("h100").comm,
-        "buckets": program.buckets,
+        "buckets": program.buckets if program.stages is None else [s.buckets for s in program.stages],
     }
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
 runner.close()

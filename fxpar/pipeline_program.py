@@ -1,0 +1,214 @@
+"""A compiled pipeline: the stages of the global graph, their boundaries and the schedule.
+
+`build_stages` cuts the (tensor-parallel) global graph into `pp x virtual_stages` stage
+graphs (`passes.pipeline`), sizes each stage's gradient buckets, and records which parameters
+several stages read (a tied embedding and head), whose copies must stay identical.
+`pipeline_collectives` lists, for one rank, every point-to-point transfer and collective of a
+step in the order the rank's schedule issues them; `check_pipeline` proves that every send
+has its receive and that the schedule cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fxpar import meta
+from fxpar.collectives import (
+    Collective,
+    data_parallel_collectives,
+    partial_gradient_collectives,
+    tensor_parallel_collectives,
+)
+from fxpar.errors import PlanError
+from fxpar.mesh import Axis, Mesh
+from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
+from fxpar.passes.pipeline import Boundary, split_stages
+from fxpar.placement import Shard
+from fxpar.schedules import DeadlockError, Schedule, simulate
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its graph, what crosses into and out of it, and its buckets."""
+
+    index: int
+    graph_module: fx.GraphModule
+    inputs: tuple[Boundary, ...]  # tensors received from the previous stage
+    outputs: tuple[Boundary, ...]  # tensors sent to the next stage (the next stage's inputs)
+    user_inputs: tuple[str, ...]  # names of the step's inputs this stage reads
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return self.graph_module.meta[meta.GRAPH_BUCKETS]
+
+    def parameter_names(self) -> list[str]:
+        return list(meta.parameter_nodes(self.graph_module.graph))
+
+
+def build_stages(graph_module: fx.GraphModule, *, bucket_bytes: int) -> tuple[Stage, ...]:
+    pieces = split_stages(graph_module)
+    stages = []
+    for index, (stage_gm, incoming, user_inputs) in enumerate(pieces):
+        assign_gradient_buckets(stage_gm, bucket_bytes=bucket_bytes)
+        outgoing = pieces[index + 1][1] if index + 1 < len(pieces) else ()
+        stages.append(Stage(index, stage_gm, incoming, outgoing, user_inputs))
+    return tuple(stages)
+
+
+def shared_parameters(stages: tuple[Stage, ...]) -> dict[str, tuple[int, ...]]:
+    """Parameters read by more than one stage -> those stages (tied embedding and head)."""
+    owners: dict[str, list[int]] = {}
+    for stage in stages:
+        for name in stage.parameter_names():
+            owners.setdefault(name, []).append(stage.index)
+    return {n: tuple(s) for n, s in owners.items() if len(s) > 1}
+
+
+def local_numel(boundary: Boundary, sizes: dict, tp: int) -> int:
+    """Elements of this rank's piece of a boundary tensor, at one microbatch's sizes."""
+    numel = int(sympy.Mul(*boundary.shape).subs(sizes)) if boundary.shape else 1
+    return numel // tp if isinstance(boundary.placement, Shard) else numel
+
+
+def local_shape(boundary: Boundary, sizes: dict, tp: int) -> tuple[int, ...]:
+    shape = [int(sympy.sympify(d).subs(sizes)) for d in boundary.shape]
+    if isinstance(boundary.placement, Shard):
+        shape[boundary.placement.dim] //= tp
+    return tuple(shape)
+
+
+def pipeline_collectives(
+    *,
+    rank: int,
+    mesh: Mesh,
+    schedule: Schedule,
+    stages: tuple[Stage, ...],
+    sizes: dict,
+) -> tuple[Collective, ...]:
+    """Every transfer and collective of one step on `rank`, in the order its schedule issues them.
+
+    Forward of stage s: receive its inputs from stage s-1's rank, its tensor-parallel calls,
+    send its outputs to stage s+1's rank. Backward: receive the outputs' gradients, the
+    tensor-parallel backward calls, send the inputs' gradients. Then, once per step: each
+    local stage's gradient buckets, partial-gradient sums, tied-parameter sums between the
+    stages that share them, and the loss (summed over the pipeline, averaged over dp).
+    """
+    coord = mesh.coord(rank)
+    tp_group = mesh.group(rank, Axis.TP)
+
+    def peer(stage: int) -> int:
+        return mesh.rank_of(dp=coord.dp, pp=schedule.rank_of(stage), tp=coord.tp)
+
+    calls: list[Collective] = []
+
+    def p2p(kind, boundaries, other, tag, phase) -> None:
+        for b in boundaries:
+            if phase == "backward" and not b.requires_grad:
+                continue
+            calls.append(Collective(kind=kind, group=tuple(sorted((rank, other))), numel=local_numel(b, sizes, mesh.tp),
+                                    dtype=b.dtype, op="none", tag=tag, phase=phase))
+
+    tp_calls = {s.index: tensor_parallel_collectives(s.graph_module, tp_group, sizes) for s in stages}
+    for action in schedule.actions[coord.pp]:
+        stage = stages[action.stage]
+        forward = [c for c in tp_calls[stage.index] if c.phase == "forward"]
+        backward = [c for c in tp_calls[stage.index] if c.phase == "backward"]
+        if action.kind == "F":
+            if stage.index > 0:
+                p2p("recv", stage.inputs, peer(stage.index - 1), f"stage {stage.index} activations", "forward")
+            calls.extend(forward)
+            if stage.outputs:
+                p2p("send", stage.outputs, peer(stage.index + 1), f"stage {stage.index + 1} activations", "forward")
+        else:
+            if stage.outputs:
+                p2p("recv", stage.outputs, peer(stage.index + 1), f"stage {stage.index} gradients", "backward")
+            calls.extend(backward)
+            if stage.index > 0:
+                p2p("send", stage.inputs, peer(stage.index - 1), f"stage {stage.index - 1} gradients", "backward")
+    local = [s for s in stages if schedule.rank_of(s.index) == coord.pp]
+    for stage in local:
+        calls.extend(data_parallel_collectives(stage.buckets, mesh.group(rank, Axis.DP), zero=0, carry_loss=False))
+    for stage in local:
+        calls.extend(partial_gradient_collectives(stage.graph_module, tp_group))
+    calls.extend(tied_parameter_collectives(rank=rank, mesh=mesh, schedule=schedule, stages=stages))
+    calls.append(Collective(kind="all_reduce", group=mesh.group(rank, Axis.PP), numel=1, dtype=torch.float32,
+                            tag="pipeline loss", phase="step"))
+    if mesh.dp > 1:
+        calls.append(Collective(kind="all_reduce", group=mesh.group(rank, Axis.DP), numel=1, dtype=torch.float32,
+                                tag="loss", phase="step"))
+    return tuple(calls)
+
+
+def tied_parameter_groups(mesh: Mesh, schedule: Schedule, stages: tuple[Stage, ...]) -> dict[str, list[tuple[int, ...]]]:
+    """For each parameter several pipeline ranks hold: the rank groups that keep it identical."""
+    groups = {}
+    for name, owners in shared_parameters(stages).items():
+        pp_ranks = sorted({schedule.rank_of(s) for s in owners})
+        if len(pp_ranks) < 2:
+            continue
+        groups[name] = [
+            tuple(mesh.rank_of(dp=dp, pp=pp, tp=tp) for pp in pp_ranks)
+            for dp in range(mesh.dp)
+            for tp in range(mesh.tp)
+        ]
+    return groups
+
+
+def tied_parameter_collectives(*, rank, mesh, schedule, stages) -> list[Collective]:
+    calls = []
+    for name, groups in tied_parameter_groups(mesh, schedule, stages).items():
+        for group in groups:
+            if rank in group:
+                node = meta.parameter_nodes(stages[shared_parameters(stages)[name][0]].graph_module.graph)[name]
+                numel = node.meta["val"].numel() // (mesh.tp if isinstance(meta.placement(node), Shard) else 1)
+                calls.append(Collective(kind="all_reduce", group=group, numel=numel, dtype=node.meta["val"].dtype,
+                                        tag=f"tied {name} gradient", phase="step"))
+    return calls
+
+
+def check_pipeline(world_size: int, schedule: Schedule, collectives_of) -> None:
+    """Every send has its receive, in the same order per rank pair; the schedule cannot deadlock."""
+    try:
+        simulate(schedule, 1, 2)
+    except DeadlockError as error:
+        raise PlanError(f"the pipeline schedule deadlocks:\n{error}", field="schedule") from None
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    for rank in range(world_size):
+        for call in collectives_of(rank):
+            if call.kind in ("send", "recv"):
+                (other,) = [r for r in call.group if r != rank] or [rank]
+                key = (rank, other) if call.kind == "send" else (other, rank)
+                (sends if call.kind == "send" else recvs).setdefault(key, []).append((call.numel, call.dtype, call.phase))
+    for pair in set(sends) | set(recvs):
+        if sends.get(pair, []) != recvs.get(pair, []):
+            a, b = pair
+            raise PlanError(
+                f"rank {a} sends {len(sends.get(pair, []))} tensors to rank {b}, which receives "
+                f"{len(recvs.get(pair, []))} (or with other shapes); the job would hang. This "
+                "is an fxpar bug for a plan it accepted: please report it",
+                field="pp",
+            )
+
+
+def node_time(captured, hardware) -> callable:
+    """Forward + backward time of a node at the example's sizes, for balancing stages."""
+    from fxpar.cost.ops import cost_of
+
+    sizes = dict(captured.example_sizes)
+    rate, bandwidth = hardware.matmul_rate("fp32"), hardware.memory_bandwidth
+
+    def cost(node: fx.Node) -> float:
+        op = cost_of(node, captured.shape)
+        if op is None:
+            return 0.0
+        seconds = op.matmul_flops / rate + (op.bytes / bandwidth if op.matmul_flops == 0 else 0)
+        return 3 * float(sympy.sympify(seconds).subs(sizes))
+
+    return cost
+
+

@@ -1,0 +1,136 @@
+"""The pipeline executor: one rank runs its schedule's actions on its stage modules.
+
+For each action of `program.schedule.actions[pp_rank]`, in order:
+
+    F(s, mb)  receive stage s's inputs from stage s-1's rank (shapes known at compile time:
+              buffers are allocated from the boundary formulas, no shape exchange), run the
+              stage module, send its outputs to stage s+1's rank; the last stage keeps the
+              loss (scaled by 1/microbatches, as gradient accumulation does).
+    B(s, mb)  receive the gradients of stage s's outputs, run backward through the stage,
+              send the gradients of its inputs back.
+
+Sends are asynchronous (waited on at the end of the step) and receives block, so a rank never
+waits on a peer that waits on it, for any schedule the simulator accepts. Point-to-point
+transfers go through `torch.distributed` (`isend` / `irecv` with a tag per stage, microbatch
+and direction).
+
+Why fxpar's own executor and not `torch.distributed.pipelining`'s: fxpar already has stage
+GraphModules with boundary shapes known symbolically, tensor-parallel collectives inside the
+stages, and its own gradient buckets and loss reduction; torch's runtime wants
+`PipelineStage` objects with their own shape inference and its own loss and gradient
+handling, which would duplicate or fight all three. The benchmark
+(`benchmarks/bench_pipeline.py`) compares the two on the same stages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxpar.mesh import Axis
+from fxpar.pipeline_program import local_shape
+
+if TYPE_CHECKING:
+    from fxpar.program import Program
+    from fxpar.runtime.runner import Runner
+
+
+class PipelineExecutor:
+    def __init__(self, runner: Runner, program: Program):
+        self.runner = runner
+        self.program = program
+        self.schedule = program.schedule
+        coord = program.mesh.coord(runner.rank)
+        self.coord = coord
+        self.actions = self.schedule.actions[coord.pp]
+        self.timeline: list[tuple[str, float, float]] = []
+
+    def _peer(self, stage: int) -> int:
+        return self.program.mesh.rank_of(dp=self.coord.dp, pp=self.schedule.rank_of(stage), tp=self.coord.tp)
+
+    def _module(self, stage: int):
+        return self.runner.modules[stage // self.schedule.p]
+
+    def _key(self, stage: int, microbatch: int, backward: bool) -> int:
+        return (stage * self.schedule.m + microbatch) * 2 + int(backward)
+
+    def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
+        runner, program = self.runner, self.program
+        stages, last = program.stages, len(program.stages) - 1
+        names = program.captured.input_names
+        sizes = program._local_sizes()
+        tp = program.mesh.tp
+        microbatches = len(chunks)
+        inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        total = torch.zeros((), device=runner.device)
+        pending = []
+        remaining_backwards = {s.index: microbatches for s in stages if self.schedule.rank_of(s.index) == self.coord.pp}
+        communicator, rank = runner.communicator, runner.rank
+        self.timeline = []
+        for action in self.actions:
+            start = time.perf_counter()
+            stage = stages[action.stage]
+            mb = action.microbatch
+            module = self._module(stage.index)
+            if action.kind == "F":
+                received = []
+                for boundary in stage.inputs:
+                    buffer = torch.empty(local_shape(boundary, sizes, tp), dtype=boundary.dtype, device=runner.device)
+                    communicator.recv(buffer, rank, self._peer(stage.index - 1), tag=f"stage {stage.index} activations",
+                                      phase="forward", key=self._key(stage.index, mb, False))
+                    received.append(buffer.requires_grad_(boundary.requires_grad))
+                user = dict(zip(names, chunks[mb]))
+                result = module(*received, *(user[n] for n in stage.user_inputs))
+                inputs[(stage.index, mb)] = received
+                if stage.index == last:
+                    loss = result / microbatches if microbatches > 1 else result
+                    total += loss.detach()
+                    outputs[(stage.index, mb)] = (loss,)
+                else:
+                    outputs[(stage.index, mb)] = result
+                    for value in result:
+                        pending.append(communicator.send(value.detach(), rank, self._peer(stage.index + 1),
+                                                         tag=f"stage {stage.index + 1} activations", phase="forward",
+                                                         key=self._key(stage.index + 1, mb, False)))
+            else:
+                remaining_backwards[stage.index] -= 1
+                final = remaining_backwards[stage.index] == 0
+                for buckets in runner._buckets:
+                    if buckets is runner._buckets[stage.index // self.schedule.p]:
+                        buckets.start_backward(synchronize=final)
+                produced = outputs.pop((stage.index, mb))
+                if stage.index == last:
+                    torch.autograd.backward(produced[0])
+                else:
+                    grads = []
+                    for boundary, value in zip(stage.outputs, produced):
+                        if not boundary.requires_grad:
+                            continue
+                        buffer = torch.empty(local_shape(boundary, sizes, tp), dtype=boundary.dtype, device=runner.device)
+                        communicator.recv(buffer, rank, self._peer(stage.index + 1), tag=f"stage {stage.index} gradients",
+                                          phase="backward", key=self._key(stage.index, mb, True))
+                        grads.append((value, buffer))
+                    torch.autograd.backward([v for v, _ in grads], [g for _, g in grads])
+                received = inputs.pop((stage.index, mb))
+                if stage.index > 0:
+                    for boundary, value in zip(stage.inputs, received):
+                        if boundary.requires_grad:
+                            grad = value.grad if value.grad is not None else torch.zeros_like(value)
+                            pending.append(communicator.send(grad, rank, self._peer(stage.index - 1),
+                                                             tag=f"stage {stage.index - 1} gradients", phase="backward",
+                                                             key=self._key(stage.index - 1, mb, True)))
+            if runner.record_timeline:
+                self.timeline.append((str(action), start, time.perf_counter()))
+        for send in pending:
+            send.wait()
+        runner.complete_gradients()
+        # Only the last stage knows the loss: sum it over the pipeline, then average over dp.
+        groups = runner.groups
+        communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
+        if groups[Axis.DP].size > 1:
+            total /= groups[Axis.DP].size
+            communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
+        return float(total)

@@ -1,0 +1,400 @@
+"""Pipeline schedules as data: which rank runs which forward or backward, in what order.
+
+Map of this module:
+
+- `Action`              one step, written "1F0": stage 1 runs the forward of microbatch 0
+- `Schedule`            per pipeline rank, the ordered actions of one training step
+- `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b`, `schedule(name, p, m, v)`   constructors
+- `check(schedule)`     every (stage, microbatch) has one F and one B, F first, on its rank
+- `simulate(...)`       a timeline from per-stage costs: makespan, idle time, activations held
+- `Schedule.grid()`, `Schedule.to_text()`, `Schedule.from_text()`   printed forms
+
+Stages and ranks. With p pipeline ranks and v virtual stages (chunks) per rank there are
+S = p * v stages, and stage s lives on rank `s % p` (Megatron's interleaved placement: rank r
+holds stages r, r + p, r + 2p, ...). With v == 1, stage s is rank s.
+
+`str(schedule)` is its grid: one row per rank, one column per time slot of a simulation with unit
+costs, "." where the rank idles. 1F1B with p=2, m=3 (`print(schedule("1f1b", 2, 3))`)::
+
+           t0  t1  t2  t3  t4  t5  t6  t7
+    rank 0 0F0 0F1 .   0B0 0F2 0B1 .   0B2
+    rank 1 .   1F0 1B0 1F1 1B1 1F2 1B2 .
+
+The idle cells are the bubble. `simulate` measures it with real costs; with the same costs on
+every stage (a chunk costing 1/v of a rank) and no communication, GPipe and 1F1B idle a fraction
+(p-1)/(m+p-1) of the step (GPipe, Huang et al. 2019, Sec. 2.3) and interleaved 1F1B
+(p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2); FORMULAS.md, "Pipeline bubble". The
+cost model's bubble term is meant to read `simulate(...).bubble_fraction`, so that a new schedule
+needs no new formula.
+
+The simulator never hangs: an order that waits on itself raises `DeadlockError` naming each
+blocked action, what it waits for, and the grid up to the point where it stopped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import partial
+from itertools import accumulate
+from numbers import Rational
+from typing import Literal
+
+_ACTION = re.compile(r"(\d+)([FB])(\d+)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step: `stage` runs the forward ("F") or backward ("B") of `microbatch`; str "1F0"."""
+
+    stage: int
+    kind: Literal["F", "B"]
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """`Action.parse("1F0") == Action(1, "F", 0)`; the inverse of `str`."""
+        found = _ACTION.fullmatch(text.strip())
+        if found is None:
+            raise ValueError(
+                f"cannot read action {text!r}: expected <stage><F|B><microbatch>, e.g. '1F0'"
+            )
+        return cls(int(found[1]), found[2], int(found[3]))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """`actions[r]` is what pipeline rank r executes, in order, in one training step."""
+
+    name: str
+    p: int
+    v: int
+    m: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        return self.p * self.v
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank holding `stage`: `stage % p`."""
+        return stage % self.p
+
+    def grid(self) -> str:
+        """The grid of a unit-cost simulation (F = B = 1, no comm): one column per time step."""
+        return simulate(self, 1, 1).grid()
+
+    def __str__(self) -> str:
+        try:
+            return self.grid()
+        except DeadlockError as error:  # print what ran and where it stuck, never raise
+            return str(error)
+
+    def to_text(self) -> str:
+        """A header line and one line per rank: `rank 0: 0F0 0F1 0B0 ...`; see `from_text`."""
+        rows = (f"rank {r}: " + " ".join(map(str, row)) for r, row in enumerate(self.actions))
+        return "\n".join([f"schedule {self.name} p={self.p} v={self.v} m={self.m}", *rows])
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """Read `to_text`'s form. Without the header p, v and m are inferred from the actions."""
+        header: dict[str, str] = {}
+        rows: dict[int, tuple[Action, ...]] = {}
+        for line in filter(None, (raw.strip() for raw in text.splitlines())):
+            if line.startswith("schedule"):
+                words = line.split()
+                header = dict(word.split("=", 1) for word in words[2:])
+                header["name"] = words[1]
+                continue
+            found = re.fullmatch(r"rank\s+(\d+)\s*:(.*)", line)
+            if found is None:
+                raise ValueError(f"cannot read line {line!r}: expected 'rank <r>: 0F0 0B0 ...'")
+            rows[int(found[1])] = tuple(Action.parse(word) for word in found[2].split())
+        if sorted(rows) != list(range(len(rows))):
+            raise ValueError(f"ranks {sorted(rows)} are not 0..{len(rows) - 1}; give each a line")
+        every = [a for row in rows.values() for a in row]
+        p = int(header.get("p", len(rows)))
+        v = int(header.get("v", max((a.stage for a in every), default=0) // p + 1))
+        m = int(header.get("m", max((a.microbatch for a in every), default=-1) + 1))
+        actions = tuple(rows.get(r, ()) for r in range(p))
+        return cls(name=header.get("name", "custom"), p=p, v=v, m=m, actions=actions)
+
+
+def _require_positive(**numbers: int) -> None:
+    for key, value in numbers.items():
+        if value < 1:
+            raise ValueError(f"{key}={value}: a pipeline schedule needs {key} >= 1")
+
+
+def _warm_up_then_alternate(
+    warmup: int, steps: int, forward: Callable[[int], Action], backward: Callable[[int], Action]
+) -> tuple[Action, ...]:
+    """One rank's row: `warmup` forwards, then forward k + warmup with backward k, then drain.
+
+    Every schedule here is this shape; they differ in the warm-up and in which stage and
+    microbatch forward step k and backward step k run.
+    """
+    row = [forward(k) for k in range(warmup)]
+    for k in range(steps - warmup):
+        row += [forward(warmup + k), backward(k)]
+    return tuple(row + [backward(k) for k in range(steps - warmup, steps)])
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every rank runs F0..F(m-1), then B0..B(m-1).
+
+    The order of torch.distributed.pipelining's `ScheduleGPipe`: 1F1B with all m forwards in
+    the warm-up. All m microbatches' activations are held at once: peak in flight m.
+    """
+    _require_positive(p=p, m=m)
+    rows = (
+        _warm_up_then_alternate(m, m, partial(Action, r, "F"), partial(Action, r, "B"))
+        for r in range(p)
+    )
+    return Schedule(name="gpipe", p=p, v=1, m=m, actions=tuple(rows))
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B, PipeDream-flush (Narayanan et al. 2021, Sec. 2.2.1).
+
+    Rank r runs p - r - 1 warm-up forwards, then alternates one forward and one backward, then
+    drains the remaining backwards. At most p - r microbatches are in flight on rank r.
+    """
+    _require_positive(p=p, m=m)
+    if m < p:
+        raise ValueError(
+            f"1f1b needs at least as many microbatches as pipeline ranks: m={m} < p={p}; "
+            f"use m >= {p} or the 'gpipe' schedule"
+        )
+    rows = (
+        _warm_up_then_alternate(p - r - 1, m, partial(Action, r, "F"), partial(Action, r, "B"))
+        for r in range(p)
+    )
+    return Schedule(name="1f1b", p=p, v=1, m=m, actions=tuple(rows))
+
+
+def interleaved_one_f_one_b(p: int, v: int, m: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2), in Megatron-LM's order.
+
+    Rank r runs m * v forward steps. Forward step k uses chunk `(k // p) % v` and microbatch
+    `(k // (p v)) p + k % p`: microbatches go through a chunk in groups of p. Backward step k
+    uses the same microbatch and chunk `v - 1 - (k // p) % v`. Stage = chunk * p + r. Rank r
+    warms up with `(p - r - 1) * 2 + (v - 1) * p` forwards (Megatron-LM's
+    `forward_backward_pipelining_with_interleaving`), then alternates, then drains.
+    """
+    _require_positive(p=p, v=v, m=m)
+    if v < 2:
+        raise ValueError(f"interleaved needs v >= 2 chunks per rank, got v={v}; use '1f1b' for v=1")
+    if m % p:
+        raise ValueError(
+            f"interleaved needs the microbatches to be a multiple of the pipeline ranks: "
+            f"m={m}, p={p}, m % p = {m % p}; use m={m + p - m % p} or m={m - m % p or p}"
+        )
+
+    def step(r: int, kind: Literal["F", "B"], k: int) -> Action:
+        chunk = (k // p) % v if kind == "F" else v - 1 - (k // p) % v
+        return Action(chunk * p + r, kind, (k // (p * v)) * p + k % p)
+
+    rows = (
+        _warm_up_then_alternate(
+            min((p - r - 1) * 2 + (v - 1) * p, m * v), m * v,
+            partial(step, r, "F"), partial(step, r, "B"),
+        )
+        for r in range(p)
+    )
+    return Schedule(name="interleaved", p=p, v=v, m=m, actions=tuple(rows))
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Build a schedule by name: "gpipe" and "1f1b" (v == 1), "interleaved" (v >= 2)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        return interleaved_one_f_one_b(p, v, m)
+    if v != 1:
+        raise ValueError(f"{name} runs one stage per rank, got v={v}; use v=1 or 'interleaved'")
+    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+
+
+def check(schedule: Schedule) -> None:
+    """Raise ValueError unless every (stage, microbatch) has exactly one F and one B, the F
+    before the B, both on the stage's rank `stage % p`. Says nothing about deadlock: `simulate`."""
+    s = schedule
+    if len(s.actions) != s.p:
+        raise ValueError(f"{s.name}: {len(s.actions)} rows for p={s.p} ranks; give one per rank")
+    seen: dict[Action, int] = {}
+    for rank, row in enumerate(s.actions):
+        for position, a in enumerate(row):
+            where = f"{s.name}: rank {rank} step {position} ({a})"
+            if not (0 <= a.stage < s.stages and 0 <= a.microbatch < s.m):
+                raise ValueError(
+                    f"{where}: need stage in 0..{s.stages - 1}, microbatch in 0..{s.m - 1}"
+                )
+            if s.rank_of(a.stage) != rank:
+                raise ValueError(f"{where}: stage {a.stage} lives on rank {a.stage % s.p}")
+            if a in seen:
+                raise ValueError(f"{where}: already runs at step {seen[a]}; run it once")
+            if a.kind == "B" and Action(a.stage, "F", a.microbatch) not in seen:
+                raise ValueError(f"{where}: backward before its forward; swap them")
+            seen[a] = position
+    missing = [
+        str(Action(stage, kind, mb))
+        for stage in range(s.stages) for mb in range(s.m) for kind in ("F", "B")
+        if Action(stage, kind, mb) not in seen
+    ]
+    if missing:
+        raise ValueError(f"{s.name}: missing actions {' '.join(missing[:8])}; add them")
+
+
+class DeadlockError(ValueError):
+    """No rank can start its next action: the per-rank orders wait on each other."""
+
+
+Timeline = tuple[tuple[tuple[Action, float, float], ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Simulation:
+    """The timeline of one step. `timeline[r]` holds (action, start, end) in rank r's order.
+
+    `peak_in_flight[r]` is the most (stage, microbatch) pairs whose forward has run on rank r
+    and whose backward has not: activations held, in units of one stage's activations for one
+    microbatch. With v chunks per rank a stage holds 1/v of the rank's layers, so the memory is
+    about `peak_in_flight[r] / v` microbatches of the whole rank's activations.
+    """
+
+    schedule: Schedule
+    timeline: Timeline
+    total: float
+    busy: tuple[float, ...]
+    bubble_fraction: float
+    peak_in_flight: tuple[int, ...]
+
+    def grid(self) -> str:
+        """One column per distinct start time; "~" while an action continues, "." idle."""
+        return _grid(self.timeline)
+
+
+def _per_stage(cost: float | Sequence[float], stages: int, what: str) -> list[float]:
+    if isinstance(cost, Sequence):
+        if len(cost) != stages:
+            raise ValueError(f"{what} has {len(cost)} entries for {stages} stages; one per stage")
+        return list(cost)
+    return [cost] * stages
+
+
+def simulate(
+    schedule: Schedule,
+    forward_cost: float | Sequence[float],
+    backward_cost: float | Sequence[float],
+    *,
+    comm_cost: float = 0.0,
+) -> Simulation:
+    """Run the schedule on a clock. Costs are one number or one per stage (length p * v).
+
+    F(s, mb) waits for F(s-1, mb); B(s, mb) waits for F(s, mb) and B(s+1, mb) (the last stage
+    only for its forward); `comm_cost` is added when the two stages sit on different ranks. Each
+    rank runs its list in order, one action at a time, as early as these allow. Exact when the
+    costs are ints or Fractions.
+    """
+    s = schedule
+    forward = _per_stage(forward_cost, s.stages, "forward_cost")
+    backward = _per_stage(backward_cost, s.stages, "backward_cost")
+    end: dict[Action, float] = {}
+    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.p)]
+    clock: list[float] = [0] * s.p
+
+    def needs(a: Action) -> list[Action]:
+        if a.kind == "F":
+            return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+        deps = [Action(a.stage, "F", a.microbatch)]
+        return deps + ([Action(a.stage + 1, "B", a.microbatch)] if a.stage < s.stages - 1 else [])
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, row in enumerate(s.actions):
+            while len(timeline[rank]) < len(row):
+                a = row[len(timeline[rank])]
+                deps = needs(a)
+                if any(d not in end for d in deps):
+                    break
+                start = clock[rank]
+                for d in deps:
+                    hop = comm_cost if comm_cost and s.rank_of(d.stage) != rank else 0
+                    start = max(start, end[d] + hop)
+                clock[rank] = end[a] = start + (forward if a.kind == "F" else backward)[a.stage]
+                timeline[rank].append((a, start, end[a]))
+                progress = True
+    if any(len(done) < len(row) for done, row in zip(timeline, s.actions)):
+        raise DeadlockError(_deadlock_message(s, timeline, end, needs))
+
+    total = max(clock, default=0)
+    busy = tuple(sum(e - b for _, b, e in row) for row in timeline)
+    idle = sum(total - b for b in busy)
+    steps = [accumulate((1 if a.kind == "F" else -1 for a in row), initial=0) for row in s.actions]
+    return Simulation(
+        schedule=s,
+        timeline=tuple(map(tuple, timeline)),
+        total=total,
+        busy=busy,
+        bubble_fraction=_ratio(idle, s.p * total),
+        peak_in_flight=tuple(map(max, steps)),
+    )
+
+
+def _ratio(part: float, whole: float) -> float:
+    """`part / whole`, a Fraction when both are ints or Fractions, so tests can use `==`."""
+    if not whole:
+        return 0
+    exact = isinstance(part, Rational) and isinstance(whole, Rational)
+    return Fraction(part) / whole if exact else part / whole
+
+
+def _deadlock_message(
+    s: Schedule, timeline: list, end: dict[Action, float], needs: Callable[[Action], list[Action]]
+) -> str:
+    lines = [f"{s.name}: deadlock, no rank can start its next action:"]
+    blocked: dict[int, Action] = {}
+    for rank, row in enumerate(s.actions):
+        if len(timeline[rank]) == len(row):
+            continue
+        a = blocked[rank] = row[len(timeline[rank])]
+        waits = []
+        for d in (d for d in needs(a) if d not in end):
+            at = [f"rank {r}, step {its.index(d)}" for r, its in enumerate(s.actions) if d in its]
+            waits.append(f"{d} ({at[0] if at else 'which no rank runs'})")
+        lines.append(f"  rank {rank} step {len(timeline[rank])}: {a} waits for {', '.join(waits)}")
+    lines.append("grid so far, '!' marks each blocked action:")
+    lines.append(_grid(timeline, blocked=blocked))
+    lines.append("fix: reorder so each rank runs an action only after what it waits for can run")
+    return "\n".join(lines)
+
+
+def _grid(timeline: Timeline | list, *, blocked: dict[int, Action] | None = None) -> str:
+    """Rows per rank, columns at each distinct start time; blocked actions in a last column."""
+    times = sorted({start for row in timeline for _, start, _ in row})
+    header = [f"t{i}" for i in range(len(times))] + (["blocked"] if blocked else [])
+    rows = []
+    for rank, row in enumerate(timeline):
+        starts = {start: a for a, start, _ in row}
+        cells = [
+            str(starts[t]) if t in starts else "~" if any(b < t < e for _, b, e in row) else "."
+            for t in times
+        ]
+        if blocked:
+            cells.append(f"{blocked[rank]}!" if rank in blocked else "")
+        rows.append([f"rank {rank}"] + cells)
+    table = [[""] + header] + rows
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    return "\n".join(
+        " ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table
+    )
