@@ -33,6 +33,8 @@ MEGATRON, MEGATRON_SP = f"tp=2 tp_rules={RULES}", f"tp=2 sp=true tp_rules={RULES
 def assert_collectives_as_predicted(result: dict) -> None:
     for log, stats in result["comm"]:
         assert Counter(log) == Counter(result["predicted"])
+        if result["rank"] != result["estimated_rank"]:
+            continue  # the estimate reports one rank (with a pipeline, ranks differ)
         for kind, entry in result["estimated_comm"].items():
             assert (entry["count"], entry["payload_bytes"]) == (stats[kind]["count"], stats[kind]["bytes"])
 

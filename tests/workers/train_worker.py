@@ -46,7 +46,9 @@ for plan in plans:
         "state": runner.full_state_dict(),
         "comm": step_logs,
         "predicted": program.collectives(runner.rank),
-        "estimated_comm": program.estimate("h100").comm,
+        "estimated_comm": (estimate := program.estimate("h100")).comm,
+        "estimated_rank": estimate.rank,
+        "rank": runner.rank,
         "buckets": program.buckets if program.stages is None else [s.buckets for s in program.stages],
     }
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
