@@ -26,7 +26,7 @@ from fxpar.collectives import (
 from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
-from fxpar.passes.pipeline import Boundary, split_stages
+from fxpar.passes.pipeline import STAGE, Boundary, split_stages
 from fxpar.placement import Shard
 from fxpar.schedules import DeadlockError, Schedule, simulate
 
@@ -193,6 +193,32 @@ def check_pipeline(world_size: int, schedule: Schedule, collectives_of) -> None:
                 "is an fxpar bug for a plan it accepted: please report it",
                 field="pp",
             )
+
+
+def describe_stages(stages: tuple[Stage, ...], schedule: Schedule, captured, cost) -> str:
+    """A table of the cut: each stage's rank, modules, parameters, share of the time, inputs."""
+    times = [
+        sum(cost(n) for n in s.graph_module.graph.nodes if n.op == "call_function") for s in stages
+    ]
+    total = sum(times) or 1.0
+    lines = [f"{'stage':>5} {'rank':>4}  {'modules':<34} {'parameters':>12} {'time':>6}  receives"]
+    for stage, seconds in zip(stages, times):
+        paths = [
+            meta.module_path(n) for n in stage.graph_module.graph.nodes
+            if n.meta.get(STAGE) == stage.index and meta.module_path(n)
+        ]
+        span = f"{paths[0]} .. {paths[-1]}" if paths else "-"
+        params = sum(
+            n.meta["val"].numel() for n in meta.parameter_nodes(stage.graph_module.graph).values()
+        )
+        shapes = ", ".join(
+            str(tuple(captured.readable(d) for d in b.shape)) for b in stage.inputs
+        ) or "the step's inputs"
+        lines.append(
+            f"{stage.index:>5} {schedule.rank_of(stage.index):>4}  {span:<34.34} {params:>12,} "
+            f"{100 * seconds / total:>5.1f}%  {shapes}"
+        )
+    return "\n".join(lines)
 
 
 def node_time(captured, hardware) -> callable:

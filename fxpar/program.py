@@ -39,6 +39,7 @@ from fxpar.pipeline_program import (
     Stage,
     build_stages,
     check_pipeline,
+    describe_stages,
     node_time,
     pipeline_collectives,
 )
@@ -220,6 +221,14 @@ class Program:
             for exported in self.captured.export_symbols(symbol.name):
                 sizes[exported] = local_batch if symbol.name == "batch" else value
         return sizes
+
+    def describe_stages(self) -> str:
+        """The pipeline cut the compiler chose: per stage its modules, parameters, share of the
+        step's time and the shapes it receives (as formulas in batch and seq)."""
+        if self.stages is None:
+            return "no pipeline (pp=1)"
+        cost = node_time(self.captured, hardware_profile("h100"))
+        return describe_stages(self.stages, self.schedule, self.captured, cost)
 
     def estimate(
         self,

@@ -1,0 +1,84 @@
+"""Tier 1: pipeline stage cuts, stage graphs and their errors, without processes."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpar
+from fxpar import PlanError, meta
+from fxpar.pipeline_program import shared_parameters
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from tiny_training import build_model, global_batches  # noqa: E402
+
+TOKENS, LABELS = global_batches()[0]
+
+
+def run_stages(program: fxpar.Program, tokens, labels) -> torch.Tensor:
+    """Chain the stage graphs by hand, as the pipeline does over ranks."""
+    inputs, carried = {"idx": tokens, "targets": labels}, ()
+    names = program.captured.input_names
+    inputs = dict(zip(names, (tokens, labels)))
+    for stage in program.stages:
+        result = stage.graph_module(*carried, *(inputs[n] for n in stage.user_inputs))
+        carried = result if isinstance(result, tuple) else (result,)
+    return carried[0]
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
+@pytest.mark.parametrize("plan", ["pp=2 mb=2", "pp=3 mb=4", "pp=2 mb=4 schedule=interleaved virtual_stages=2"])
+def test_stage_graphs_chained_compute_the_models_loss(model, plan):
+    program = fxpar.compile(build_model(model), plan, (TOKENS, LABELS))
+    expected = build_model(model)(TOKENS, LABELS)
+    assert torch.equal(run_stages(program, TOKENS, LABELS), expected)
+    program.check()
+
+
+def test_boundaries_are_formulas_in_batch_and_seq():
+    program = fxpar.compile(build_model("gpt"), "pp=2 mb=2", (TOKENS, LABELS))
+    (boundary,) = program.stages[1].inputs
+    batch, seq = program.captured.symbols["batch"], program.captured.symbols["seq"]
+    assert tuple(program.captured.readable(d) for d in boundary.shape) == (batch, seq, 32)
+    assert boundary.requires_grad and program.stages[0].inputs == ()
+    assert "targets" in program.stages[1].user_inputs  # the loss's labels (and idx for its sizes)
+
+
+def test_tied_embedding_and_head_live_on_the_first_and_last_stage():
+    program = fxpar.compile(build_model("gpt"), "pp=2 mb=2", (TOKENS, LABELS))
+    assert shared_parameters(program.stages) == {"wte.weight": (0, 1)}
+
+
+def test_split_names_where_stages_begin():
+    program = fxpar.compile(build_model("gpt"), fxpar.Plan(pp=2, microbatches=2, split=("h.1",)), (TOKENS, LABELS))
+    computed = [  # ops the stage computes (shape arithmetic is recomputed everywhere)
+        meta.module_path(n) for n in program.stages[1].graph_module.graph.nodes
+        if n.meta.get("fxpar.stage") == 1
+    ]
+    assert computed[0].startswith("h.1") and all(not p.startswith("h.0") for p in computed)
+    assert "h.1" in program.describe_stages()
+
+
+def test_split_naming_no_module_is_a_plan_error():
+    with pytest.raises(PlanError, match="split names module 'blocks.3', which no op of the model belongs to"):
+        fxpar.compile(build_model("gpt"), fxpar.Plan(pp=2, microbatches=2, split=("blocks.3",)), (TOKENS, LABELS))
+
+
+def test_more_stages_than_clean_cuts_is_a_plan_error():
+    with pytest.raises(PlanError, match=r"clean cut points .between blocks., too few for 16 pipeline stages"):
+        fxpar.compile(build_model("gpt"), "pp=16 mb=16", (torch.randint(0, 64, (16, 16)),) * 2)
+
+
+def test_batch_not_divisible_by_microbatches_is_a_plan_error():
+    with pytest.raises(PlanError, match="global batch 8 is not divisible by dp \\* microbatches = 1 \\* 3"):
+        fxpar.compile(build_model("gpt"), "pp=2 mb=3", (TOKENS, LABELS))
+
+
+def test_rank_modules_of_a_pipeline_are_its_stages():
+    program = fxpar.compile(build_model("gpt"), "dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2", (TOKENS, LABELS))
+    chunks = program.stage_modules(3)  # dp 1, pp 1: stages 1 and 3
+    assert [m.meta["fxpar.stage"] for m in chunks] == [1, 3]
+    assert program.rank_module(3).meta["fxpar.stage"] == 1
+    kinds = {c.kind for c in program.collectives(1)}
+    assert {"send", "recv", "all_reduce"} <= kinds
