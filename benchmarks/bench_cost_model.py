@@ -14,16 +14,17 @@ and prints one table per configuration, `term | predicted | measured | error %` 
 error = (predicted - measured) / measured (positive: the model over-predicts):
 
 * params, grads, optimizer: bytes of the distinct parameters, their `.grad` and the AdamW
-  state tensors right after `optimizer.step()`; expected exact up to Adam's per-tensor `step`
-  counters (4 bytes per parameter tensor), which the model leaves out;
+  state tensors (Adam's 4-byte `step` counters included) right after `optimizer.step()`;
+  expected exact;
 * activations (saved): bytes of the distinct storages autograd packs in the real forward
   (`saved_tensors_hooks`), parameters left out; expected exact, as the model asks autograd
   the same question under fake tensors;
 * peak fwd+bwd: bytes held before the step (model state, gradient buckets, the input batch)
   plus the peak of the forward and backward's own allocations (`torch.profiler`,
-  `profile_memory=True`), against `memory.total`. Not expected to match: the model counts
-  what is saved for backward, not the backward's temporaries (see RESULTS.md). The JSON also
-  has `peak_step`, the same over the whole step with the optimizer's;
+  `profile_memory=True`), against `memory.total`, the predicted peak. The JSON also has
+  `peak_step`, the same over the whole step with the optimizer's; workspace: that peak minus
+  the bytes held before the step and the saved activations, against `memory.workspace`
+  (meaningful where the peak is at the start of backward, as in every run so far);
 * compute, optimizer, step: medians of `--steps` timed steps after `--warmup` (max over
   ranks) of `runner.step` (forward + backward, and under dp=2 the gradient all-reduces it
   waits for), of `opt.step(); opt.zero_grad()`, and of the whole step, against
@@ -42,7 +43,9 @@ error = (predicted - measured) / measured (positive: the model over-predicts):
 
 The `cpu` hardware profile is measured once at the start, at one thread, into a fresh
 `FXPAR_CACHE_DIR` (or `--profile-cache DIR` to reuse one), so its constants describe the
-machine as it is during the run. The script ends with the mean absolute error per term.
+machine as it is during the run. It is cached even when the machine is loaded (which
+`measure_cpu` would refuse), because every job must use the same profile; the load average
+at calibration is printed with it. The script ends with the mean absolute error per term.
 
 On a CUDA machine the runner trains on the GPU (`bind()`'s default device), the estimate
 uses the GPU's datasheet profile (`--hardware`, default by device name), times are taken
@@ -285,11 +288,18 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def calibrate(cache: Path) -> dict:
+    """The 1-thread cpu profile in `cache`: read if there, else measured and written, loaded
+    or not (the jobs must share one profile; the report shows the load it was taken under)."""
     os.environ["FXPAR_CACHE_DIR"] = str(cache)
     torch.set_num_threads(1)
-    from fxpar.cost.calibrate import measure_cpu
+    from fxpar.cost import calibrate as calibration
 
-    return dict(measure_cpu().measured)
+    readings = calibration.measure_cpu().measured
+    if not calibration.cache_file(1).is_file():
+        print(f"note: calibrated under load (1-minute load average {readings['load_average']:.1f}"
+              f" on {readings['cores']} cores); caching it anyway for this run's jobs", flush=True)
+        calibration.write_cache(readings)
+    return dict(readings)
 
 
 def launch(args: argparse.Namespace, dp: int, batch: int, out: Path) -> list[dict]:
@@ -332,7 +342,10 @@ def rows_of(r: dict, baseline: dict | None) -> list[tuple[str, str, str, float |
         ("grads", mem["grads"], state["grads"], fmt_bytes),
         ("optimizer", mem["optimizer"], state["optimizer"], fmt_bytes),
         ("activations (saved)", mem["activations"], got["activations"]["bytes"], fmt_bytes),
-        ("peak fwd+bwd vs total", mem["total"], got["peak_forward_backward"], fmt_bytes),
+        ("workspace (peak - held - saved)", mem["workspace"],
+         got["peak_forward_backward"] - got["held_before_step"] - got["activations"]["bytes"],
+         fmt_bytes),
+        ("peak fwd+bwd vs total (peak)", mem["total"], got["peak_forward_backward"], fmt_bytes),
         ("time compute (fwd+bwd)", est["time"]["compute"], got["time"]["compute"], fmt_ms),
         ("time optimizer", est["time"]["optimizer"], got["time"]["optimizer"], fmt_ms),
         ("time step total", est["time"]["total"], got["time"]["total"], fmt_ms),
@@ -396,9 +409,14 @@ def report(results: list[dict], readings: dict, args: argparse.Namespace) -> str
     profile = f"hardware profile '{args.hardware}' (datasheet constants)"
     if readings:
         profile = (f"cpu profile (1 thread): matmul {readings['matmul_flops'] / 1e9:.1f} GFLOP/s "
-                   f"(512^3 fp32), copy bandwidth {readings['memory_bandwidth'] / 1e9:.1f} GB/s, "
+                   f"(512^3 fp32), attention {readings['attention_flops'] / 1e9:.1f} GFLOP/s "
+                   f"(SDPA fwd+bwd, {readings['attention_flops'] / readings['matmul_flops']:.2f}"
+                   f" x matmul), copy bandwidth {readings['memory_bandwidth'] / 1e9:.1f} GB/s, "
+                   f"op overhead {1e6 * readings['op_overhead']:.2f} us, AdamW "
+                   f"{1e6 * readings['optimizer_tensor_overhead']:.1f} us per tensor, "
                    f"gloo alpha {1e6 * readings['alpha']:.1f} us, link "
-                   f"{readings['link_bandwidth'] / 1e9:.2f} GB/s")
+                   f"{readings['link_bandwidth'] / 1e9:.2f} GB/s; load average at calibration "
+                   f"{readings['load_average']:.1f} on {readings['cores']} cores")
     return "\n".join([profile, *lines])
 
 

@@ -10,6 +10,15 @@ base's memory) and parameters are left out (they are counted as model state). Th
 exact formula, e.g. for a 2-layer GPT with h=32 on the CPU: 4944 batch seq + 8 seq + 4 bytes.
 
 No tensor is allocated: a 96-layer GPT-3 runs in seconds on a laptop.
+
+The saved bytes are not the whole of backward's memory: when backward starts, every saved
+tensor is still alive and the loss's backward allocates its own tensors on top.
+`backward_workspace_bytes` gives that term, W = 2 x the largest tensor the loss is computed
+from: for cross-entropy over logits, the logits' gradient and the log-softmax gradient. It
+was fitted on the example GPT on the CPU, where the measured peak of all nine configurations
+is at the start of backward and this W accounts for it (RESULTS.md, "memory peak"). It is not
+2 x the largest tensor of the graph: a GPT's MLP hidden (4h wide) is often larger than its
+logits, but its gradient exists only once later layers have freed their saved tensors.
 """
 
 from __future__ import annotations
@@ -66,3 +75,21 @@ def saved_activation_bytes(captured: CapturedGraph) -> sympy.Expr:
         seen.add(storage._cdata)
         total += captured.readable(storage.nbytes())
     return sympy.expand(total)
+
+
+def backward_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:
+    """W: 2 x bytes of the largest tensor input of the op that computes the loss (module doc).
+
+    A formula in the example's (global) batch and seq, like `saved_activation_bytes`.
+    """
+    gm = captured.graph_module
+    (output,) = (n for n in gm.graph.nodes if n.op == "output")
+    loss = output.args[0]
+    if isinstance(loss, (tuple, list)):
+        loss = loss[0]
+    candidates = [sympy.Integer(0)]
+    for node in loss.all_input_nodes if isinstance(loss, fx.Node) else ():
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            candidates.append(sympy.Mul(*captured.shape(node)) * value.dtype.itemsize)
+    return 2 * sympy.Max(*candidates)

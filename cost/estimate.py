@@ -4,17 +4,31 @@ Every number comes with the sympy formula behind it, in the symbols `batch` (glo
 sequences) and `seq`; plan degrees and hardware constants are already numbers in it. The
 pieces, each in its own module:
 
-    compute     cost.ops            FLOPs and bytes per aten op, summed over the captured graph
-    activations cost.activations    bytes autograd saves, from a symbolic fake forward
-    model state cost.memory         params, grads, optimizer state by precision and ZeRO stage
+    compute     cost.ops            FLOPs, bytes and op counts per aten op, over the captured graph
+    activations cost.activations    bytes autograd saves (symbolic fake forward), backward workspace
+    model state cost.memory         params, grads, optimizer state by precision and ZeRO stage;
+                                    the step's peak
     comm        fxpar.collectives   the collectives each rank issues (the runtime's own list)
                 cost.collectives    ring wire bytes and alpha-beta time per collective
+    constants   cost.hardware       rates, bandwidths, overheads (cost.calibrate measures the CPU)
 
-Time model: matmul FLOPs at the device's matmul rate plus the other ops' bytes at memory
-bandwidth, backward = 2x forward; the optimizer step is memory-bound; collectives of the
-forward (backward) phase overlap forward (backward) compute, so what is exposed is the larger
-of the last call and the part that outlasts the compute; collectives around the optimizer
-step are fully exposed. No pipeline yet, so no bubble.
+Memory: `total` is the step's predicted PEAK on the worst rank (`cost.memory.peak_bytes`), not
+the sum of the terms above it. The optimizer term is the ZeRO paper's bytes per parameter
+plus Adam's `step` counters, 4 bytes per tensor the rank updates (`cost.optimizer`), a term
+of its own below so that `model_state_bytes` stays the paper's formula.
+
+Time model, per rank:
+
+* compute: non-attention matmul FLOPs at the matmul rate, attention FLOPs at the attention
+  rate, the other ops' bytes at memory bandwidth, backward = 2x forward for all three
+  (Narayanan et al. 2021); plus `op_overhead` per forward op and per backward node
+  (`cost.ops.op_counts`), per microbatch;
+* optimizer: a cost per parameter tensor the rank updates plus the bytes the step moves at
+  memory bandwidth (`cost.optimizer`);
+* comm: collectives of the forward (backward) phase may hide under `comm_overlap` x that
+  phase's compute, so what is exposed is the larger of the last call and the part that
+  outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
+  around the optimizer step are fully exposed. No pipeline yet, so no bubble.
 """
 
 from __future__ import annotations
@@ -24,28 +38,30 @@ from typing import TYPE_CHECKING
 
 import sympy
 
-from fxpar.cost.activations import saved_activation_bytes
+from fxpar.cost.activations import backward_workspace_bytes, saved_activation_bytes
 from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.hardware import Hardware, hardware_profile
-from fxpar.cost.memory import model_state_bytes
-from fxpar.cost.ops import cost_of
+from fxpar.cost.memory import model_state_bytes, peak_bytes
+from fxpar.cost.ops import cost_of, op_counts
+from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.symbols import BATCH
 
 if TYPE_CHECKING:
     from fxpar.program import Program
 
-# Bytes the optimizer step reads and writes per parameter it updates (fp32 state).
-_OPTIMIZER_TRAFFIC = {"adamw": 28, "adam": 28, "sgd-momentum": 20, "sgd": 12}
 
 
 @dataclass(frozen=True)
 class GraphCompute:
     """Forward cost of the whole captured graph over the global batch."""
 
-    matmul_flops: sympy.Expr
+    matmul_flops: sympy.Expr  # attention included
+    attention_flops: sympy.Expr  # the attention part of matmul_flops
     other_flops: sympy.Expr
     other_bytes: sympy.Expr  # bytes moved by non-matmul ops
     uncosted: dict[str, int]
+    forward_ops: int  # aten calls of one forward (`cost.ops.op_counts`)
+    backward_nodes: int  # nodes of its backward graph
 
 
 def graph_compute(program: Program) -> GraphCompute:
@@ -54,19 +70,24 @@ def graph_compute(program: Program) -> GraphCompute:
     if cached is not None:
         return cached
     captured = program.captured
-    matmul = other = moved = sympy.Integer(0)
+    matmul = attention = other = moved = sympy.Integer(0)
     uncosted: dict[str, int] = {}
     for node in captured.graph_module.graph.nodes:
         cost = cost_of(node, captured.shape)
         if cost is None:
             continue
         matmul += cost.matmul_flops
+        attention += cost.attention_flops
         other += cost.other_flops
         if cost.matmul_flops == 0:
             moved += cost.bytes
         if not cost.costed:
             uncosted[str(node.target)] = uncosted.get(str(node.target), 0) + 1
-    result = GraphCompute(sympy.expand(matmul), sympy.expand(other), sympy.expand(moved), uncosted)
+    forward_ops, backward_nodes = op_counts(captured.graph_module)
+    result = GraphCompute(
+        sympy.expand(matmul), sympy.expand(attention), sympy.expand(other), sympy.expand(moved),
+        uncosted, forward_ops, backward_nodes,
+    )
     program._graph_compute = result
     return result
 
@@ -76,6 +97,17 @@ def _activations(program: Program) -> sympy.Expr:
     if cached is None:
         cached = program._activation_bytes = saved_activation_bytes(program.captured)
     return cached
+
+
+def _updated_tensors(program: Program) -> int:
+    """Tensors one rank's optimizer updates: every parameter, or under ZeRO its flat shards.
+
+    fxpar's ZeRO shards each flat gradient bucket (`fxpar.collectives`), so a rank updates one
+    shard per bucket, as DeepSpeed's flat partitions do.
+    """
+    if program.plan.zero >= 1 and program.buckets:
+        return len(program.buckets)
+    return len(program.captured.parameters)
 
 
 @dataclass(frozen=True)
@@ -89,7 +121,8 @@ class Estimate:
     rank: int  # the worst rank, whose memory and time are shown
     params: int  # trainable parameters, tied weights once
     flops: dict[str, float]  # whole step, all ranks: matmul, other, total
-    memory: dict[str, float]  # on the worst rank: params, grads, optimizer, activations, total
+    memory: dict[str, float]  # worst rank: params, grads, optimizer, activations, workspace,
+    # and total, the PEAK (not their sum; `cost.memory.peak_bytes`)
     comm: dict[str, dict[str, float]]  # per kind, on the worst rank: count, payload/wire bytes
     time: dict[str, float]  # compute, optimizer, comm_exposed, bubble, total
     formulas: dict[str, sympy.Expr]  # "flops.total" -> expression in batch and seq
@@ -114,7 +147,8 @@ class Estimate:
             for key, value in values.items():
                 formula = self.formulas.get(f"{group}.{key}")
                 shown = "" if formula is None or formula.is_number else f"   = {_short(formula)}"
-                lines.append(f"  {group + '.' + key:<22}{_si(value, unit):>12}{shown}")
+                label = f"{group}.{key}" + (" (peak)" if (group, key) == ("memory", "total") else "")
+                lines.append(f"  {label:<22}{_si(value, unit):>12}{shown}")
         for kind, entry in self.comm.items():
             lines.append(
                 f"  comm.{kind:<17}{entry['count']:>6.0f} calls, payload "
@@ -163,21 +197,34 @@ def estimate(
     formulas["flops.other"] = 3 * compute.other_flops
     formulas["flops.total"] = formulas["flops.matmul"] + formulas["flops.other"]
 
-    # Memory of one rank: model state plus one microbatch's saved activations.
+    # Memory of one rank: model state, one microbatch's saved activations and backward's
+    # workspace, and the peak they reach together.
     params = captured.parameter_count()
     state = model_state_bytes(params, precision=plan.precision, optimizer=optimizer,
                               zero=plan.zero, dp=dp)
+    tensors = _updated_tensors(program)
+    # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
+    state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
     local_batch = BATCH / (dp * plan.microbatches)
     formulas.update({f"memory.{k}": v for k, v in state.items()})
     formulas["memory.activations"] = narrow * _activations(program).subs(BATCH, local_batch)
-    formulas["memory.total"] = sum(formulas[f"memory.{k}"] for k in (*state, "activations"))
+    formulas["memory.workspace"] = narrow * backward_workspace_bytes(captured).subs(BATCH, local_batch)
+    formulas["memory.total"] = peak_bytes(
+        state, formulas["memory.activations"], formulas["memory.workspace"],
+        grads_persist=dp > 1 or plan.microbatches > 1,
+    )
 
     # Time of one rank.
     rate, bandwidth = device.matmul_rate(precision), device.memory_bandwidth
-    forward = (share * compute.matmul_flops / rate) + (share * narrow * compute.other_bytes / bandwidth)
-    formulas["time.compute"] = 3 * forward
+    dense = share * (compute.matmul_flops - compute.attention_flops) / rate
+    attention = share * compute.attention_flops / device.attention_rate(precision)
+    streamed = share * narrow * compute.other_bytes / bandwidth
+    overhead = plan.microbatches * sympy.Float(device.op_overhead)
+    forward = dense + attention + streamed + compute.forward_ops * overhead
+    backward = 2 * (dense + attention + streamed) + compute.backward_nodes * overhead
+    formulas["time.compute"] = forward + backward
     updated = params * (share if plan.zero >= 1 else 1)
-    formulas["time.optimizer"] = sympy.sympify(_OPTIMIZER_TRAFFIC[optimizer] * updated / bandwidth)
+    formulas["time.optimizer"] = optimizer_seconds(optimizer, tensors, updated, device)
 
     rank = 0
     comm: dict[str, dict[str, float]] = {}
@@ -192,10 +239,13 @@ def estimate(
         entry["wire_bytes"] += float(wire_bytes(call.kind, payload, n))
         phase_calls[call.phase].append(collective_time(call.kind, payload, n, device.link(call.group)))
     exposed = sum(phase_calls["step"], sympy.Integer(0))
-    for phase, overlapped in (("forward", forward), ("backward", 2 * forward)):
+    for phase, window in (("forward", forward), ("backward", backward)):
         if phase_calls[phase]:
             total = sum(phase_calls[phase])
-            exposed += sympy.Max(phase_calls[phase][-1], total - overlapped)
+            if device.comm_overlap == 0:
+                exposed += total
+            else:
+                exposed += sympy.Max(phase_calls[phase][-1], total - device.comm_overlap * window)
     formulas["time.comm_exposed"] = exposed
     formulas["time.bubble"] = sympy.Integer(0)
     formulas["time.total"] = sum(
@@ -212,7 +262,7 @@ def estimate(
         rank=rank,
         params=params,
         flops=pick("flops", ("matmul", "other", "total")),
-        memory=pick("memory", ("params", "grads", "optimizer", "activations", "total")),
+        memory=pick("memory", ("params", "grads", "optimizer", "activations", "workspace", "total")),
         comm=comm,
         time=pick("time", ("compute", "optimizer", "comm_exposed", "bubble", "total")),
         formulas={k: sympy.nsimplify(v) if v.is_number else _rounded(v) for k, v in formulas.items()},

@@ -2,7 +2,26 @@
 
 A device is described by its peak dense matmul rate per precision (datasheets, as in
 torchtitan's `get_peak_flops`), the fraction of it large matmuls reach in practice, and its
-memory bandwidth. A link follows the alpha-beta model (Hockney 1994; the form of nccl-tests'
+memory bandwidth; then by what a step pays besides FLOPs and bytes:
+
+* `attention_efficiency`: attention (forward + backward, FLOPs counted as in `cost.ops`)
+  runs at this share of the matmul rate. GPU default 0.6: FlashAttention-2 reaches 50-73% of
+  the A100's peak (Dao 2023, abstract), below what large matmuls reach (0.8 here). Measured
+  on the CPU: 0.40-0.65 of the matmul rate, depending on the head dim (`cost.calibrate`);
+* `op_overhead`: seconds each op pays besides its FLOPs and bytes (dispatch, autograd
+  bookkeeping, on a GPU the kernel launch), added to them. GPU default 5 us, the order of a
+  CUDA launch seen from Python; as a GPU launches while earlier kernels run, adding it is
+  pessimistic there unless the ops are tiny;
+* `optimizer_tensor_overhead`: seconds the AdamW step pays per parameter tensor, beyond its
+  bytes. On the CPU, torch runs the single-tensor for-loop (foreach kernels exist only for
+  CUDA-like devices: `torch.optim.optimizer._get_foreach_kernels_supported_devices`), about
+  ten ops per tensor, measured at 17-29 us. On a GPU the default foreach AdamW updates
+  whole lists per launch, so the default is 0;
+* `comm_overlap`: the share of a phase's compute that collectives may hide under. 1 on GPUs
+  (NCCL runs on its own streams and SMs); 0 for the CPU, where gloo's thread and the compute
+  thread share the cores (measured: a dp=2 step on 2 cores hides nothing, RESULTS.md).
+
+A link follows the alpha-beta model (Hockney 1994; the form of nccl-tests'
 PERFORMANCE.md): one hop of n bytes costs `alpha + n / bandwidth` seconds. GPU link numbers
 are FORMULAS.md's (about 370 GB/s ring bus bandwidth on 8x H100/H200 NVLink, nccl-tests
 issues #212 and #272).
@@ -34,11 +53,19 @@ class Hardware:
     intra_node: Link  # between devices of one node (NVLink, or loopback for CPU processes)
     inter_node: Link  # between nodes (InfiniBand / Ethernet)
     devices_per_node: int
+    attention_efficiency: float = 0.6  # attention's share of the matmul rate (module doc)
+    op_overhead: float = 5e-6  # seconds per forward op and per backward node
+    optimizer_tensor_overhead: float = 0.0  # seconds per parameter tensor of an AdamW step
+    comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
     measured: dict[str, float] = field(default_factory=dict)  # raw calibration readings
 
     def matmul_rate(self, precision: str) -> float:
         """FLOP/s a large matmul reaches in `precision` ("fp32" or "bf16")."""
         return self.peak_flops[precision] * self.matmul_efficiency
+
+    def attention_rate(self, precision: str) -> float:
+        """FLOP/s of attention, forward and backward, under `cost.ops`' FLOP convention."""
+        return self.matmul_rate(precision) * self.attention_efficiency
 
     def link(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link a collective over `ranks` crosses."""
@@ -84,6 +111,10 @@ NOMINAL_CPU = Hardware(
     intra_node=Link(alpha=50e-6, bandwidth=2e9),  # gloo over loopback TCP
     inter_node=Link(alpha=100e-6, bandwidth=1.25e9),  # 10 GbE
     devices_per_node=1024,  # CPU processes of one machine: all "intra-node"
+    attention_efficiency=0.5,  # the middle of the 0.4-0.65 measured (module doc)
+    op_overhead=3e-6,  # eager op with autograd, measured 1.5-3.3 us (RESULTS.md)
+    optimizer_tensor_overhead=20e-6,  # torch's for-loop AdamW, measured 17-29 us
+    comm_overlap=0.0,
 )
 
 KNOWN = ("cpu", *PROFILES)

@@ -10,6 +10,19 @@ so mixed-precision Adam holds (2 + 2 + 12) P = 16P bytes under plain data parall
 ZeRO shards over the N data-parallel ranks: stage 1 the optimizer state, stage 2 also the
 gradients, stage 3 also the weights, giving 4P + 12P/N, 2P + 14P/N and 16P/N (Sec. 5).
 `P` may be a number or a sympy symbol; shares are exact rationals.
+
+`peak_bytes` puts model state, saved activations and backward's workspace together into the
+step's peak. When gradients exist decides where it is:
+
+* gradients freed between steps (`zero_grad(set_to_none=True)`, fxpar's dp=1): backward
+  starts with every activation saved and no gradient yet, and ends with every gradient and
+  no activation, so the peak is params + optimizer + max(activations + workspace, grads);
+* gradients that live all step (fxpar's dp > 1 keeps them in gradient-bucket buffers that
+  `.grad` views; gradient accumulation keeps them across microbatches): params + optimizer
+  + grads + activations + workspace.
+
+Measured on the CPU, the peak of every configuration of RESULTS.md is at the start of
+backward, where this formula puts it.
 """
 
 from __future__ import annotations
@@ -50,3 +63,17 @@ def model_state_bytes(
         "grads": grads * share if zero >= 2 else grads,
         "optimizer": state * share if zero >= 1 else state,
     }
+
+
+def peak_bytes(
+    state: dict[str, sympy.Expr],
+    activations: sympy.Expr,
+    workspace: sympy.Expr,
+    *,
+    grads_persist: bool,
+) -> sympy.Expr:
+    """Peak bytes of one rank over a step (see module doc); `state` as `model_state_bytes`."""
+    held = state["params"] + state["optimizer"]
+    if grads_persist:
+        return held + state["grads"] + activations + workspace
+    return held + sympy.Max(activations + workspace, state["grads"])

@@ -6,7 +6,9 @@ Conventions (they decide what an MFU figure means, so they are stated, not impli
   `addmm`, `bmm`, `matmul`, `baddbmm`); a bias add is counted under `other`;
 * `scaled_dot_product_attention` costs 4 x batch x heads x s_q x s_k x head_dim forward
   (QK^T and attention x V), with no causal discount: the convention of Megatron-LM and of
-  Korthikanti et al. 2022, so MFU figures compare with theirs;
+  Korthikanti et al. 2022, so MFU figures compare with theirs. These FLOPs count as matmul
+  FLOPs (MFU needs them there) and again as `attention_flops`, because an attention kernel
+  runs well below the matmul rate (`Hardware.attention_efficiency`);
 * elementwise, norm, softmax and loss ops cost a few FLOPs per element (`_PER_ELEMENT`);
 * views, shape queries and metadata ops are free;
 * backward costs 2x forward for every op (Narayanan et al. 2021, appendix), so a training
@@ -15,6 +17,9 @@ Conventions (they decide what an MFU figure means, so they are stated, not impli
 
 An op with no rule is not silently free: `cost_of` returns its bytes as a memory-bound cost
 with `costed=False`, and the estimate lists it under `uncosted`.
+
+Besides FLOPs and bytes every op pays a fixed overhead (`Hardware.op_overhead`), once in the
+forward and once per node of the backward graph; `op_counts` counts both.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class OpCost:
     other_flops: sympy.Expr
     bytes: sympy.Expr
     costed: bool = True
+    attention_flops: sympy.Expr = sympy.Integer(0)  # the part of matmul_flops in attention
 
 
 def _numel(shape: Shape) -> sympy.Expr:
@@ -78,6 +84,7 @@ MATMUL_RULES: dict[object, Callable] = {
     aten.matmul: _matmul,
     aten.scaled_dot_product_attention: _attention,
 }
+_ATTENTION = {aten.scaled_dot_product_attention}
 
 # op -> FLOPs per output element (per input element for reductions and losses).
 _PER_ELEMENT: dict[object, int] = {
@@ -147,13 +154,46 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
     moved += _nbytes(node, out_shape) if isinstance(value, torch.Tensor) else 0
     if packet in MATMUL_RULES:
         matmul, other = MATMUL_RULES[packet](in_shapes, out_shape, node.args)
-        return OpCost(sympy.sympify(matmul), sympy.sympify(other), moved)
+        matmul = sympy.sympify(matmul)
+        attention = matmul if packet in _ATTENTION else sympy.Integer(0)
+        return OpCost(matmul, sympy.sympify(other), moved, attention_flops=attention)
     if packet in _PER_ELEMENT:
         counted = in_shapes[0] if packet in _REDUCING and in_shapes else out_shape
         return OpCost(sympy.Integer(0), _PER_ELEMENT[packet] * _numel(counted), moved)
     if packet in _MEMORY_ONLY:
         return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
     return OpCost(sympy.Integer(0), sympy.Integer(0), moved, costed=False)
+
+
+def op_counts(gm: fx.GraphModule) -> tuple[int, int]:
+    """(forward ops, backward nodes) of one forward and backward of `gm`, eager autograd.
+
+    Forward ops are the aten calls that return tensors (views included: each is a dispatch;
+    shape queries and asserts are not). Backward nodes are the forward ops whose output
+    needs a gradient (an input is a trainable parameter or needs one itself), plus one
+    `AccumulateGrad` per trainable parameter. It undercounts: a composite op may record
+    several nodes (`linear` on a 3-d input records a view, a transpose and an addmm), which
+    the graph does not show. For the example GPT this counts 86 backward nodes of the 123
+    autograd records (tiny, RESULTS.md).
+    """
+    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    needs_grad: set[fx.Node] = set()
+    accumulated: set[str] = set()  # parameters, each once: one AccumulateGrad node each
+    forward = backward = 0
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in trainable:
+            needs_grad.add(node)
+            accumulated.add(node.target)
+        if node.op != "call_function":
+            continue
+        value = node.meta.get("val")
+        differentiable = not isinstance(value, torch.Tensor) or value.is_floating_point()
+        if differentiable and any(a in needs_grad for a in node.all_input_nodes):
+            needs_grad.add(node)  # also tuples and their getitems: the grad flows through
+        if isinstance(node.target, torch._ops.OpOverload) and isinstance(value, torch.Tensor):
+            forward += 1
+            backward += node in needs_grad
+    return forward, backward + len(accumulated)
 
 
 def op_name(node: fx.Node) -> str:
