@@ -7,7 +7,7 @@ Map of this module:
 - `str(plan)`, `Plan.to_dict`, `Plan.to_json`, `Plan.from_json`   exact round trips
 - `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
 - `Plan.check_batch`          the plan against the global batch
-- `PLANNED_KEYS`              keys whose capability arrives in a later version, refused clearly
+- `fxpar.plan_text`          the field table and the text form, with their errors
 
 The text form is what a command line or a config string holds::
 
@@ -26,84 +26,33 @@ names the field, the value, the rule it broke and a fix. For a malformed entry (
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import numbers
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from os import PathLike
 from pathlib import Path
-from typing import Literal
-
-import yaml
 
 from fxpar.errors import PlanError
-
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
-Precision = Literal["fp32", "bf16-mixed"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
-ZERO_STAGES = (0, 1, 2, 3)
-
-# field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
-_FIELDS: dict[str, tuple[str, str, str]] = {
-    "dp": ("dp", "a positive integer (the number of data-parallel replicas)", "dp=2"),
-    "microbatches": ("mb", "a positive integer (1 means no gradient accumulation)", "mb=4"),
-    "bucket_mb": (
-        "bucket_mb",
-        "a positive, finite number of MiB (the gradient-bucket size)",
-        "bucket_mb=25, or leave bucket_mb out to let the cost model choose",
-    ),
-    "tp": ("tp", "a positive integer (the tensor-parallel degree)", "tp=2"),
-    "pp": ("pp", "a positive integer (the number of pipeline ranks)", "pp=2"),
-    "schedule": (
-        "schedule",
-        "one of " + ", ".join(repr(s) for s in SCHEDULES) + " (the pipeline schedule)",
-        "schedule=1f1b",
-    ),
-    "virtual_stages": (
-        "virtual_stages",
-        "a positive integer (model chunks per pipeline rank; > 1 with schedule=interleaved)",
-        "virtual_stages=2",
-    ),
-    "split": (
-        "split",
-        "a list of module paths, each starting a new pipeline stage",
-        'split=["h.4","h.8"] (JSON/YAML or Python)',
-    ),
-    "sequence_parallel": ("sp", "true or false (shard norms and dropout along the sequence)", "sp=true"),
-    "tp_rules": (
-        "tp_rules",
-        "'auto' or a mapping of module-path globs to colwise/rowwise/vocab/replicate",
-        'tp_rules={"h.*.attn.q":"colwise","h.*.attn.o":"rowwise"}',
-    ),
-    "zero": ("zero", "one of 0, 1, 2, 3 (the ZeRO stage: what is sharded over dp)", "zero=1"),
-    "precision": (
-        "precision",
-        "one of " + ", ".join(repr(p) for p in PRECISIONS) + " (how weights and math are stored)",
-        "precision=bf16-mixed",
-    ),
-}
-# Keys the text form and mappings accept -> field: the short keys and the field names.
-_FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in _FIELDS.items()} | {
-    name: name for name in _FIELDS
-}
-_SUPPORTED_KEYS = (
-    "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
-    "zero, precision"
+from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
+    DEGREE_FIELDS,
+    FIELD_OF_KEY,
+    FIELDS,
+    FILE_SUFFIXES,
+    LOOKS_LIKE_PATH,
+    PRECISIONS,
+    SCHEDULES,
+    ZERO_STAGES,
+    Precision,
+    invalid_value,
+    is_positive_int,
+    read_mapping,
+    split_entries,
+    text_of,
+    unknown_key,
+    value_from_text,
 )
-
-# The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
-_DEGREE_FIELDS: tuple[str, ...] = ("dp", "pp", "tp")
-
-# Keys a later fxpar version will accept -> what they ask for. Refused, naming the capability.
-PLANNED_KEYS: dict[str, str] = {}  # every capability the plan names has landed
-
-_FILE_SUFFIXES = (".json", ".yaml", ".yml")
-# A bare word with a file suffix (`plan.toml`, `configs/plan.txt`) is a path, not plan text.
-_LOOKS_LIKE_PATH = re.compile(r"[^\s,=]*\.[A-Za-z]\w*")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -141,28 +90,28 @@ class Plan:
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
-            if not _is_positive_int(value := getattr(self, name)):
-                raise _invalid_value(name, value)
+            if not is_positive_int(value := getattr(self, name)):
+                raise invalid_value(name, value)
             object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON
         if (size := self.bucket_mb) is not None:
             real = isinstance(size, numbers.Real) and not isinstance(size, bool)
             if not (real and math.isfinite(size) and size > 0):
-                raise _invalid_value("bucket_mb", size)
+                raise invalid_value("bucket_mb", size)
             object.__setattr__(self, "bucket_mb", float(size))
         if self.schedule not in SCHEDULES:
-            raise _invalid_value("schedule", self.schedule)
+            raise invalid_value("schedule", self.schedule)
         split = self.split
         if isinstance(split, str) or not all(isinstance(m, str) for m in split):
-            raise _invalid_value("split", split)
+            raise invalid_value("split", split)
         object.__setattr__(self, "split", tuple(split))
         self._check_pipeline()
         if not isinstance(self.sequence_parallel, bool):
-            raise _invalid_value("sequence_parallel", self.sequence_parallel)
+            raise invalid_value("sequence_parallel", self.sequence_parallel)
         rules = self.tp_rules
         if rules != "auto" and not (
             isinstance(rules, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in rules.items())
         ):
-            raise _invalid_value("tp_rules", rules)
+            raise invalid_value("tp_rules", rules)
         if isinstance(rules, Mapping):
             object.__setattr__(self, "tp_rules", dict(rules))
         if self.sequence_parallel and self.tp == 1:
@@ -173,10 +122,10 @@ class Plan:
                 value=True,
             )
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise _invalid_value("zero", self.zero)
+            raise invalid_value("zero", self.zero)
         object.__setattr__(self, "zero", int(self.zero))
         if self.precision not in PRECISIONS:
-            raise _invalid_value("precision", self.precision)
+            raise invalid_value("precision", self.precision)
 
     def _check_pipeline(self) -> None:
         interleaved = self.schedule == "interleaved"
@@ -217,7 +166,7 @@ class Plan:
     @property
     def degrees(self) -> dict[str, int]:
         """The parallel degrees by name, outermost first: `{"dp": 2}`."""
-        return {name: getattr(self, name) for name in _DEGREE_FIELDS}
+        return {name: getattr(self, name) for name in DEGREE_FIELDS}
 
     @property
     def world_size(self) -> int:
@@ -252,20 +201,20 @@ class Plan:
                 field="plan",
                 value=spec,
             )
-        if text.lower().endswith(_FILE_SUFFIXES) or _LOOKS_LIKE_PATH.fullmatch(text):
+        if text.lower().endswith(FILE_SUFFIXES) or LOOKS_LIKE_PATH.fullmatch(text):
             return cls._from_file(Path(text))
-        return cls._from_entries(_split_entries(text))
+        return cls._from_entries(split_entries(text))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """The plan `to_json` wrote (any JSON object of plan keys works)."""
-        mapping = _read_mapping(text, language="JSON", where="plan JSON", source=text)
+        mapping = read_mapping(text, language="JSON", where="plan JSON", source=text)
         return cls._from_entries(mapping.items())
 
     @classmethod
     def _from_file(cls, path: Path) -> Plan:
         suffix = path.suffix.lower()
-        if suffix not in _FILE_SUFFIXES:
+        if suffix not in FILE_SUFFIXES:
             found = f"suffix {suffix!r}" if suffix else "no suffix"
             raise PlanError(
                 f"plan file {str(path)!r} has {found}; fxpar reads plan files ending in .json, "
@@ -284,7 +233,7 @@ class Plan:
         language = "JSON" if suffix == ".json" else "YAML"
         where = f"plan file {str(path)!r}"
         text = path.read_text()
-        mapping = _read_mapping(text, language=language, where=where, source=str(path))
+        mapping = read_mapping(text, language=language, where=where, source=str(path))
         try:
             return cls._from_entries(mapping.items())
         except PlanError as error:  # say which file the bad entry is in
@@ -297,17 +246,9 @@ class Plan:
         written: dict[str, str] = {}
         for key, raw in entries:
             key = str(key)
-            if key in PLANNED_KEYS:
-                raise PlanError(
-                    f"plan key {key!r} ({key}={raw}) asks for {PLANNED_KEYS[key]}: this fxpar "
-                    f"version does not implement {PLANNED_KEYS[key]} yet. Supported keys: "
-                    f"{_SUPPORTED_KEYS}. Fix: remove {key}={raw} from the plan.",
-                    field=key,
-                    value=raw,
-                )
-            if key not in _FIELD_OF_KEY:
-                raise _unknown_key(key, raw)
-            name = _FIELD_OF_KEY[key]
+            if key not in FIELD_OF_KEY:
+                raise unknown_key(key, raw)
+            name = FIELD_OF_KEY[key]
             if name in values:
                 raise PlanError(
                     f"plan field {name} is given twice: {written[name]} and {key}={raw}. "
@@ -315,7 +256,7 @@ class Plan:
                     field=name,
                     value=raw,
                 )
-            values[name] = _value_from_text(name, raw) if isinstance(raw, str) else raw
+            values[name] = value_from_text(name, raw) if isinstance(raw, str) else raw
             written[name] = f"{key}={raw}"
         return cls(**values)  # type: ignore[arg-type]  # __post_init__ checks every value
 
@@ -333,7 +274,7 @@ class Plan:
         """The canonical text form: `dp=2 mb=4`, default-valued fields left out."""
         default = Plan().to_dict()
         entries = [
-            f"{_FIELDS[name][0]}={_text(value)}"
+            f"{FIELDS[name][0]}={text_of(value)}"
             for name, value in self.to_dict().items()
             if value != default[name]
         ]
@@ -343,7 +284,7 @@ class Plan:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's)."""
-        if not _is_positive_int(world_size):
+        if not is_positive_int(world_size):
             raise PlanError(
                 f"WORLD_SIZE must be a positive integer, got {world_size!r}. "
                 "Fix: launch with torchrun, which sets it.",
@@ -372,7 +313,7 @@ class Plan:
 
         >>> Plan(dp=2, microbatches=4).check_batch(16)  # 2 replicas x 4 microbatches of 2
         """
-        if not _is_positive_int(batch):
+        if not is_positive_int(batch):
             raise PlanError(
                 f"global batch must be a positive integer, got {batch!r}. "
                 "Fix: pass the number of samples in one step, e.g. 32.",
@@ -399,127 +340,3 @@ class Plan:
             value=batch,
         )
 
-
-def _text(value: object) -> str:
-    """A field's value in the text form: compact JSON for rules, lower-case booleans."""
-    if isinstance(value, Mapping):
-        return json.dumps(value, separators=(",", ":"))
-    if isinstance(value, (tuple, list)):
-        return ";".join(value)
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-def _split_entries(text: str) -> list[tuple[str, str]]:
-    """`"dp=2, mb=4"` -> `[("dp", "2"), ("mb", "4")]`; malformed entries raise `PlanError`."""
-    entries = []
-    # tp_rules may be written as compact JSON: take it out before splitting on commas.
-    rules = re.search(r"tp_rules=(\{[^}]*\})", text)
-    if rules:
-        entries.append(("tp_rules", rules.group(1)))
-        text = text[: rules.start()] + text[rules.end():]
-    for entry in re.split(r"[\s,]+", text):
-        if not entry:
-            continue
-        key, equals, value = entry.partition("=")
-        if not equals:
-            problem, fix = "has no '='", f"write it as {entry}=<value>, e.g. dp=2"
-        elif not key:
-            problem, fix = "has no key before '='", f"name the field, e.g. dp{entry}"
-        elif not value:
-            problem, fix = "has no value after '='", f"give one, e.g. {entry}2"
-        elif "=" in value:
-            problem, fix = "has more than one '='", "separate entries with spaces or commas"
-        else:
-            entries.append((key, value))
-            continue
-        raise PlanError(
-            f"plan entry {entry!r} {problem}: each entry is key=value, with no spaces around "
-            f"'=' (keys: {_SUPPORTED_KEYS}). Fix: {fix}.",
-            field=key or "plan",
-            value=entry,
-        )
-    return entries
-
-
-def _value_from_text(name: str, text: str) -> object:
-    """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises."""
-    if name in ("precision", "schedule"):
-        return text
-    if name == "split":
-        return tuple(m for m in text.split(";") if m)
-    if name == "sequence_parallel":
-        flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-        if text.strip().lower() in flags:
-            return flags[text.strip().lower()]
-        raise _invalid_value(name, text)
-    if name == "tp_rules":
-        if text.strip() == "auto":
-            return "auto"
-        try:
-            rules = json.loads(text)
-        except json.JSONDecodeError:
-            raise _invalid_value(name, text) from None
-        return rules
-    if name == "zero" and text.strip() == "0":
-        return 0
-    if name == "bucket_mb":
-        try:
-            return float(text)
-        except ValueError:
-            raise _invalid_value(name, text) from None
-    if re.fullmatch(r"[+-]?\d+", text.strip()):
-        return int(text)
-    raise _invalid_value(name, text)
-
-
-def _is_positive_int(value: object) -> bool:
-    """True for 1, 2, ... (numpy integers too); False for bools, floats such as 2.0, and 0."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
-
-
-def _invalid_value(name: str, value: object) -> PlanError:
-    key, rule, fix = _FIELDS[name]
-    called = name if key == name else f"{name} ({key})"
-    return PlanError(
-        f"plan field {called} must be {rule}; got {value!r}. Fix: write e.g. {fix}.",
-        field=name,
-        value=value,
-    )
-
-
-def _unknown_key(key: str, value: object) -> PlanError:
-    close = difflib.get_close_matches(key.lower(), _FIELD_OF_KEY, n=2)
-    hint = f" Did you mean {' or '.join(repr(c) for c in sorted(close))}?" if close else ""
-    return PlanError(
-        f"unknown plan key {key!r} (in {key}={value}).{hint} Supported keys: {_SUPPORTED_KEYS}. "
-        f"Fix: rename or remove {key!r}.",
-        field=key,
-        value=value,
-    )
-
-
-def _read_mapping(
-    text: str, *, language: Literal["JSON", "YAML"], where: str, source: str
-) -> Mapping[object, object]:
-    """The mapping a JSON or YAML text holds; bad syntax or another kind of value raises.
-
-    `where` starts the error message ("plan file 'p.yaml'"); `source` is the error's `value`.
-    """
-    try:
-        data = json.loads(text) if language == "JSON" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise PlanError(
-            f"{where} is not valid {language}. Fix: correct its syntax.\n{error}",
-            field="plan",
-            value=source,
-        ) from None
-    if isinstance(data, Mapping):
-        return data
-    raise PlanError(
-        f"{where} holds a {type(data).__name__} ({data!r:.60}), not a mapping of plan keys to "
-        'values. Fix: write a mapping such as {"dp": 2, "mb": 4} (in YAML: "dp: 2").',
-        field="plan",
-        value=source,
-    )

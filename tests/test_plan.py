@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fxpar.errors import FxparError, PlanError
-from fxpar.plan import PLANNED_KEYS, Plan
+from fxpar.plan import Plan
 
 
 # -- parsing ---------------------------------------------------------------------------------------
