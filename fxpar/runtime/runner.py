@@ -14,6 +14,7 @@ the same float on every rank.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -309,12 +310,22 @@ class Runner:
         return ordered | {k: v for k, v in merged.items() if k not in ordered}
 
     def close(self) -> None:
-        """Remove hooks and destroy the process groups (all ranks must call it)."""
+        """Remove hooks and destroy the process groups (all ranks must call it).
+
+        Every reference to a group goes first: a gloo group that outlives
+        `destroy_process_group` until interpreter exit can abort the process there.
+        """
         for buckets in self._buckets:
             buckets.remove()
         self._buckets.clear()
+        for module in self.modules:
+            if hasattr(module, "tp_group"):
+                module.tp_group = replace(module.tp_group, handle=None, communicator=None)
+        self.groups, self._tied, self._pipeline = {}, [], None
+        self._dp = replace(self._dp, handle=None)
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()
 
 
 def _parameters(module: torch.fx.GraphModule) -> dict[str, torch.nn.Parameter]:
