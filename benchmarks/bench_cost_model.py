@@ -186,8 +186,10 @@ def measure(name: str, args: argparse.Namespace, batch: int):
     optimizer_step()
 
     # Peak memory: bytes held before the step plus the peak of the step's own allocations.
-    buckets = getattr(runner, "_buckets", None)  # the flat gradient buffers under dp > 1
-    bucket_buffers = [s.buffer for s in buckets.states] if buckets is not None else []
+    buckets = getattr(runner, "_buckets", None) or []  # the flat gradient buffers under dp > 1
+    if not isinstance(buckets, list):  # one GradientBuckets before pipelines, a list after
+        buckets = [buckets]
+    bucket_buffers = [s.buffer for group in buckets for s in group.states]
     optimizer_state = [v for s in opt.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor)]
     held = distinct_storage_bytes([*params, *optimizer_state, *bucket_buffers, *local])
@@ -412,6 +414,8 @@ def report(results: list[dict], readings: dict, args: argparse.Namespace) -> str
                    f"(512^3 fp32), attention {readings['attention_flops'] / 1e9:.1f} GFLOP/s "
                    f"(SDPA fwd+bwd, {readings['attention_flops'] / readings['matmul_flops']:.2f}"
                    f" x matmul), copy bandwidth {readings['memory_bandwidth'] / 1e9:.1f} GB/s, "
+                   f"other ops {readings['elementwise_bandwidth'] / 1e9:.1f} GB/s ("
+                   f"{readings['elementwise_bandwidth'] / readings['memory_bandwidth']:.2f} x copy), "
                    f"op overhead {1e6 * readings['op_overhead']:.2f} us, AdamW "
                    f"{1e6 * readings['optimizer_tensor_overhead']:.1f} us per tensor, "
                    f"gloo alpha {1e6 * readings['alpha']:.1f} us, link "

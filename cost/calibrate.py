@@ -8,6 +8,10 @@ Microbenchmarks at this process' torch thread count, a few seconds in all:
   8 heads, sequence 128, head dim 32, with FLOPs counted as `cost.ops` counts them
   (3 x 4 b h s^2 d, no causal discount). The rate depends on the shape: on a 1-thread EPYC
   core it was 0.40 of the matmul rate at head dim 16, 0.52 at 32 and 0.65 at 64 (seq 256);
+* elementwise bandwidth: a transformer's non-matmul ops, forward and backward, at 4096
+  tokens, width 128, vocabulary 256 (layer_norm, a residual add, GELU on the 4x-wide hidden,
+  cross-entropy on the logits), their bytes counted as `cost.ops` counts them (inputs plus
+  output, backward = 2x forward); over the copy bandwidth it is `elementwise_efficiency`;
 * op overhead: a chain of `aten.add` on 1-element tensors that need a gradient, forward then
   backward: seconds per forward op and per backward node, the fixed cost of an eager op;
 * optimizer tensor overhead: a `torch.optim.AdamW` step over 128 tensors of 1024 elements,
@@ -22,7 +26,10 @@ Microbenchmarks at this process' torch thread count, a few seconds in all:
 
 Robustness. Noise on a shared machine only ever slows a run down, so each reading warms up
 for a fixed time (0.3 s; a fixed number of calls for the collectives, which must match on both
-ranks), then takes the best of three medians. A profile measured while the machine is
+ranks), then takes the best of five medians. The rounds of the six compute readings take
+turns (matmul, copy, attention, elementwise, op, optimizer, matmul, ...), so that each
+reading's medians come from moments about a second apart, not from one burst another process may have
+slowed down throughout. A profile measured while the machine is
 loaded (1-minute load average above the cores this process may run on) is returned but not
 cached, with a warning: a 2.5x slow reading once cached would skew every estimate for good.
 The cache is written atomically (a temporary file, then `os.replace`).
@@ -57,8 +64,8 @@ from fxpar.cost.optimizer import BYTES_PER_PARAMETER
 
 log = logging.getLogger(__name__)
 
-READINGS = ("matmul_flops", "memory_bandwidth", "attention_flops", "op_overhead",
-            "optimizer_tensor_overhead", "alpha", "link_bandwidth")
+READINGS = ("matmul_flops", "memory_bandwidth", "attention_flops", "elementwise_bandwidth",
+            "op_overhead", "optimizer_tensor_overhead", "alpha", "link_bandwidth")
 _SMALL, _LARGE = 1, 2**20  # all-reduce payloads in fp32 elements: 4 bytes and 4 MiB
 _WARMUP_SECONDS = 0.3
 
@@ -96,6 +103,7 @@ def profile_of(readings: dict[str, float]) -> Hardware:
         matmul_efficiency=1.0,
         memory_bandwidth=readings["memory_bandwidth"],
         attention_efficiency=readings["attention_flops"] / readings["matmul_flops"],
+        elementwise_efficiency=readings["elementwise_bandwidth"] / readings["memory_bandwidth"],
         op_overhead=readings["op_overhead"],
         optimizer_tensor_overhead=readings["optimizer_tensor_overhead"],
         comm_overlap=0.0,  # gloo's thread shares the cores with compute (hardware.py)
@@ -108,13 +116,28 @@ def profile_of(readings: dict[str, float]) -> Hardware:
 def calibrate_cpu() -> dict[str, float]:
     """Run every microbenchmark now (no cache); readings plus the load they were taken under."""
     load = os.getloadavg()[0]
-    bandwidth = _copy_bandwidth()
+    probes = {
+        "matmul": _matmul(),
+        "copy": _copy(),
+        "attention": _attention(),
+        "elementwise": _elementwise(),
+        "op": _op_chain(),
+        "optimizer": _optimizer_step(),
+    }
+    seconds = _best_seconds({name: probe[0] for name, probe in probes.items()},
+                            before={"optimizer": probes["optimizer"][1]})
+    work = {name: probe[-1] for name, probe in probes.items()}
+    bandwidth = work["copy"] / seconds["copy"]
+    tensors, parameters = work["optimizer"]
+    streamed = parameters * BYTES_PER_PARAMETER["adamw"] / bandwidth
     readings = {
-        "matmul_flops": _matmul_rate(),
+        "matmul_flops": work["matmul"] / seconds["matmul"],
         "memory_bandwidth": bandwidth,
-        "attention_flops": _attention_rate(),
-        "op_overhead": _op_overhead(),
-        "optimizer_tensor_overhead": _optimizer_tensor_overhead(bandwidth),
+        "attention_flops": work["attention"] / seconds["attention"],
+        "elementwise_bandwidth": work["elementwise"] / seconds["elementwise"],
+        "op_overhead": seconds["op"] / work["op"],
+        # What the step costs beyond the bytes `cost.optimizer` charges, per tensor.
+        "optimizer_tensor_overhead": max(seconds["optimizer"] - streamed, 0.0) / tensors,
         **_gloo_link(),
         "threads": torch.get_num_threads(),
     }
@@ -139,49 +162,87 @@ def write_cache(readings: dict[str, float], cache: Path | None = None) -> Path:
     return cache
 
 
-def _best_seconds(fn: Callable[[], object], *, before: Callable[[], object] = lambda: None,
-                  repeats: int = 7, rounds: int = 3) -> float:
-    """Warm up for `_WARMUP_SECONDS`, then the best of `rounds` medians of `repeats` calls.
+def _best_seconds(
+    runs: dict[str, Callable[[], object]],
+    *,
+    before: dict[str, Callable[[], object]] | None = None,
+    repeats: int = 7,
+    rounds: int = 5,
+) -> dict[str, float]:
+    """Seconds of one call of each of `runs`: the best of `rounds` medians of `repeats` calls.
 
-    `before` runs ahead of every call, untimed.
+    Each is first warmed up for `_WARMUP_SECONDS`; then the rounds take turns over `runs`.
+    `before[name]`, where given, runs ahead of every call of `runs[name]`, untimed.
     """
-    deadline = time.perf_counter() + _WARMUP_SECONDS
-    while time.perf_counter() < deadline:
-        before()
-        fn()
-    medians = []
-    for _ in range(rounds):
-        times = []
-        for _ in range(repeats):
-            before()
-            start = time.perf_counter()
+    before = before or {}
+    for name, fn in runs.items():
+        prepare = before.get(name, lambda: None)
+        deadline = time.perf_counter() + _WARMUP_SECONDS
+        while time.perf_counter() < deadline:
+            prepare()
             fn()
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
-    return min(medians)
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            prepare = before.get(name, lambda: None)
+            times = []
+            for _ in range(repeats):
+                prepare()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            best[name] = min(best[name], statistics.median(times))
+    return best
 
 
-def _matmul_rate(n: int = 512) -> float:
+# Each probe: (the call to time, [what runs before it, untimed,] the work one call does).
+
+
+def _matmul(n: int = 512) -> tuple:
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b))
+    return (lambda: torch.mm(a, b)), 2 * n**3  # FLOPs
 
 
-def _copy_bandwidth(numel: int = 2**24) -> float:
+def _copy(numel: int = 2**24) -> tuple:
     src, dst = torch.randn(numel), torch.empty(numel)
-    return 2 * 4 * numel / _best_seconds(lambda: dst.copy_(src))
+    return (lambda: dst.copy_(src)), 2 * 4 * numel  # bytes read and written
 
 
-def _attention_rate(batch: int = 8, heads: int = 8, seq: int = 128, head_dim: int = 32) -> float:
+def _attention(batch: int = 8, heads: int = 8, seq: int = 128, head_dim: int = 32) -> tuple:
     q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim)
 
     def forward_backward():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    return 3 * 4 * batch * heads * seq**2 * head_dim / _best_seconds(forward_backward)
+    return forward_backward, 3 * 4 * batch * heads * seq**2 * head_dim  # `cost.ops` FLOPs
 
 
-def _op_overhead(chain: int = 200) -> float:
+def _elementwise(tokens: int = 4096, width: int = 128, vocabulary: int = 256) -> tuple:
+    x = torch.randn(tokens, width, requires_grad=True)
+    hidden = torch.randn(tokens, 4 * width, requires_grad=True)
+    logits = torch.randn(tokens, vocabulary, requires_grad=True)
+    weight, bias = torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)
+    targets = torch.randint(0, vocabulary, (tokens,))
+    grads = torch.randn(tokens, width), torch.randn(tokens, 4 * width)
+
+    def forward_backward():
+        residual = x + F.layer_norm(x, (width,), weight, bias)
+        activated = F.gelu(hidden)
+        loss = F.cross_entropy(logits, targets)
+        torch.autograd.backward([residual, activated, loss], [*grads, None])
+
+    def moved(*tensors):  # `cost.ops`: the op's tensor inputs plus its output
+        return sum(t.nbytes for t in tensors)
+
+    norm = moved(x, weight, bias, x)
+    add = moved(x, x, x)
+    gelu = moved(hidden, hidden)
+    loss = moved(logits, targets) + 4
+    return forward_backward, 3 * (norm + add + gelu + loss)  # backward = 2x forward
+
+
+def _op_chain(chain: int = 200) -> tuple:
     x, one = torch.ones(1, requires_grad=True), torch.ones(1)
     add = torch.ops.aten.add.Tensor
 
@@ -191,10 +252,10 @@ def _op_overhead(chain: int = 200) -> float:
             y = add(y, one)
         y.backward()
 
-    return _best_seconds(forward_backward) / (2 * chain)
+    return forward_backward, 2 * chain  # forward ops plus backward nodes
 
 
-def _optimizer_tensor_overhead(bandwidth: float, tensors: int = 128, numel: int = 1024) -> float:
+def _optimizer_step(tensors: int = 128, numel: int = 1024) -> tuple:
     parameters = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(tensors)]
     for p in parameters:
         p.grad = torch.randn(numel)
@@ -207,9 +268,7 @@ def _optimizer_tensor_overhead(bandwidth: float, tensors: int = 128, numel: int 
         mlp(x).sum().backward()
         dst.copy_(src)
 
-    seconds = _best_seconds(optimizer.step, before=training_between)
-    streamed = tensors * numel * BYTES_PER_PARAMETER["adamw"] / bandwidth
-    return max(seconds - streamed, 0.0) / tensors
+    return optimizer.step, training_between, (tensors, tensors * numel)
 
 
 def _best_collective_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -247,7 +306,8 @@ def _gloo_link(timeout: float = 120) -> dict[str, float]:
         store, out = os.path.join(folder, "store"), os.path.join(folder, "link.json")
         children = [
             subprocess.Popen(
-                [sys.executable, "-m", "fxpar.cost.calibrate", "--link-worker", str(rank), store, out],
+                [sys.executable, "-m", "fxpar.cost.calibrate", "--link-worker", str(rank),
+                 store, out],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
             for rank in range(2)

@@ -20,7 +20,8 @@ of its own below so that `model_state_bytes` stays the paper's formula.
 Time model, per rank:
 
 * compute: non-attention matmul FLOPs at the matmul rate, attention FLOPs at the attention
-  rate, the other ops' bytes at memory bandwidth, backward = 2x forward for all three
+  rate, the other ops' bytes at the bandwidth they reach (`elementwise_efficiency` x memory
+  bandwidth), backward = 2x forward for all three
   (Narayanan et al. 2021); plus `op_overhead` per forward op and per backward node
   (`cost.ops.op_counts`), per microbatch;
 * optimizer: a cost per parameter tensor the rank updates plus the bytes the step moves at
@@ -147,7 +148,8 @@ class Estimate:
             for key, value in values.items():
                 formula = self.formulas.get(f"{group}.{key}")
                 shown = "" if formula is None or formula.is_number else f"   = {_short(formula)}"
-                label = f"{group}.{key}" + (" (peak)" if (group, key) == ("memory", "total") else "")
+                peak = (group, key) == ("memory", "total")
+                label = f"{group}.{key}" + (" (peak)" if peak else "")
                 lines.append(f"  {label:<22}{_si(value, unit):>12}{shown}")
         for kind, entry in self.comm.items():
             lines.append(
@@ -208,17 +210,18 @@ def estimate(
     local_batch = BATCH / (dp * plan.microbatches)
     formulas.update({f"memory.{k}": v for k, v in state.items()})
     formulas["memory.activations"] = narrow * _activations(program).subs(BATCH, local_batch)
-    formulas["memory.workspace"] = narrow * backward_workspace_bytes(captured).subs(BATCH, local_batch)
+    workspace = backward_workspace_bytes(captured)
+    formulas["memory.workspace"] = narrow * workspace.subs(BATCH, local_batch)
     formulas["memory.total"] = peak_bytes(
         state, formulas["memory.activations"], formulas["memory.workspace"],
         grads_persist=dp > 1 or plan.microbatches > 1,
     )
 
     # Time of one rank.
-    rate, bandwidth = device.matmul_rate(precision), device.memory_bandwidth
+    rate = device.matmul_rate(precision)
     dense = share * (compute.matmul_flops - compute.attention_flops) / rate
     attention = share * compute.attention_flops / device.attention_rate(precision)
-    streamed = share * narrow * compute.other_bytes / bandwidth
+    streamed = share * narrow * compute.other_bytes / device.elementwise_bandwidth()
     overhead = plan.microbatches * sympy.Float(device.op_overhead)
     forward = dense + attention + streamed + compute.forward_ops * overhead
     backward = 2 * (dense + attention + streamed) + compute.backward_nodes * overhead
@@ -262,7 +265,8 @@ def estimate(
         rank=rank,
         params=params,
         flops=pick("flops", ("matmul", "other", "total")),
-        memory=pick("memory", ("params", "grads", "optimizer", "activations", "workspace", "total")),
+        memory=pick("memory", ("params", "grads", "optimizer", "activations", "workspace",
+                               "total")),
         comm=comm,
         time=pick("time", ("compute", "optimizer", "comm_exposed", "bubble", "total")),
         formulas={k: sympy.nsimplify(v) if v.is_number else _rounded(v) for k, v in formulas.items()},

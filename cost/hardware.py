@@ -8,6 +8,11 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
   runs at this share of the matmul rate. GPU default 0.6: FlashAttention-2 reaches 50-73% of
   the A100's peak (Dao 2023, abstract), below what large matmuls reach (0.8 here). Measured
   on the CPU: 0.40-0.65 of the matmul rate, depending on the head dim (`cost.calibrate`);
+* `elementwise_efficiency`: the share of memory bandwidth that the other ops (elementwise,
+  norms, softmax, losses) reach over forward and backward, their bytes counted as `cost.ops`
+  counts them. GPU default 1 (bytes at full bandwidth: not measured here). Measured on the
+  CPU: 0.3-0.5; the exact GELU and softmax are compute-bound there, and backward runs ops the
+  forward graph does not show (bias-gradient sums, gradient fills, copies of transposes);
 * `op_overhead`: seconds each op pays besides its FLOPs and bytes (dispatch, autograd
   bookkeeping, on a GPU the kernel launch), added to them. GPU default 5 us, the order of a
   CUDA launch seen from Python; as a GPU launches while earlier kernels run, adding it is
@@ -54,6 +59,7 @@ class Hardware:
     inter_node: Link  # between nodes (InfiniBand / Ethernet)
     devices_per_node: int
     attention_efficiency: float = 0.6  # attention's share of the matmul rate (module doc)
+    elementwise_efficiency: float = 1.0  # other ops' share of memory bandwidth
     op_overhead: float = 5e-6  # seconds per forward op and per backward node
     optimizer_tensor_overhead: float = 0.0  # seconds per parameter tensor of an AdamW step
     comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
@@ -66,6 +72,10 @@ class Hardware:
     def attention_rate(self, precision: str) -> float:
         """FLOP/s of attention, forward and backward, under `cost.ops`' FLOP convention."""
         return self.matmul_rate(precision) * self.attention_efficiency
+
+    def elementwise_bandwidth(self) -> float:
+        """Bytes/s the non-matmul ops reach, forward and backward, bytes as `cost.ops` counts."""
+        return self.memory_bandwidth * self.elementwise_efficiency
 
     def link(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link a collective over `ranks` crosses."""
@@ -112,6 +122,7 @@ NOMINAL_CPU = Hardware(
     inter_node=Link(alpha=100e-6, bandwidth=1.25e9),  # 10 GbE
     devices_per_node=1024,  # CPU processes of one machine: all "intra-node"
     attention_efficiency=0.5,  # the middle of the 0.4-0.65 measured (module doc)
+    elementwise_efficiency=0.4,  # the middle of the 0.3-0.5 measured (module doc)
     op_overhead=3e-6,  # eager op with autograd, measured 1.5-3.3 us (RESULTS.md)
     optimizer_tensor_overhead=20e-6,  # torch's for-loop AdamW, measured 17-29 us
     comm_overlap=0.0,

@@ -14,8 +14,8 @@ from fxpar.cost.hardware import NOMINAL_CPU, PROFILES, hardware_profile
 
 # Readings as `calibrate_cpu` returns them, for the tests of the caching policy.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
-        "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5, "alpha": 5e-5,
-        "link_bandwidth": 1.5e9, "threads": 1, "cores": 2, "load_average": 0.5}
+        "elementwise_bandwidth": 2e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
+        "alpha": 5e-5, "link_bandwidth": 1.5e9, "threads": 1, "cores": 2, "load_average": 0.5}
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def test_cpu_profile_is_measured_once_and_cached(fresh_cache, monkeypatch):
     assert 1e8 < readings["matmul_flops"] < 1e14
     assert 1e8 < readings["memory_bandwidth"] < 1e13
     assert 0.05 < profile.attention_efficiency < 2
+    assert 0.02 < profile.elementwise_efficiency < 2
     assert 1e-8 < readings["op_overhead"] < 1e-3
     assert 0 <= readings["optimizer_tensor_overhead"] < 1e-2
     assert 0 < readings["alpha"] < 0.05 and 1e6 < readings["link_bandwidth"] < 1e12
@@ -60,7 +61,7 @@ def test_a_cache_from_before_a_reading_existed_is_measured_again(fresh_cache, mo
     monkeypatch.setattr(calibrate, "calibrate_cpu", lambda: dict(FAKE))
     profile = calibrate.measure_cpu()
     assert profile.op_overhead == FAKE["op_overhead"]
-    assert profile.attention_efficiency == pytest.approx(0.5)
+    assert profile.attention_efficiency == profile.elementwise_efficiency == pytest.approx(0.5)
     (cache,) = fresh_cache.glob("hardware-cpu-*.json")
     assert json.loads(cache.read_text()) == FAKE
 

@@ -63,9 +63,8 @@ def test_total_memory_without_buckets_is_the_larger_end_of_backward():
         assert m["total"] == pytest.approx(
             m["params"] + m["optimizer"] + max(m["activations"] + m["workspace"], m["grads"])
         )
-    assert program.estimate("h100", batch=1, seq=1).memory["total"] == pytest.approx(
-        sum(program.estimate("h100", batch=1, seq=1).memory[k] for k in ("params", "grads", "optimizer"))
-    )
+    tiny = program.estimate("h100", batch=1, seq=1).memory  # here the gradients are the peak
+    assert tiny["total"] == pytest.approx(tiny["params"] + tiny["grads"] + tiny["optimizer"])
 
 
 def test_workspace_is_twice_the_local_logits(program):
@@ -173,14 +172,15 @@ def test_op_counts():
 
 def test_compute_time_is_rates_bytes_and_overhead(program):
     """time.compute = 3 x (dense matmul / matmul rate + attention / attention rate + other
-    bytes / bandwidth) / dp + op_overhead x (forward ops + backward nodes)."""
-    device = replace(PROFILES["h100"], attention_efficiency=0.25, op_overhead=7e-6)
+    bytes / their bandwidth) / dp + op_overhead x (forward ops + backward nodes)."""
+    device = replace(PROFILES["h100"], attention_efficiency=0.25, elementwise_efficiency=0.5,
+                     op_overhead=7e-6)
     estimate = program.estimate(device)
     c = graph_compute(program)
     rate = device.matmul_rate("fp32")
     expected = sympy.Rational(3, 2) * (
         (c.matmul_flops - c.attention_flops) / rate + c.attention_flops / (0.25 * rate)
-        + c.other_bytes / device.memory_bandwidth
+        + c.other_bytes / (0.5 * device.memory_bandwidth)
     ) + 7e-6 * (c.forward_ops + c.backward_nodes)
     assert estimate.time["compute"] == pytest.approx(float(expected.subs({BATCH: 8, SEQ: 32})))
     assert c.attention_flops != 0 and c.forward_ops > 0 and c.backward_nodes > c.forward_ops / 2
