@@ -29,7 +29,13 @@ Time model, per rank:
 * comm: collectives of the forward (backward) phase may hide under `comm_overlap` x that
   phase's compute, so what is exposed is the larger of the last call and the part that
   outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
-  around the optimizer step are fully exposed. No pipeline yet, so no bubble.
+  around the optimizer step are fully exposed;
+* bubble: with a pipeline, the schedule simulated with each stage's predicted times
+  (`fxpar.schedules.simulate`); the rank's idle time in it.
+
+Per rank: tensor parallelism divides the work of sharded ops and the parameters it splits,
+a pipeline gives each rank its stages and the activations of the microbatches it keeps in
+flight under the schedule (`cost.layout`). The worst rank by peak memory is reported.
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ import sympy
 from fxpar.cost.activations import backward_workspace_bytes, saved_activation_bytes
 from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.hardware import Hardware, hardware_profile
+from fxpar.cost.layout import shares
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.symbols import BATCH
+from fxpar.schedules import simulate
 
 if TYPE_CHECKING:
     from fxpar.program import Program
@@ -190,46 +198,113 @@ def estimate(
 
     precision = "bf16" if plan.precision == "bf16-mixed" else "fp32"
     narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
-    dp, share = plan.dp, sympy.Rational(1, plan.dp)
     compute = graph_compute(program)
+    params = captured.parameter_count()
     formulas: dict[str, sympy.Expr] = {}
 
-    # FLOPs of the whole step; each data-parallel rank does 1/dp of them.
+    # FLOPs of the whole step; each rank does its share of them (cost.layout).
     formulas["flops.matmul"] = 3 * compute.matmul_flops
     formulas["flops.other"] = 3 * compute.other_flops
     formulas["flops.total"] = formulas["flops.matmul"] + formulas["flops.other"]
 
-    # Memory of one rank: model state, one microbatch's saved activations and backward's
-    # workspace, and the peak they reach together.
-    params = captured.parameter_count()
-    state = model_state_bytes(params, precision=plan.precision, optimizer=optimizer,
+    # Each candidate rank: without a pipeline all ranks are alike; with one, each pipeline
+    # coordinate holds other stages. The worst (by peak memory) is reported.
+    mesh = program.mesh
+    candidates = [mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)]
+    per_rank = {r: _rank_terms(program, r, device, optimizer, precision, narrow, numbers) for r in candidates}
+    rank = max(candidates, key=lambda r: float(per_rank[r][0]["memory.total"].subs(numbers)))
+    rank_formulas, comm = per_rank[rank]
+    formulas.update(rank_formulas)
+
+    values = {k: float(sympy.sympify(v).subs(numbers)) for k, v in formulas.items()}
+    pick = lambda group, keys: {k: values[f"{group}.{k}"] for k in keys}  # noqa: E731
+    return Estimate(
+        plan=str(plan),
+        hardware=device.name,
+        optimizer=optimizer,
+        sizes=sizes,
+        rank=rank,
+        params=params,
+        flops=pick("flops", ("matmul", "other", "total")),
+        memory=pick("memory", ("params", "grads", "optimizer", "activations", "workspace",
+                               "total")),
+        comm=comm,
+        time=pick("time", ("compute", "optimizer", "comm_exposed", "bubble", "total")),
+        formulas={k: sympy.nsimplify(v) if v.is_number else _rounded(v)
+                  for k, v in ((k, sympy.sympify(v)) for k, v in formulas.items())},
+        uncosted=compute.uncosted,
+        peak_flops=device.peak_flops[precision],
+        world_size=program.world_size,
+    )
+
+
+def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
+    """Memory, time and communication formulas of one rank, and its comm table."""
+    plan = program.plan
+    dp, share = plan.dp, sympy.Rational(1, plan.dp)
+    pipeline = program.schedule
+    all_shares = shares(program)
+    pp_index = program.mesh.coord(rank).pp
+    mine = [s for s in all_shares if s.stage is None or pipeline.rank_of(s.stage) == pp_index]
+    formulas: dict[str, sympy.Expr] = {}
+
+    # Memory: model state of the parameters this rank holds, activations of the microbatches
+    # it keeps in flight, and the loss's workspace where the loss is.
+    held = {}
+    for piece in mine:
+        held.update(piece.parameters)
+    parameters = sum(held.values())
+    state = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
                               zero=plan.zero, dp=dp)
-    tensors = _updated_tensors(program)
+    buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
+    tensors = sum(len(b) for b in buckets) if plan.zero >= 1 else len(held)
     # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
     state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
     local_batch = BATCH / (dp * plan.microbatches)
+    in_flight = 1
+    if pipeline is not None:
+        in_flight = simulate(pipeline, 1, 2).peak_in_flight[pp_index] / len(mine)
+    activation_share = sum(s.activation_share for s in mine) * in_flight
+    holds_loss = not pipeline or any(s.stage == len(all_shares) - 1 for s in mine)
     formulas.update({f"memory.{k}": v for k, v in state.items()})
-    formulas["memory.activations"] = narrow * _activations(program).subs(BATCH, local_batch)
-    workspace = backward_workspace_bytes(captured)
+    formulas["memory.activations"] = (
+        narrow * _activations(program).subs(BATCH, local_batch) * sympy.nsimplify(round(activation_share, 4))
+    )
+    workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
     formulas["memory.workspace"] = narrow * workspace.subs(BATCH, local_batch)
     formulas["memory.total"] = peak_bytes(
         state, formulas["memory.activations"], formulas["memory.workspace"],
         grads_persist=dp > 1 or plan.microbatches > 1,
     )
 
-    # Time of one rank.
-    rate = device.matmul_rate(precision)
-    dense = share * (compute.matmul_flops - compute.attention_flops) / rate
-    attention = share * compute.attention_flops / device.attention_rate(precision)
-    streamed = share * narrow * compute.other_bytes / device.elementwise_bandwidth()
-    overhead = plan.microbatches * sympy.Float(device.op_overhead)
-    forward = dense + attention + streamed + compute.forward_ops * overhead
-    backward = 2 * (dense + attention + streamed) + compute.backward_nodes * overhead
-    formulas["time.compute"] = forward + backward
-    updated = params * (share if plan.zero >= 1 else 1)
-    formulas["time.optimizer"] = optimizer_seconds(optimizer, tensors, updated, device)
+    # Time: this rank's ops over its share of the batch.
+    def seconds(piece):
+        rate = device.matmul_rate(precision)
+        dense = share * (piece.matmul_flops - piece.attention_flops) / rate
+        attention = share * piece.attention_flops / device.attention_rate(precision)
+        streamed = share * narrow * piece.other_bytes / device.elementwise_bandwidth()
+        overhead = plan.microbatches * sympy.Float(device.op_overhead)
+        forward = dense + attention + streamed + piece.forward_ops * overhead
+        backward = 2 * (dense + attention + streamed) + piece.backward_nodes * overhead
+        return forward, backward
 
-    rank = 0
+    timed = {id(p): seconds(p) for p in all_shares}
+    forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
+    backward = sum((timed[id(p)][1] for p in mine), sympy.Integer(0))
+    formulas["time.compute"] = forward + backward
+    updated = parameters * (share if plan.zero >= 1 else 1)
+    formulas["time.optimizer"] = optimizer_seconds(optimizer, tensors, updated, device)
+    formulas["time.bubble"] = sympy.Integer(0)
+    if pipeline is not None:
+        # The schedule's idle time, from the simulator with this size's stage times (GPipe
+        # Sec. 2.3; Narayanan et al. 2021 Sec. 2.2): the bubble term is a simulation, not a
+        # closed form, so uneven stages and interleaving are priced as they run.
+        m = plan.microbatches
+        f = [float(timed[id(p)][0].subs(numbers)) / m for p in all_shares]
+        b = [float(timed[id(p)][1].subs(numbers)) / m for p in all_shares]
+        run = simulate(pipeline, f, b)
+        formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
+
     comm: dict[str, dict[str, float]] = {}
     phase_calls: dict[str, list[sympy.Expr]] = {"forward": [], "backward": [], "step": []}
     for call in program.collectives(rank):
@@ -250,30 +325,10 @@ def estimate(
             else:
                 exposed += sympy.Max(phase_calls[phase][-1], total - device.comm_overlap * window)
     formulas["time.comm_exposed"] = exposed
-    formulas["time.bubble"] = sympy.Integer(0)
     formulas["time.total"] = sum(
         formulas[f"time.{k}"] for k in ("compute", "optimizer", "comm_exposed", "bubble")
     )
-
-    values = {k: float(v.subs(numbers)) for k, v in formulas.items()}
-    pick = lambda group, keys: {k: values[f"{group}.{k}"] for k in keys}  # noqa: E731
-    return Estimate(
-        plan=str(plan),
-        hardware=device.name,
-        optimizer=optimizer,
-        sizes=sizes,
-        rank=rank,
-        params=params,
-        flops=pick("flops", ("matmul", "other", "total")),
-        memory=pick("memory", ("params", "grads", "optimizer", "activations", "workspace",
-                               "total")),
-        comm=comm,
-        time=pick("time", ("compute", "optimizer", "comm_exposed", "bubble", "total")),
-        formulas={k: sympy.nsimplify(v) if v.is_number else _rounded(v) for k, v in formulas.items()},
-        uncosted=compute.uncosted,
-        peak_flops=device.peak_flops[precision],
-        world_size=program.world_size,
-    )
+    return formulas, comm
 
 
 def _rounded(expr: sympy.Expr) -> sympy.Expr:

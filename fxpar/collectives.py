@@ -128,7 +128,8 @@ def data_parallel_collectives(
         if zero == 3:
             call("all_gather", padded[b.index], b.dtype, f"parameters of bucket {b.index}", "backward")
         call("reduce_scatter", padded[b.index], b.dtype, f"gradient bucket {b.index}", "backward")
-    call("all_reduce", 1, loss_dtype, "loss", "backward")
+    if carry_loss:
+        call("all_reduce", 1, loss_dtype, "loss", "backward")
     if zero in (1, 2):
         for b in buckets:
             call("all_gather", padded[b.index], b.dtype, f"updated parameters of bucket {b.index}", "step")

@@ -88,6 +88,7 @@ def pipeline_collectives(
     schedule: Schedule,
     stages: tuple[Stage, ...],
     sizes: dict,
+    zero: int = 0,
 ) -> tuple[Collective, ...]:
     """Every transfer and collective of one step on `rank`, in the order its schedule issues them.
 
@@ -131,7 +132,9 @@ def pipeline_collectives(
                 p2p("send", stage.inputs, peer(stage.index - 1), f"stage {stage.index - 1} gradients", "backward")
     local = [s for s in stages if schedule.rank_of(s.index) == coord.pp]
     for stage in local:
-        calls.extend(data_parallel_collectives(stage.buckets, mesh.group(rank, Axis.DP), zero=0, carry_loss=False))
+        calls.extend(data_parallel_collectives(
+            stage.buckets, mesh.group(rank, Axis.DP), zero=zero, carry_loss=False
+        ))
     for stage in local:
         calls.extend(partial_gradient_collectives(stage.graph_module, tp_group))
     calls.extend(tied_parameter_collectives(rank=rank, mesh=mesh, schedule=schedule, stages=stages))

@@ -203,7 +203,8 @@ class Program:
         sizes = self._local_sizes()
         if self.stages is not None:
             return pipeline_collectives(
-                rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages, sizes=sizes
+                rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages,
+                sizes=sizes, zero=self.plan.zero,
             )
         tp_group = self.mesh.group(rank, Axis.TP)
         tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)

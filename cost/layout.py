@@ -1,0 +1,103 @@
+"""How a plan divides one step among ranks: each rank's share of compute, state and activations.
+
+The whole-step FLOPs come from the captured graph (`estimate.graph_compute`). What one rank
+does comes from the graphs it runs: the tensor-parallel graph, or its pipeline stages. An op
+whose output is sharded or partial over the tp group does 1/tp of the op's work on each rank;
+a replicated op (a norm without sequence parallelism, the residual adds) is done whole by
+every rank. A stage counts only the ops it computes (`passes.pipeline.STAGE`), not the shape
+arithmetic every stage recomputes.
+
+Activations: the exact formula is the whole model's (`cost.activations`, a symbolic fake
+forward). A rank's share of it is approximated by the share of the model's op outputs it
+produces, weighting sharded outputs by 1/tp: exact for one rank holding everything, and
+within a few percent for Megatron-style layouts, where nearly every saved tensor is an op
+output of the same layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import sympy
+import torch
+
+from fxpar import meta
+from fxpar.cost.ops import cost_of, op_counts
+from fxpar.placement import Partial, Shard
+
+if TYPE_CHECKING:
+    from fxpar.program import Program
+
+STAGE = "fxpar.stage"
+
+
+@dataclass(frozen=True)
+class Share:
+    """One stage's (or the whole graph's) forward work on one tensor-parallel rank."""
+
+    stage: int | None
+    matmul_flops: sympy.Expr  # over the global batch; divide by dp for one rank
+    attention_flops: sympy.Expr
+    other_bytes: sympy.Expr
+    forward_ops: int
+    backward_nodes: int
+    parameters: dict[str, int]  # this rank's parameter elements by name
+    activation_share: float  # of the whole model's saved activations
+
+
+def shares(program: Program) -> list[Share]:
+    """One Share per pipeline stage, or one for a program without a pipeline."""
+    cached = getattr(program, "_layout_shares", None)
+    if cached is not None:
+        return cached
+    tp = program.plan.tp
+    total_output = _output_bytes(program.captured.graph_module.graph.nodes, program, tp=1)
+    if program.stages is None:
+        graphs = [(None, program.graph_module, lambda node: True)]
+    else:
+        graphs = [
+            (s.index, s.graph_module, lambda node, i=s.index: node.meta.get(STAGE) == i)
+            for s in program.stages
+        ]
+    result = []
+    for stage, gm, mine in graphs:
+        nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
+        matmul = attention = moved = sympy.Integer(0)
+        for node in nodes:
+            cost = cost_of(node, program.captured.shape)
+            if cost is None:
+                continue
+            split = tp if isinstance(meta.placement(node), (Shard, Partial)) else 1
+            matmul += cost.matmul_flops / split
+            attention += cost.attention_flops / split
+            if cost.matmul_flops == 0:
+                moved += cost.bytes / split
+        forward_ops, backward_nodes = op_counts(gm)
+        parameters = {
+            name: node.meta["val"].numel() // (tp if isinstance(meta.placement(node), Shard) else 1)
+            for name, node in meta.parameter_nodes(gm.graph).items()
+        }
+        produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)
+        result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(moved),
+                            forward_ops, backward_nodes, parameters, produced / total_output))
+    program._layout_shares = result
+    return result
+
+
+def _output_bytes(nodes, program: Program, *, tp: int) -> float:
+    """Bytes of the tensors these ops produce, at the example's sizes; sharded ones / tp."""
+    sizes = dict(program.captured.example_sizes)
+    total = 0.0
+    for node in nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue  # collectives move data; they do not produce new activations
+        numel = sympy.Mul(*(program.captured.readable(d) for d in value.shape))
+        split = tp if isinstance(meta.placement(node), (Shard, Partial)) else 1
+        total += float(numel.subs(sizes)) * value.dtype.itemsize / split
+    return total or 1.0
+
+
