@@ -46,12 +46,34 @@ class PipelineExecutor:
         self.coord = coord
         self.actions = self.schedule.actions[coord.pp]
         self.timeline: list[tuple[str, float, float]] = []
+        self._shapes: dict[tuple, tuple[int, ...]] = {}
 
     def _peer(self, stage: int) -> int:
         return self.program.mesh.rank_of(dp=self.coord.dp, pp=self.schedule.rank_of(stage), tp=self.coord.tp)
 
     def _module(self, stage: int):
         return self.runner.modules[stage // self.schedule.p]
+
+    def _shape(self, boundary, sizes: dict, key: tuple) -> tuple[int, ...]:
+        """A boundary's local shape at this step's sizes (cached: sympy is slow per call)."""
+        cache_key = (boundary.name, id(boundary), key)
+        if cache_key not in self._shapes:
+            self._shapes[cache_key] = local_shape(boundary, sizes, self.program.mesh.tp)
+        return self._shapes[cache_key]
+
+    def _step_sizes(self, microbatch: tuple[torch.Tensor, ...]) -> tuple[dict, tuple]:
+        """Export's size symbols -> their values in this step's microbatch, read off the inputs.
+
+        Boundary shapes are formulas in these symbols, so a step may use another batch or
+        sequence length than the example the program was compiled with.
+        """
+        placeholders = [n for n in self.program.captured.graph_module.graph.nodes if n.op == "placeholder"]
+        sizes = {}
+        for node, tensor in zip(placeholders, microbatch):
+            for dim, size in enumerate(node.meta["val"].shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    sizes[size.node.expr] = int(tensor.shape[dim])
+        return sizes, tuple(sorted((str(k), v) for k, v in sizes.items()))
 
     def _key(self, stage: int, microbatch: int, backward: bool) -> int:
         return (stage * self.schedule.m + microbatch) * 2 + int(backward)
@@ -60,8 +82,7 @@ class PipelineExecutor:
         runner, program = self.runner, self.program
         stages, last = program.stages, len(program.stages) - 1
         names = program.captured.input_names
-        sizes = program._local_sizes()
-        tp = program.mesh.tp
+        sizes, size_key = self._step_sizes(chunks[0])
         microbatches = len(chunks)
         inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -71,17 +92,18 @@ class PipelineExecutor:
         communicator, rank = runner.communicator, runner.rank
         self.timeline = []
         for action in self.actions:
-            start = time.perf_counter()
             stage = stages[action.stage]
             mb = action.microbatch
             module = self._module(stage.index)
             if action.kind == "F":
                 received = []
                 for boundary in stage.inputs:
-                    buffer = torch.empty(local_shape(boundary, sizes, tp), dtype=boundary.dtype, device=runner.device)
+                    shape = self._shape(boundary, sizes, size_key)
+                    buffer = torch.empty(shape, dtype=boundary.dtype, device=runner.device)
                     communicator.recv(buffer, rank, self._peer(stage.index - 1), tag=f"stage {stage.index} activations",
                                       phase="forward", key=self._key(stage.index, mb, False))
                     received.append(buffer.requires_grad_(boundary.requires_grad))
+                start = time.perf_counter()  # the timeline shows compute, not waiting for peers
                 user = dict(zip(names, chunks[mb]))
                 result = module(*received, *(user[n] for n in stage.user_inputs))
                 inputs[(stage.index, mb)] = received
@@ -103,16 +125,19 @@ class PipelineExecutor:
                         buckets.start_backward(synchronize=final)
                 produced = outputs.pop((stage.index, mb))
                 if stage.index == last:
+                    start = time.perf_counter()
                     torch.autograd.backward(produced[0])
                 else:
                     grads = []
                     for boundary, value in zip(stage.outputs, produced):
                         if not boundary.requires_grad:
                             continue
-                        buffer = torch.empty(local_shape(boundary, sizes, tp), dtype=boundary.dtype, device=runner.device)
+                        shape = self._shape(boundary, sizes, size_key)
+                        buffer = torch.empty(shape, dtype=boundary.dtype, device=runner.device)
                         communicator.recv(buffer, rank, self._peer(stage.index + 1), tag=f"stage {stage.index} gradients",
                                           phase="backward", key=self._key(stage.index, mb, True))
                         grads.append((value, buffer))
+                    start = time.perf_counter()
                     torch.autograd.backward([v for v, _ in grads], [g for _, g in grads])
                 received = inputs.pop((stage.index, mb))
                 if stage.index > 0:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from tiny_training import STEPS, train_single_device  # noqa: E402
+from tiny_training import STEPS, build_model, train_single_device  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 RELATIVE = 1e-5
@@ -31,8 +31,10 @@ def reference():
     return train_single_device()
 
 
-def assert_equivalent(result: dict, reference: dict, *, tied: bool = True) -> None:
+def assert_equivalent(result: dict, reference: dict, *, tied: bool = True, model: str = "gpt") -> None:
     assert len(result["losses"]) == STEPS
+    resized_loss, (tokens, labels) = result["resized"]  # a step at other batch and seq sizes
+    assert resized_loss == pytest.approx(build_model(model)(tokens, labels).item(), rel=RELATIVE)
     for step, (loss, ref) in enumerate(zip(result["losses"], reference["losses"])):
         assert loss == pytest.approx(ref, rel=RELATIVE), f"loss of step {step}"
 

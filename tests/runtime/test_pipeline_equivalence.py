@@ -28,7 +28,7 @@ def test_pp2_every_schedule_matches_single_device(torchrun, model):
     reference = train_single_device(model)
     for plan in plans:
         for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama")
+            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
             assert_collectives_as_predicted(results[plan])
 
 
@@ -39,5 +39,5 @@ def test_pp4_and_pipelines_with_dp_and_tp_match_single_device(torchrun, model):
     reference = train_single_device(model)
     for plan in plans:
         for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama")
+            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
             assert_collectives_as_predicted(results[plan])

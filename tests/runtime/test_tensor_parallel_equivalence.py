@@ -46,7 +46,7 @@ def test_tp2_matches_single_device(torchrun, model):
     reference = train_single_device(model)
     for plan in plans:
         for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama")
+            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
             assert_collectives_as_predicted(results[plan])
     if model == "gpt":
         layers = CONFIG.n_layer
@@ -73,5 +73,5 @@ def test_tp4_and_dp2_tp2_match_single_device(torchrun, model):
     reference = train_single_device(model)
     for plan in plans:
         for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama")
+            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
             assert_collectives_as_predicted(results[plan])

@@ -30,6 +30,10 @@ for plan in plans:
         backend=os.environ.get("FXPAR_TEST_BACKEND"),
     )
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    # One step at another batch and sequence length than the example: sizes are symbolic.
+    small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
+    resized_loss = runner.step(*[t.to(runner.device) for t in runner.local_batch(*small)])
+    optimizer.zero_grad()
     losses, first_grads, step_logs = [], None, []
     for tokens, labels in global_batches():
         runner.reset_comm_stats()
@@ -42,6 +46,7 @@ for plan in plans:
         optimizer.zero_grad()
     results[plan] = {
         "losses": losses,
+        "resized": (resized_loss, [t.clone() for t in small]),
         "grads": first_grads,
         "state": runner.full_state_dict(),
         "comm": step_logs,

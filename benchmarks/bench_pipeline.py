@@ -1,0 +1,637 @@
+"""fxpar pp=2 against torch.distributed.pipelining, and the measured bubble against the simulator.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_pipeline.py
+
+Two measurements per GPT size and schedule (1F1B and GPipe, 8 microbatches by default):
+
+1. Side by side. The same seeded GPT trains under fxpar (`pp=2 mb=8 schedule=...`, automatic
+   cut) and under torch.distributed.pipelining (`pipeline(..., split_spec={cut: BEGINNING})`
+   with `Schedule1F1B` / `ScheduleGPipe`), cut at the block where fxpar cut. One timed step:
+
+       fxpar:  loss = runner.step(x, y);                              opt.step(); opt.zero_grad()
+       torch:  schedule.step(x) (rank 0) / schedule.step(target=y, losses=l) (rank 1),
+               all-reduce of the tied embedding/head gradient,        opt.step(); opt.zero_grad()
+
+   torch's pipeline computes logits; the schedule's `loss_fn` is the same cross entropy that
+   GPT.forward ends with, averaged per microbatch, and `scale_grads=True` divides gradients by
+   the microbatch count as fxpar's `loss / microbatches` does. torch's `pipeline` REPLICATEs the
+   tied `wte.weight` / `lm_head.weight` into both stages and leaves their gradients apart, so
+   the torch side all-reduces them, which is what fxpar does for tied parameters; without it
+   the two sides would not train the same model. `return_outputs=False` on the torch side:
+   fxpar does not concatenate the logits either. fxpar's step also sums the loss over the
+   pipeline and returns it as a float on every rank (one 4-byte all-reduce); torch's loss stays
+   on the last stage. Both sides use AdamW(lr=1e-3, weight_decay=0.1) over their rank's
+   parameters. The sides alternate in blocks (`harness.run_interleaved`); their global losses
+   must agree to 1e-4 relative at every step or the script exits 1.
+
+2. The bubble. More fxpar steps with `runner.record_timeline = True`; both ranks' timelines
+   go to rank 0 (`dist.all_gather_object`). A step's time T runs from the earliest action start
+   to the latest action end over both ranks; a rank's idle fraction is 1 - busy / T, averaged
+   over ranks and steps. fxpar's timeline spans include the *blocking receive* at the start of
+   each action (fxpar/runtime/pipeline_executor.py takes `start` before `communicator.recv`),
+   so a rank waiting for its peer looks busy. The script therefore also wraps this runner's
+   `communicator.recv` and `.send` (instance attributes; fxpar is not changed) to time each
+   receive wait and each isend post, and reports two idle fractions:
+
+       "timeline spans"  busy = sum of the action spans, as `runner.timeline()` gives them
+       "compute"         busy = the spans minus the receive waits and isend posts inside them
+
+   The simulator's prediction is `simulate(program.schedule, F, B).bubble_fraction` with F and
+   B each stage's median forward and backward compute time. To explain a gap, it also prints:
+   a replay of every step through the simulator's rules with each action's own compute time
+   and no communication (what the variance of the compute alone explains); the median transfer
+   latency of the receives that waited (producer's compute end to the end of the receive) and
+   `simulate(..., comm_cost=that latency)`; the same compute-only idle fraction on the torch
+   side (spans of its stage's `forward_one_chunk` / `backward_one_chunk`); and a gloo
+   ping of one boundary-sized tensor with the sender idle or computing after its isend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import (
+    Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline,
+)
+
+import fxpar
+from fxpar import meta
+from fxpar.schedules import Action, Schedule, simulate
+from harness import Side, first_mismatch, format_table, paired_ratio, run_interleaved
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+GLOBAL_BATCH, SEQ = 16, 64
+MODELS: dict[str, GPTConfig] = {
+    "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
+    "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
+}
+TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
+LOSS_RELATIVE = 1e-4
+
+
+class GPTLogits(GPT):
+    """examples/gpt.py's GPT without the loss: `forward(idx) -> logits`, for torch's pipeline.
+
+    The same modules under the same names (so `split_spec={"h.2": ...}` names the same block
+    and `load_state_dict` copies fxpar's weights), the same forward up to the logits.
+    """
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        B, T = idx.size()
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """GPT.forward's loss on one microbatch's logits."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
+    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser.add_argument("--bubble-steps", type=int, default=20,
+                        help="timeline-recording steps per side for the bubble")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--models", nargs="+", default=["small", "medium"], choices=list(MODELS))
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"],
+                        choices=list(TORCH_SCHEDULES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    return parser.parse_args()
+
+
+def global_batches(vocab_size: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ), generator=generator)
+              for _ in range(2))
+        for _ in range(count)
+    ]
+
+
+def blocks_of(stage) -> set[str]:
+    """The transformer blocks ("h.N") whose ops a fxpar stage graph runs."""
+    found = set()
+    for node in stage.graph_module.graph.nodes:
+        parts = meta.module_path(node).split(".")
+        if node.op == "call_function" and len(parts) >= 2 and parts[0] == "h":
+            found.add(f"h.{parts[1]}")
+    return found
+
+
+def fxpar_cut(program) -> str:
+    """The block fxpar's second stage starts with (pp=2), read from the stage graphs."""
+    first, second = blocks_of(program.stages[0]), blocks_of(program.stages[1])
+    if first & second or not second:
+        raise RuntimeError(f"cannot read fxpar's cut: stage 0 {first}, stage 1 {second}")
+    return min(second, key=lambda name: int(name.split(".")[1]))
+
+
+class TorchPipeline:
+    """One rank's side of torch.distributed.pipelining: stage, schedule, optimizer, tied copy."""
+
+    def __init__(self, model: GPTLogits, cut: str, schedule_name: str, microbatches: int,
+                 example: torch.Tensor):
+        self.rank = dist.get_rank()
+        self.microbatches = microbatches
+        micro = example.tensor_split(microbatches)[0]
+        pipe = pipeline(model, mb_args=(micro,), split_spec={cut: SplitPoint.BEGINNING})
+        if pipe.num_stages != 2:
+            raise RuntimeError(f"torch's pipeline made {pipe.num_stages} stages, expected 2")
+        self.stage = pipe.build_stage(self.rank, torch.device("cpu"))
+        self.module = self.stage.submod
+        self.schedule = TORCH_SCHEDULES[schedule_name](
+            self.stage, microbatches, loss_fn=cross_entropy, scale_grads=True
+        )
+        # `pipeline` REPLICATEs the tied weight: stage 0 reads it as wte.weight, stage 1 as
+        # lm_head.weight, two separate tensors whose gradients must be summed (as fxpar does).
+        tied_name = "wte.weight" if self.rank == 0 else "lm_head.weight"
+        self.tied = self.module.get_parameter(tied_name)
+        used = [p for p in self.module.parameters() if p is not self._unused_copy()]
+        self.optimizer = torch.optim.AdamW(used, **OPTIMIZER)
+        self.spans: list[tuple[str, float, float]] | None = None  # set to [] to record
+
+    def _unused_copy(self) -> torch.Tensor | None:
+        """Stage 0 also carries an lm_head.weight copy it never reads (no grad: AdamW skips it
+        anyway; left out so the optimizer holds exactly the parameters the stage trains)."""
+        if self.rank == 0:
+            try:
+                return self.module.get_parameter("lm_head.weight")
+            except AttributeError:
+                return None
+        return None
+
+    def record(self) -> None:
+        """Time each forward_one_chunk / backward_one_chunk (compute only, no comm waits)."""
+        self.spans = []
+        for name, tag in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+            original = getattr(self.stage, name)
+
+            def timed(*args, _original=original, _tag=tag, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    if self.spans is not None:
+                        self.spans.append((f"{self.rank}{_tag}", start, time.perf_counter()))
+
+            setattr(self.stage, name, timed)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.spans is not None:
+            self.spans.clear()
+        losses: list[torch.Tensor] = []
+        if self.stage.is_first:
+            self.schedule.step(x, return_outputs=False)
+        else:
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+        if self.tied.grad is None:
+            self.tied.grad = torch.zeros_like(self.tied)
+        dist.all_reduce(self.tied.grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        # This rank's share of the global loss (only the last stage has it).
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+
+class CommSpans:
+    """Wraps this runner's `communicator.recv` / `.send` to time each receive wait and send post.
+
+    Instance attributes shadow the methods on this one benchmark's communicator only."""
+
+    def __init__(self, communicator):
+        self.recvs: list[tuple[float, float]] = []
+        self.sends: list[tuple[float, float]] = []
+        recv, send = communicator.recv, communicator.send
+
+        def timed_recv(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return recv(*args, **kwargs)
+            finally:
+                self.recvs.append((start, time.perf_counter()))
+
+        def timed_send(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return send(*args, **kwargs)
+            finally:
+                self.sends.append((start, time.perf_counter()))
+
+        communicator.recv, communicator.send = timed_recv, timed_send
+
+    def clear(self) -> None:
+        self.recvs.clear()
+        self.sends.clear()
+
+
+def inside(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Total length of the spans that lie within [start, end]."""
+    return sum(e - s for s, e in spans if s >= start and e <= end)
+
+
+def sum_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tuple(tensor.tolist())
+
+
+def replay(schedule: Schedule, durations: dict[Action, float]) -> float:
+    """The makespan of `schedule` with each action's own duration and no communication time.
+
+    `simulate` with one cost per action instead of one per stage: the same rules (F(s, mb) after
+    F(s-1, mb); B(s, mb) after F(s, mb) and B(s+1, mb); each rank in its order)."""
+    end: dict[Action, float] = {}
+    clock = [0.0] * schedule.p
+    done = [0] * schedule.p
+    progress = True
+    while progress:
+        progress = False
+        for rank, row in enumerate(schedule.actions):
+            while done[rank] < len(row):
+                a = row[done[rank]]
+                if a.kind == "F":
+                    deps = [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+                else:
+                    deps = [Action(a.stage, "F", a.microbatch)]
+                    if a.stage < schedule.stages - 1:
+                        deps.append(Action(a.stage + 1, "B", a.microbatch))
+                if any(d not in end for d in deps):
+                    break
+                start = max([clock[rank], *(end[d] for d in deps)])
+                clock[rank] = end[a] = start + durations[a]
+                done[rank] += 1
+                progress = True
+    return max(clock)
+
+
+def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int) -> dict:
+    """Run `warmup + steps` fxpar steps recording timelines; the measured and simulated bubble.
+
+    Per action of `runner.timeline()`: span = end - start; recv = time blocked in receives
+    inside it; send = time posting isends inside it; compute = span - recv - send (the stage's
+    forward or backward and the executor's bookkeeping)."""
+    comm = CommSpans(runner.communicator)
+    runner.record_timeline = True
+    # On rank 0: per timed step, both ranks' [(action, start, end, recv, send, last recv end)].
+    per_step = []
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        comm.clear()
+        dist.barrier()
+        runner.step(*runner.local_batch(x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+        rows = [(a, s, e, inside(comm.recvs, s, e), inside(comm.sends, s, e),
+                 max((re for rs, re in comm.recvs if rs >= s and re <= e), default=None))
+                for a, s, e in runner.timeline()]
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        if i >= warmup:
+            per_step.append(gathered)
+    runner.record_timeline = False
+    if dist.get_rank() != 0:
+        return {}
+    schedule, stages = program.schedule, len(program.stages)
+    compute: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FB"}
+    raw: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FB"}
+    shares: dict[str, list[float]] = {k: [] for k in
+                                      ("idle_timeline", "idle_compute", "recv", "send")}
+    step_times, replay_bubbles, replay_times, step_idle, hops = [], [], [], [], []
+    for ranks in per_step:
+        begin = min(s for rows in ranks for _, s, *_ in rows)
+        T = max(e for rows in ranks for _, _, e, *_ in rows) - begin
+        step_times.append(T)
+        durations, compute_end, idle_this_step, busy_total = {}, {}, [], 0.0
+        for rows in ranks:
+            spans = sum(e - s for _, s, e, *_ in rows)
+            recv = sum(row[3] for row in rows)
+            send = sum(row[4] for row in rows)
+            busy = spans - recv - send
+            busy_total += busy
+            shares["idle_timeline"].append(1 - spans / T)
+            shares["idle_compute"].append(1 - busy / T)
+            shares["recv"].append(recv / T)
+            shares["send"].append(send / T)
+            idle_this_step.append(1 - busy / T)
+            for text, s, e, r, sd, _ in rows:
+                action = Action.parse(text)
+                compute_end[action] = e - sd
+                durations[action] = e - s - r - sd
+                compute[(action.stage, action.kind)].append(e - s - r - sd)
+                raw[(action.stage, action.kind)].append(e - s)
+        step_idle.append(statistics.fmean(idle_this_step))
+        # Transfer latency: from the producer's compute end (before its isend) to the end of
+        # the consumer's receive, for receives that waited (> 50 us) on a cross-rank input.
+        for rows in ranks:
+            for text, s, e, r, sd, received in rows:
+                action = Action.parse(text)
+                if received is None or r < 50e-6:
+                    continue
+                if action.kind == "F":
+                    producer = Action(action.stage - 1, "F", action.microbatch)
+                else:
+                    producer = Action(action.stage + 1, "B", action.microbatch)
+                if producer in compute_end:
+                    hops.append(received - compute_end[producer])
+        makespan = replay(schedule, durations)
+        replay_times.append(makespan)
+        replay_bubbles.append(1 - busy_total / (schedule.p * makespan))
+    med = statistics.median
+    f = [med(compute[(s, "F")]) for s in range(stages)]
+    b = [med(compute[(s, "B")]) for s in range(stages)]
+    f_raw = [med(raw[(s, "F")]) for s in range(stages)]
+    b_raw = [med(raw[(s, "B")]) for s in range(stages)]
+    simulated = simulate(schedule, f, b)
+    simulated_raw = simulate(schedule, f_raw, b_raw)
+    hop = med(hops) if hops else 0.0
+    simulated_comm = simulate(schedule, f, b, comm_cost=hop)
+    example = per_step[len(per_step) // 2]
+    origin = min(s for rows in example for _, s, *_ in rows)
+    mean = statistics.fmean
+    return {
+        "steps": len(per_step),
+        "step_ms": 1e3 * med(step_times),
+        "idle_timeline": mean(shares["idle_timeline"]),
+        "idle_compute": mean(shares["idle_compute"]),
+        "idle_compute_per_step": step_idle,
+        "recv_wait_share": mean(shares["recv"]),
+        "send_post_share": mean(shares["send"]),
+        "forward_ms": [1e3 * v for v in f],
+        "backward_ms": [1e3 * v for v in b],
+        "forward_raw_ms": [1e3 * v for v in f_raw],
+        "backward_raw_ms": [1e3 * v for v in b_raw],
+        "simulated_bubble": float(simulated.bubble_fraction),
+        "simulated_step_ms": 1e3 * float(simulated.total),
+        "simulated_bubble_raw": float(simulated_raw.bubble_fraction),
+        "hop_ms": 1e3 * hop,
+        "hops": len(hops),
+        "simulated_bubble_comm": float(simulated_comm.bubble_fraction),
+        "simulated_comm_step_ms": 1e3 * float(simulated_comm.total),
+        "replay_bubble": mean(replay_bubbles),
+        "replay_step_ms": 1e3 * med(replay_times),
+        "ideal_bubble": (schedule.p - 1) / (schedule.m + schedule.p - 1),
+        "example_timeline_ms": [
+            [(a, round(1e3 * (s - origin), 3), round(1e3 * (e - origin), 3), round(1e3 * r, 3),
+              round(1e3 * sd, 3))
+             for a, s, e, r, sd, _ in rows]
+            for rows in example
+        ],
+    }
+
+
+def torch_bubble(side: TorchPipeline, batches, steps: int, warmup: int) -> dict:
+    """The same compute-only idle fraction for torch: spans of forward/backward_one_chunk."""
+    side.record()
+    per_step = []
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        dist.barrier()
+        side.step(x, y)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(side.spans))
+        if i >= warmup:
+            per_step.append(gathered)
+    side.spans = None
+    if dist.get_rank() != 0:
+        return {}
+    idle, step_times = [], []
+    for ranks in per_step:
+        begin = min(s for rows in ranks for _, s, _ in rows)
+        end = max(e for rows in ranks for _, _, e in rows)
+        step_times.append(end - begin)
+        for rows in ranks:
+            idle.append(1 - sum(e - s for _, s, e in rows) / (end - begin))
+    return {"step_ms": 1e3 * statistics.median(step_times), "idle_compute": statistics.fmean(idle)}
+
+
+def p2p_latency(shape: tuple[int, ...], compute_ms: float, count: int = 40) -> dict[str, float]:
+    """Median ms from rank 0's isend of one boundary-sized tensor to the end of rank 1's
+    (already waiting) recv: with rank 0 idle after the isend, and with rank 0 computing
+    (matmuls) for `compute_ms` right after it, as a pipeline rank does with its next action."""
+    tensor = torch.randn(shape)
+    weight = torch.randn(shape[-1], 4 * shape[-1])
+    rows = tensor.reshape(-1, shape[-1])
+    result = {}
+    for mode in ("sender idle", "sender computes"):
+        latencies = []
+        for i in range(count):
+            dist.barrier()
+            if dist.get_rank() == 0:
+                time.sleep(0.002)  # rank 1 is waiting in recv by now
+                mark = time.perf_counter()
+                work = dist.isend(tensor, dst=1, tag=1_000_000 + i)
+                until = mark + compute_ms / 1e3
+                while mode == "sender computes" and time.perf_counter() < until:
+                    rows @ weight
+                work.wait()
+            else:
+                buffer = torch.empty(shape)
+                dist.recv(buffer, src=0, tag=1_000_000 + i)
+                mark = time.perf_counter()
+            marks: list = [None] * dist.get_world_size()
+            dist.all_gather_object(marks, mark)
+            latencies.append(marks[1] - marks[0])
+        result[mode] = 1e3 * statistics.median(latencies)
+    return result
+
+
+def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict, object]:
+    config = MODELS[name]
+    torch.manual_seed(args.seed)
+    model = GPT(config)
+    torch_model = GPTLogits(config)
+    torch_model.load_state_dict(copy.deepcopy(model.state_dict()))
+    batches = global_batches(config.vocab_size, args.warmup + args.steps, args.seed + 1)
+
+    plan = f"pp=2 mb={args.microbatches} schedule={schedule_name}"
+    program = fxpar.compile(model, plan, example_inputs=batches[0])
+    runner = program.bind(timeout=120)
+    fx_optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    cut = fxpar_cut(program)
+    torch_side = TorchPipeline(torch_model, cut, schedule_name, args.microbatches, batches[0][0])
+
+    def fxpar_step(i: int) -> float:
+        loss = runner.step(*runner.local_batch(*batches[i]))
+        fx_optimizer.step()
+        fx_optimizer.zero_grad()
+        return loss
+
+    def torch_step(i: int) -> torch.Tensor:
+        return torch_side.step(*batches[i])
+
+    runs = run_interleaved(
+        [Side("torch", torch_step), Side("fxpar", fxpar_step)],
+        warmup=args.warmup, steps=args.steps, block=args.block,
+    )
+    torch_losses = sum_over_ranks(runs["torch"].losses)
+    fx_losses = runs["fxpar"].losses
+    mismatch = first_mismatch(torch_losses, fx_losses, rel=LOSS_RELATIVE)
+    bubble = fxpar_bubble(runner, fx_optimizer, program, batches, args.bubble_steps, args.warmup)
+    torch_idle = torch_bubble(torch_side, batches, args.bubble_steps, args.warmup)
+    result = {
+        "model": name,
+        "schedule": schedule_name,
+        "microbatches": args.microbatches,
+        "config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
+        "parameters": program.captured.parameter_count(),
+        "cut": cut,
+        "grid": str(program.schedule),
+        "torch": runs["torch"].timing.to_dict(),
+        "fxpar": runs["fxpar"].timing.to_dict(),
+        "ratio": runs["fxpar"].timing.median / runs["torch"].timing.median,
+        "paired_ratio": paired_ratio(runs["torch"].timing, runs["fxpar"].timing),
+        "torch_cpu": runs["torch"].cpu.to_dict(),
+        "fxpar_cpu": runs["fxpar"].cpu.to_dict(),
+        "cpu_ratio": runs["fxpar"].cpu.median / runs["torch"].cpu.median,
+        "losses_match": mismatch is None,
+        "max_loss_relative_difference": max(
+            abs(a - b) / max(abs(a), abs(b)) for a, b in zip(torch_losses, fx_losses)
+        ),
+        "first_loss": fx_losses[0],
+        "last_loss": fx_losses[-1],
+        "bubble": bubble,
+        "torch_bubble": torch_idle,
+    }
+    if mismatch is not None and runner.is_main:
+        step, a, b = mismatch
+        print(f"ERROR {name} {schedule_name}: losses differ at step {step}: torch {a!r} vs "
+              f"fxpar {b!r} (> {LOSS_RELATIVE:g} relative); the comparison is void", flush=True)
+    return result, runner
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: one compute thread each
+    results, runner = [], None
+    for name in args.models:
+        for schedule_name in args.schedules:
+            result, runner = bench(name, schedule_name, args)
+            results.append(result)
+            if runner.is_main:
+                print(f"{name} {schedule_name}: torch {result['torch']['median_ms']:.1f} ms, "
+                      f"fxpar {result['fxpar']['median_ms']:.1f} ms, ratio "
+                      f"{result['ratio']:.3f}, losses match {result['losses_match']}",
+                      flush=True)
+            if not result["losses_match"]:
+                break
+        if results and not results[-1]["losses_match"]:
+            break
+    first = MODELS[args.models[0]]
+    shape = (GLOBAL_BATCH // args.microbatches, SEQ, first.n_embd)
+    latency = p2p_latency(shape, compute_ms=3.0)
+    is_main = runner.is_main
+    runner.close()
+    if is_main:
+        report(results, args, latency, shape)
+    return 0 if all(r["losses_match"] for r in results) else 1
+
+
+def report(results: list[dict], args: argparse.Namespace, latency: dict[str, float],
+           shape: tuple[int, ...]) -> None:
+    print()
+    print(f"fxpar pp=2 vs torch.distributed.pipelining, gloo on CPU, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread/rank, global batch {GLOBAL_BATCH}x{SEQ}, "
+          f"{args.microbatches} microbatches, median of {args.steps} steps after {args.warmup} "
+          f"warm-up (max over ranks), load average {os.getloadavg()[1]:.1f} (5 min)")
+    header = ["model", "schedule", "cut", "torch ms/step [p10-p90]", "fxpar ms/step [p10-p90]",
+              "fxpar/torch", "paired", "CPU ms torch/fxpar", "CPU ratio", "max loss rel diff"]
+    rows = []
+    for r in results:
+        t, fx = r["torch"], r["fxpar"]
+        rows.append([
+            f"{r['model']} ({r['config']['n_embd']} wide)", r["schedule"], r["cut"],
+            f"{t['median_ms']:.1f} [{t['p10_ms']:.1f}-{t['p90_ms']:.1f}]",
+            f"{fx['median_ms']:.1f} [{fx['p10_ms']:.1f}-{fx['p90_ms']:.1f}]",
+            f"{r['ratio']:.3f}", f"{r['paired_ratio']:.3f}",
+            f"{r['torch_cpu']['median_ms']:.1f}/{r['fxpar_cpu']['median_ms']:.1f}",
+            f"{r['cpu_ratio']:.3f}",
+            f"{r['max_loss_relative_difference']:.1e}",
+        ])
+    print(format_table(header, rows))
+    print("  paired: median over k of fxpar step k / torch step k; CPU: median main-thread CPU "
+          "time per step (time.thread_time, mean over ranks), which leaves out waiting; "
+          "CPU ratio: fxpar/torch of those")
+    print()
+    print(f"Measured bubble (fxpar, record_timeline, {args.bubble_steps} steps) against "
+          "simulate(program.schedule, F, B) with the measured median F and B of each stage")
+    header = ["model", "schedule", "F ms s0/s1", "B ms s0/s1", "step ms: measured/sim/replay",
+              "idle (timeline spans)", "idle (compute)", "simulated", "diff pp", "replay",
+              "= gaps + recv wait + send post", "torch idle (compute)"]
+    rows = []
+    for r in results:
+        b, tb = r["bubble"], r["torch_bubble"]
+        rows.append([
+            r["model"], r["schedule"],
+            "/".join(f"{v:.2f}" for v in b["forward_ms"]),
+            "/".join(f"{v:.2f}" for v in b["backward_ms"]),
+            f"{b['step_ms']:.1f}/{b['simulated_step_ms']:.1f}/{b['replay_step_ms']:.1f}",
+            f"{100 * b['idle_timeline']:.1f}%", f"{100 * b['idle_compute']:.1f}%",
+            f"{100 * b['simulated_bubble']:.1f}%",
+            f"{100 * (b['idle_compute'] - b['simulated_bubble']):+.1f}",
+            f"{100 * b['replay_bubble']:.1f}%",
+            f"{100 * b['idle_timeline']:.1f} + {100 * b['recv_wait_share']:.1f} + "
+            f"{100 * b['send_post_share']:.1f}",
+            f"{100 * tb['idle_compute']:.1f}%",
+        ])
+    print(format_table(header, rows))
+    print("  T (step): earliest action start to latest action end over both ranks. idle: "
+          "1 - busy / T, mean over ranks and steps. busy (timeline spans): sum of "
+          "runner.timeline() spans, which include each action's blocking receive; busy "
+          "(compute): spans minus receive waits and isend posts. F/B: median compute ms per "
+          "stage. simulated: simulate(schedule, F, B).bubble_fraction; diff pp: idle (compute) "
+          "- simulated. replay: the simulator's rules with every action's own measured "
+          "duration and no communication (what noise alone explains). torch idle: the same "
+          "compute measure from torch's forward_one_chunk/backward_one_chunk spans. Ideal "
+          "(p-1)/(m+p-1) = "
+          + ", ".join(sorted({f"{100 * r['bubble']['ideal_bubble']:.1f}%" for r in results})))
+    for r in results:
+        b = r["bubble"]
+        print(f"  {r['model']} {r['schedule']}: with raw spans (receive waits included) F ms "
+              f"{'/'.join(f'{v:.2f}' for v in b['forward_raw_ms'])}, B ms "
+              f"{'/'.join(f'{v:.2f}' for v in b['backward_raw_ms'])}, simulated "
+              f"{100 * b['simulated_bubble_raw']:.1f}%; median transfer latency "
+              f"{b['hop_ms']:.2f} ms over {b['hops']} waited receives -> simulated with "
+              f"comm_cost {100 * b['simulated_bubble_comm']:.1f}% "
+              f"({b['simulated_comm_step_ms']:.1f} ms); torch step (compute spans) "
+              f"{r['torch_bubble']['step_ms']:.1f} ms")
+    print(f"  gloo p2p latency of one {'x'.join(map(str, shape))} fp32 boundary tensor "
+          f"({4 * shape[0] * shape[1] * shape[2] / 1024:.0f} KiB) from isend to the end of a "
+          "waiting recv, median: " + ", ".join(f"{k} {v:.2f} ms" for k, v in latency.items())
+          + " (the sender computing for 3 ms right after isend)")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, gloo",
+            "load_average": os.getloadavg(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "p2p_latency_ms": latency,
+            "results": results,
+        }, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
