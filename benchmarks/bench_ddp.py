@@ -26,37 +26,28 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import fxpar
 from harness import (
+    GPT_SIZES, SEQ, write_json,
     Side, first_mismatch, format_table, mean_over_ranks, paired_ratio, run_interleaved,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT  # noqa: E402
 
 if TYPE_CHECKING:
     from fxpar.runtime.runner import Runner
 
-GLOBAL_BATCH, SEQ = 16, 64
-# name -> GPT config; "medium" is large enough (3.3M parameters, 12.7 MiB of fp32 gradients)
-# that the all-reduce is a visible part of the step on gloo.
-MODELS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=2, n_head=4, n_embd=64),
-    "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
-    "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
-}
+GLOBAL_BATCH = 16
+MODELS = GPT_SIZES
 OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-5
 
@@ -226,16 +217,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
           "when bucket_cap_mb is left at its default; here it is passed, so every DDP bucket "
           f"is capped at {args.bucket_mb:g} MiB, as fxpar's are.")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, gloo",
-            "load_average": os.getloadavg(),
-            "world_size": world,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "results": results,
-        }, indent=2))
+        write_json(args.json, args, results, world_size=world)
 
 
 if __name__ == "__main__":

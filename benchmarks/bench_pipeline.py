@@ -50,10 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -69,16 +66,15 @@ from torch.distributed.pipelining import (
 import fxpar
 from fxpar import meta
 from fxpar.schedules import Action, Schedule, simulate
-from harness import Side, first_mismatch, format_table, paired_ratio, run_interleaved
+from harness import (
+    GPT_SIZES, SEQ, Side, first_mismatch, format_table, paired_ratio, run_interleaved, write_json,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import GPT  # noqa: E402
 
-GLOBAL_BATCH, SEQ = 16, 64
-MODELS: dict[str, GPTConfig] = {
-    "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
-    "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
-}
+GLOBAL_BATCH = 16
+MODELS = GPT_SIZES
 TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-4
@@ -621,16 +617,7 @@ def report(results: list[dict], args: argparse.Namespace, latency: dict[str, flo
           "waiting recv, median: " + ", ".join(f"{k} {v:.2f} ms" for k, v in latency.items())
           + " (the sender computing for 3 ms right after isend)")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, gloo",
-            "load_average": os.getloadavg(),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "p2p_latency_ms": latency,
-            "results": results,
-        }, indent=2))
+        write_json(args.json, args, results, p2p_latency_ms=latency)
 
 
 if __name__ == "__main__":

@@ -45,12 +45,9 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import datetime
 import gc
 import io
-import json
 import os
-import platform
 import pstats
 import sys
 import time
@@ -69,21 +66,18 @@ from torch.distributed.tensor.placement_types import Replicate
 
 import fxpar
 from harness import (
+    GPT_SIZES, SEQ, write_json,
     Side, first_mismatch, format_table, paired_ratio, run_interleaved,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, CausalSelfAttention, GPTConfig  # noqa: E402
+from gpt import GPT, CausalSelfAttention  # noqa: E402
 
 if TYPE_CHECKING:
     from fxpar.runtime.runner import Runner
 
-BATCH, SEQ = 8, 64
-MODELS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=2, n_head=4, n_embd=64),
-    "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
-    "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
-}
+BATCH = 8
+MODELS = GPT_SIZES
 OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-4
 # Megatron's layout by hand, the same as the DTensor plan below.
@@ -506,16 +500,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
                 f"{s} " + ", ".join(f"{p} {v['wall_ms']:.1f}/{v['cpu_ms']:.1f}"
                                     for p, v in b[s].items()) for s in SIDES))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, gloo",
-            "load_average": os.getloadavg(),
-            "world_size": world,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "results": results,
-        }, indent=2))
+        write_json(args.json, args, results, world_size=world)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,45 @@ the training thread when wall-clock medians drown in noise. Gloo's own threads a
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPTConfig  # noqa: E402
+
+# The GPT sizes every side-by-side benchmark uses; "medium" (3.3M parameters, 12.7 MiB of fp32
+# gradients) is large enough that communication is a visible part of a step on gloo.
+SEQ = 64
+GPT_SIZES: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=2, n_head=4, n_embd=64),
+    "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
+    "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
+}
+
+
+def write_json(path: Path, args, results: list, **extra) -> None:
+    """Save a run: date, torch, machine, load, the arguments, the results and `extra` fields."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, gloo",
+        "load_average": os.getloadavg(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **extra,
+        "results": results,
+    }, indent=2))
 
 
 @dataclass(frozen=True)
