@@ -224,6 +224,45 @@ def describe_stages(stages: tuple[Stage, ...], schedule: Schedule, captured, cos
     return "\n".join(lines)
 
 
+def node_memory(captured, *, microbatch: int) -> callable:
+    """(model-state bytes, activation bytes) a compute node brings to its stage.
+
+    State: 16 bytes per parameter (fp32 weights, gradients and Adam's two moments), charged
+    to the parameter's first user. Activations: the node's output at one microbatch, a proxy
+    for what backward keeps (`cost.activations` has the exact whole-model figure).
+    """
+    sizes = {s: (microbatch if s.name == "batch" else v) for s, v in captured.example_sizes.items()}
+    first_users: dict[int, dict[fx.Node, float]] = {}  # per graph: node -> its parameters' bytes
+
+    def state_of(graph: fx.Graph) -> dict[fx.Node, float]:
+        if id(graph) not in first_users:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            state: dict[fx.Node, float] = {}
+            for node in meta.parameter_nodes(graph).values():
+                users = [u for u in node.users if u.op == "call_function"]
+                if users:
+                    first = min(users, key=order.__getitem__)
+                    state[first] = state.get(first, 0.0) + 16.0 * node.meta["val"].numel()
+            first_users[id(graph)] = state
+        return first_users[id(graph)]
+
+    def memory(node: fx.Node) -> tuple[float, float]:
+        value = node.meta.get("val")
+        activation = 0.0
+        if isinstance(value, torch.Tensor):
+            numel = sympy.Mul(*(captured.readable(d) for d in value.shape))
+            activation = float(numel.subs(sizes)) * value.dtype.itemsize
+        return state_of(node.graph).get(node, 0.0), activation
+
+    return memory
+
+
+def schedule_in_flight(schedule: Schedule) -> tuple[float, ...]:
+    """Microbatches of activations each stage holds at its peak under `schedule`."""
+    peaks = simulate(schedule, 1, 2).peak_in_flight
+    return tuple(peaks[schedule.rank_of(s)] / schedule.v for s in range(schedule.stages))
+
+
 def node_time(captured, hardware) -> callable:
     """Forward + backward time of a node at the example's sizes, for balancing stages."""
     from fxpar.cost.ops import cost_of

@@ -40,7 +40,9 @@ from fxpar.pipeline_program import (
     build_stages,
     check_pipeline,
     describe_stages,
+    node_memory,
     node_time,
+    schedule_in_flight,
     pipeline_collectives,
 )
 from fxpar.schedules import Schedule, schedule
@@ -101,7 +103,13 @@ def compile(
     stages_count = plan.pp * plan.virtual_stages
     if stages_count > 1:
         cost = node_time(captured, hardware_profile(hardware, measured=False))
-        passes.append(partial(assign_stages, stages=stages_count, split=plan.split, cost=cost))
+        microbatch = captured.example_batch // (plan.dp * plan.microbatches)
+        memory = node_memory(captured, microbatch=microbatch)
+        pipeline_schedule = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+        passes.append(partial(
+            assign_stages, stages=stages_count, split=plan.split, cost=cost, memory=memory,
+            in_flight=schedule_in_flight(pipeline_schedule),
+        ))
     else:
         passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
     graph_module = run_passes(captured.graph_module, passes)

@@ -65,12 +65,21 @@ def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def assign_stages(
-    gm: fx.GraphModule, *, stages: int, split: tuple[str, ...] = (), cost=None
+    gm: fx.GraphModule,
+    *,
+    stages: int,
+    split: tuple[str, ...] = (),
+    cost=None,
+    memory=None,
+    in_flight: tuple[float, ...] = (),
 ) -> fx.GraphModule:
     """Annotate each compute node with its stage (see module doc).
 
     Requires: `fxpar.module_path` on nodes; `cost(node) -> float`, a node's forward+backward
-    time (any unit). Ensures: `fxpar.stage` on every compute node, non-decreasing in graph
+    time (any unit); optionally `memory(node) -> (state bytes, activation bytes)` and
+    `in_flight[s]`, the microbatches stage s keeps activations for under the schedule (1F1B's
+    first stage holds p of them, GPipe's every stage m). The cut then minimises the worst
+    stage over both time and peak memory, each as a share of its total. Ensures: `fxpar.stage` on every compute node, non-decreasing in graph
     order, every stage non-empty; `gm.meta["fxpar.stages"] = stages`.
     """
     nodes = _compute_nodes(gm.graph)
@@ -90,7 +99,8 @@ def assign_stages(
                 value=stages,
             )
         weights = [float(cost(n)) if cost else 1.0 for n in nodes]
-        cuts = _balanced_cuts(weights, candidates, stages)
+        held = [memory(n) if memory else (0.0, 0.0) for n in nodes]
+        cuts = _balanced_cuts(weights, candidates, stages, held, in_flight or (1.0,) * stages)
     stage = 0
     boundaries = set(cuts)
     for i, node in enumerate(nodes):
@@ -121,11 +131,36 @@ def _crossing_counts(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list
     return counts
 
 
-def _balanced_cuts(weights: list[float], candidates: list[int], stages: int) -> list[int]:
-    """Cut positions (among candidates) minimising the heaviest stage: a small DP."""
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+def _balanced_cuts(
+    weights: list[float],
+    candidates: list[int],
+    stages: int,
+    held: list[tuple[float, float]],
+    in_flight: tuple[float, ...],
+) -> list[int]:
+    """Cut positions (among candidates) minimising the heaviest stage: a small DP.
+
+    A stage's load is the larger of its share of the total time and its share of the total
+    peak memory (state plus activations times the microbatches it keeps in flight).
+    """
+    def prefix_sums(values):
+        sums = [0.0]
+        for v in values:
+            sums.append(sums[-1] + v)
+        return sums
+
+    time_prefix = prefix_sums(weights)
+    state_prefix = prefix_sums([h[0] for h in held])
+    activation_prefix = prefix_sums([h[1] for h in held])
+    total_time = time_prefix[-1] or 1.0
+    total_memory = state_prefix[-1] + activation_prefix[-1] * max(in_flight) or 1.0
+
+    def load(first: int, last: int, stage: int) -> float:  # nodes first..last inclusive
+        seconds = (time_prefix[last + 1] - time_prefix[first]) / total_time
+        state = state_prefix[last + 1] - state_prefix[first]
+        activations = activation_prefix[last + 1] - activation_prefix[first]
+        return max(seconds, (state + activations * in_flight[stage]) / total_memory)
+
     n = len(weights)
     points = [-1] + candidates
     # best[k][j]: the smallest max-stage weight covering nodes 0..points[j] with k cuts used.
@@ -134,14 +169,14 @@ def _balanced_cuts(weights: list[float], candidates: list[int], stages: int) -> 
     for k in range(1, stages):
         for j in range(1, len(points)):
             options = [
-                (max(best[(k - 1, i)], prefix[points[j] + 1] - prefix[points[i] + 1]), i)
+                (max(best[(k - 1, i)], load(points[i] + 1, points[j], k - 1)), i)
                 for i in range(j)
                 if (k - 1, i) in best
             ]
             if options:
                 best[(k, j)], choice[(k, j)] = min(options)
     final = [
-        (max(best[(stages - 1, j)], prefix[n] - prefix[points[j] + 1]), j)
+        (max(best[(stages - 1, j)], load(points[j] + 1, n - 1, stages - 1)), j)
         for j in range(1, len(points))
         if (stages - 1, j) in best
     ]

@@ -79,18 +79,32 @@ class Communicator:
         work = dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
 
-    def send(self, tensor: torch.Tensor, rank: int, peer: int, *, tag: str, phase: str, key: int) -> PendingCollective:
-        """Start sending `tensor` to global rank `peer`; wait on the result before reusing it."""
-        pair = RankGroup(axis=None, ranks=tuple(sorted((rank, peer))), handle=None, rank=rank)
-        call = self._record("send", tensor, pair, tag, op="none", phase=phase)
-        work = dist.isend(tensor.contiguous(), dst=peer, tag=key)
-        return PendingCollective(work, call, pair, self.timeout)
+    def send_all(
+        self, tensors: list[torch.Tensor], rank: int, peer: int, *, tag: str, phase: str, key: int
+    ) -> list[PendingCollective]:
+        """Start sending `tensors` to global rank `peer` as one batch; wait before reusing them.
 
-    def recv(self, tensor: torch.Tensor, rank: int, peer: int, *, tag: str, phase: str, key: int) -> None:
-        """Receive into `tensor` from global rank `peer`, and wait."""
+        `torch.distributed.batch_isend_irecv` lets NCCL coalesce the transfers of one pipeline
+        action into one launch; each tensor has its own tag (`key` x 16 + its index).
+        """
+        return self._point_to_point(dist.isend, "send", tensors, rank, peer, tag, phase, key)
+
+    def recv_all(
+        self, buffers: list[torch.Tensor], rank: int, peer: int, *, tag: str, phase: str, key: int
+    ) -> None:
+        """Receive into `buffers` from global rank `peer` as one batch, and wait."""
+        for pending in self._point_to_point(dist.irecv, "recv", buffers, rank, peer, tag, phase, key):
+            pending.wait()
+
+    def _point_to_point(self, op, kind, tensors, rank, peer, tag, phase, key) -> list[PendingCollective]:
+        if not tensors:
+            return []
         pair = RankGroup(axis=None, ranks=tuple(sorted((rank, peer))), handle=None, rank=rank)
-        call = self._record("recv", tensor, pair, tag, op="none", phase=phase)
-        PendingCollective(dist.irecv(tensor, src=peer, tag=key), call, pair, self.timeout).wait()
+        calls = [self._record(kind, t, pair, tag, op="none", phase=phase) for t in tensors]
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(op, t, peer, tag=key * 16 + i) for i, t in enumerate(tensors)]
+        )
+        return [PendingCollective(w, c, pair, self.timeout) for w, c in zip(works, calls)]
 
     def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
         """Broadcast `tensor` in place from the group's first rank, and wait for it."""

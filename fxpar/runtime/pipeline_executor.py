@@ -11,8 +11,8 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
 
 Sends are asynchronous (waited on at the end of the step) and receives block, so a rank never
 waits on a peer that waits on it, for any schedule the simulator accepts. Point-to-point
-transfers go through `torch.distributed` (`isend` / `irecv` with a tag per stage, microbatch
-and direction).
+transfers go through `torch.distributed.batch_isend_irecv`, one batch per action and peer,
+with a tag per stage, microbatch, direction and tensor.
 
 Why fxpar's own executor and not `torch.distributed.pipelining`'s: fxpar already has stage
 GraphModules with boundary shapes known symbolically, tensor-parallel collectives inside the
@@ -96,13 +96,16 @@ class PipelineExecutor:
             mb = action.microbatch
             module = self._module(stage.index)
             if action.kind == "F":
-                received = []
-                for boundary in stage.inputs:
-                    shape = self._shape(boundary, sizes, size_key)
-                    buffer = torch.empty(shape, dtype=boundary.dtype, device=runner.device)
-                    communicator.recv(buffer, rank, self._peer(stage.index - 1), tag=f"stage {stage.index} activations",
-                                      phase="forward", key=self._key(stage.index, mb, False))
-                    received.append(buffer.requires_grad_(boundary.requires_grad))
+                received = [
+                    torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device)
+                    for b in stage.inputs
+                ]
+                if received:
+                    communicator.recv_all(received, rank, self._peer(stage.index - 1),
+                                          tag=f"stage {stage.index} activations", phase="forward",
+                                          key=self._key(stage.index, mb, False))
+                for boundary, buffer in zip(stage.inputs, received):
+                    buffer.requires_grad_(boundary.requires_grad)
                 start = time.perf_counter()  # the timeline shows compute, not waiting for peers
                 user = dict(zip(names, chunks[mb]))
                 result = module(*received, *(user[n] for n in stage.user_inputs))
@@ -113,10 +116,9 @@ class PipelineExecutor:
                     outputs[(stage.index, mb)] = (loss,)
                 else:
                     outputs[(stage.index, mb)] = result
-                    for value in result:
-                        pending.append(communicator.send(value.detach(), rank, self._peer(stage.index + 1),
-                                                         tag=f"stage {stage.index + 1} activations", phase="forward",
-                                                         key=self._key(stage.index + 1, mb, False)))
+                    pending += communicator.send_all([v.detach() for v in result], rank, self._peer(stage.index + 1),
+                                                     tag=f"stage {stage.index + 1} activations", phase="forward",
+                                                     key=self._key(stage.index + 1, mb, False))
             else:
                 remaining_backwards[stage.index] -= 1
                 final = remaining_backwards[stage.index] == 0
@@ -128,25 +130,24 @@ class PipelineExecutor:
                     start = time.perf_counter()
                     torch.autograd.backward(produced[0])
                 else:
-                    grads = []
-                    for boundary, value in zip(stage.outputs, produced):
-                        if not boundary.requires_grad:
-                            continue
-                        shape = self._shape(boundary, sizes, size_key)
-                        buffer = torch.empty(shape, dtype=boundary.dtype, device=runner.device)
-                        communicator.recv(buffer, rank, self._peer(stage.index + 1), tag=f"stage {stage.index} gradients",
-                                          phase="backward", key=self._key(stage.index, mb, True))
-                        grads.append((value, buffer))
+                    grads = [
+                        (value, torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device))
+                        for b, value in zip(stage.outputs, produced) if b.requires_grad
+                    ]
+                    communicator.recv_all([g for _, g in grads], rank, self._peer(stage.index + 1),
+                                          tag=f"stage {stage.index} gradients", phase="backward",
+                                          key=self._key(stage.index, mb, True))
                     start = time.perf_counter()
                     torch.autograd.backward([v for v, _ in grads], [g for _, g in grads])
                 received = inputs.pop((stage.index, mb))
                 if stage.index > 0:
-                    for boundary, value in zip(stage.inputs, received):
-                        if boundary.requires_grad:
-                            grad = value.grad if value.grad is not None else torch.zeros_like(value)
-                            pending.append(communicator.send(grad, rank, self._peer(stage.index - 1),
-                                                             tag=f"stage {stage.index - 1} gradients", phase="backward",
-                                                             key=self._key(stage.index - 1, mb, True)))
+                    grads_back = [
+                        value.grad if value.grad is not None else torch.zeros_like(value)
+                        for boundary, value in zip(stage.inputs, received) if boundary.requires_grad
+                    ]
+                    pending += communicator.send_all(grads_back, rank, self._peer(stage.index - 1),
+                                                     tag=f"stage {stage.index - 1} gradients", phase="backward",
+                                                     key=self._key(stage.index - 1, mb, True))
             if runner.record_timeline:
                 self.timeline.append((str(action), start, time.perf_counter()))
         for send in pending:

@@ -82,3 +82,21 @@ def test_rank_modules_of_a_pipeline_are_its_stages():
     assert program.rank_module(3).meta["fxpar.stage"] == 1
     kinds = {c.kind for c in program.collectives(1)}
     assert {"send", "recv", "all_reduce"} <= kinds
+
+
+def test_a_stage_holding_more_microbatches_gets_fewer_layers():
+    """1F1B's first stage keeps p microbatches of activations: memory balance moves its cut."""
+    from fxpar.passes.infra import copy_graph_module
+    from fxpar.passes.pipeline import STAGE, assign_stages
+    from fxpar.trace import capture
+
+    graph = capture(build_model("gpt"), (TOKENS, LABELS)).graph_module
+
+    def first_stage_size(in_flight):
+        gm = assign_stages(
+            copy_graph_module(graph), stages=2, cost=lambda node: 0.0,
+            memory=lambda node: (0.0, 1.0), in_flight=in_flight,
+        )
+        return sum(1 for n in gm.graph.nodes if n.meta.get(STAGE) == 0)
+
+    assert first_stage_size((8.0, 1.0)) < first_stage_size((1.0, 1.0))
