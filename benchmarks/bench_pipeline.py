@@ -28,9 +28,9 @@ Two measurements per GPT size and schedule (1F1B and GPipe, 8 microbatches by de
    go to rank 0 (`dist.all_gather_object`). A step's time T runs from the earliest action start
    to the latest action end over both ranks; a rank's idle fraction is 1 - busy / T, averaged
    over ranks and steps. fxpar's timeline spans include the *blocking receive* at the start of
-   each action (fxpar/runtime/pipeline_executor.py takes `start` before `communicator.recv`),
+   each action (before the timeline fix, fxpar/runtime/pipeline_executor.py took `start` before its receives),
    so a rank waiting for its peer looks busy. The script therefore also wraps this runner's
-   `communicator.recv` and `.send` (instance attributes; fxpar is not changed) to time each
+   `communicator.recv_all` and `.send_all` (instance attributes; fxpar is not changed) to time each
    receive wait and each isend post, and reports two idle fractions:
 
        "timeline spans"  busy = sum of the action spans, as `runner.timeline()` gives them
@@ -212,14 +212,15 @@ class TorchPipeline:
 
 
 class CommSpans:
-    """Wraps this runner's `communicator.recv` / `.send` to time each receive wait and send post.
+    """Wraps this runner's `communicator.recv_all` / `.send_all` to time each receive wait and
+    send post.
 
     Instance attributes shadow the methods on this one benchmark's communicator only."""
 
     def __init__(self, communicator):
         self.recvs: list[tuple[float, float]] = []
         self.sends: list[tuple[float, float]] = []
-        recv, send = communicator.recv, communicator.send
+        recv, send = communicator.recv_all, communicator.send_all
 
         def timed_recv(*args, **kwargs):
             start = time.perf_counter()
@@ -235,7 +236,7 @@ class CommSpans:
             finally:
                 self.sends.append((start, time.perf_counter()))
 
-        communicator.recv, communicator.send = timed_recv, timed_send
+        communicator.recv_all, communicator.send_all = timed_recv, timed_send
 
     def clear(self) -> None:
         self.recvs.clear()
