@@ -58,7 +58,7 @@ def _linear(inputs: list[Shape], out: Shape, args) -> tuple:
 
 
 def _mm(inputs, out, args) -> tuple:
-    a, b = inputs[-2], inputs[-1]
+    a = inputs[-2]  # (..., m, k) @ (..., k, n): 2 m n k per output batch
     extra = _numel(out) if len(inputs) == 3 else 0  # addmm / baddbmm add their input
     return 2 * _numel(out) * a[-1], extra
 

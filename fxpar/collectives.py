@@ -173,9 +173,11 @@ def tensor_parallel_collectives(
         source = node.args[0] if node.args else None
         if node.target is ops.vocab_parallel_cross_entropy:
             rows = _numel(source, sizes) // _numel_of_last(source, sizes)
-            for op, tag in (("max", "vocab-parallel max"), ("sum", "vocab-parallel target logit"),
-                            ("sum", "vocab-parallel sum of exponentials")):
-                forward.append(Collective(kind="all_reduce", group=group, numel=rows,
+            for op, numel, tag in (
+                ("max", rows, "vocab-parallel max"),
+                ("sum", 2 * rows, "vocab-parallel target logit and sum of exponentials"),
+            ):
+                forward.append(Collective(kind="all_reduce", group=group, numel=numel,
                                           dtype=source.meta["val"].dtype, op=op, tag=tag, phase="forward"))
             continue
         if node.target not in _TP_CALLS:

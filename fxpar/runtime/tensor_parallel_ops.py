@@ -163,8 +163,8 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross entropy over vocabulary-sharded logits without gathering them (Megatron-LM).
 
-    Three all-reduces of one number per token: the max logit (for stability), the target
-    logit, and the sum of exponentials.
+    Two all-reduces: the max logit per token (for stability), then the target logit and the
+    sum of exponentials per token together.
     """
 
     @staticmethod
@@ -176,9 +176,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < start) | (target >= start + vocab)
         local_target = (target - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        picked = _reduce(picked, group, "vocab-parallel target logit", phase="forward")
         exp = shifted.exp()
-        sum_exp = _reduce(exp.sum(dim=-1), group, "vocab-parallel sum of exponentials", phase="forward")
+        # Both sums depend only on the max: one all-reduce carries the two of them.
+        both = _reduce(torch.stack([picked, exp.sum(dim=-1)]), group,
+                       "vocab-parallel target logit and sum of exponentials", phase="forward")
+        picked, sum_exp = both[0], both[1]
         loss = sum_exp.log() - picked
         valid = target != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
