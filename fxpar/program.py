@@ -5,6 +5,11 @@ plan and mesh. Everything on it is pure: `rank_module(517)` of a 1024-rank plan 
 code rank 517 will run on a laptop, `collectives(r)` lists what rank r will communicate in
 one step and `check()` proves that all ranks agree. Only `bind()` touches the environment.
 
+Passes run in one order, each reason written where it runs ([Note: pass order]): tensor
+parallelism rewrites the graph for local shards, then either gradient buckets are assigned or,
+with a pipeline, the graph is cut into `program.stages` (each with its own buckets), which
+`program.schedule` orders.
+
     program = fxpar.compile(model, "dp=2", example_inputs=(tokens, labels))
     print(program.rank_module(1).code)
     program.check()
