@@ -30,8 +30,9 @@ Time model, per rank:
   phase's compute, so what is exposed is the larger of the last call and the part that
   outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
   around the optimizer step are fully exposed;
-* bubble: with a pipeline, the schedule simulated with each stage's predicted times
-  (`fxpar.schedules.simulate`); the rank's idle time in it.
+* bubble: with a pipeline, the schedule simulated with each stage's predicted times and one
+  boundary transfer between dependent actions on different ranks (`fxpar.schedules.simulate`);
+  the rank's idle time in it.
 
 Per rank: tensor parallelism divides the work of sharded ops and the parameters it splits,
 a pipeline gives each rank its stages and the activations of the microbatches it keeps in
@@ -299,10 +300,18 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         # The schedule's idle time, from the simulator with this size's stage times (GPipe
         # Sec. 2.3; Narayanan et al. 2021 Sec. 2.2): the bubble term is a simulation, not a
         # closed form, so uneven stages and interleaving are priced as they run.
+        # A transfer between stages sits on the critical path: the simulator adds one boundary
+        # send (alpha-beta, the largest boundary of a microbatch) between dependent actions.
         m = plan.microbatches
         f = [float(timed[id(p)][0].subs(numbers)) / m for p in all_shares]
         b = [float(timed[id(p)][1].subs(numbers)) / m for p in all_shares]
-        run = simulate(pipeline, f, b)
+        transfers = [c for c in program.collectives(rank) if c.kind == "send"]
+        hop = max(
+            (float(collective_time("send", c.payload_bytes * narrow, 2, device.link(c.group)))
+             for c in transfers),
+            default=0.0,
+        )
+        run = simulate(pipeline, f, b, comm_cost=hop)
         formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
 
     comm: dict[str, dict[str, float]] = {}
