@@ -14,9 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parent))
-from test_data_parallel_equivalence import assert_equivalent  # noqa: E402
-from test_tensor_parallel_equivalence import assert_collectives_as_predicted  # noqa: E402
-from tiny_training import train_single_device  # noqa: E402
+from test_tensor_parallel_equivalence import train_and_compare  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -24,20 +22,10 @@ pytestmark = pytest.mark.multirank
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_pp2_every_schedule_matches_single_device(torchrun, model):
     plans = ["pp=2 mb=4", "pp=2 mb=8 schedule=gpipe", "pp=2 mb=4 schedule=interleaved virtual_stages=2"]
-    ranks = torchrun("train_worker.py", 2, *plans, env={"FXPAR_TEST_MODEL": model})
-    reference = train_single_device(model)
-    for plan in plans:
-        for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
-            assert_collectives_as_predicted(results[plan])
+    train_and_compare(torchrun, 2, plans, model)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_pp4_and_pipelines_with_dp_and_tp_match_single_device(torchrun, model):
     plans = ["pp=4 mb=8", "pp=4 mb=4 schedule=gpipe", "dp=2 pp=2 mb=4", "pp=2 tp=2 mb=4"]
-    ranks = torchrun("train_worker.py", 4, *plans, env={"FXPAR_TEST_MODEL": model})
-    reference = train_single_device(model)
-    for plan in plans:
-        for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
-            assert_collectives_as_predicted(results[plan])
+    train_and_compare(torchrun, 4, plans, model)

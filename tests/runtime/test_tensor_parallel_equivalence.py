@@ -39,15 +39,21 @@ def assert_collectives_as_predicted(result: dict) -> None:
             assert (entry["count"], entry["payload_bytes"]) == (stats[kind]["count"], stats[kind]["bytes"])
 
 
-@pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
-def test_tp2_matches_single_device(torchrun, model):
-    plans = ["tp=2", "tp=2 sp=true"] + ([MEGATRON, MEGATRON_SP] if model == "gpt" else [])
-    ranks = torchrun("train_worker.py", 2, *plans, env={"FXPAR_TEST_MODEL": model})
+def train_and_compare(torchrun, nproc: int, plans: list[str], model: str) -> list[dict]:
+    """Train `model` under each plan on `nproc` ranks; hold every rank to the single device."""
+    ranks = torchrun("train_worker.py", nproc, *plans, env={"FXPAR_TEST_MODEL": model})
     reference = train_single_device(model)
     for plan in plans:
         for results in ranks:
             assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
             assert_collectives_as_predicted(results[plan])
+    return ranks
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
+def test_tp2_matches_single_device(torchrun, model):
+    plans = ["tp=2", "tp=2 sp=true"] + ([MEGATRON, MEGATRON_SP] if model == "gpt" else [])
+    ranks = train_and_compare(torchrun, 2, plans, model)
     if model == "gpt":
         layers = CONFIG.n_layer
         kinds = lambda plan: Counter(  # noqa: E731
@@ -68,10 +74,4 @@ def test_tp2_matches_single_device(torchrun, model):
 
 @pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
 def test_tp4_and_dp2_tp2_match_single_device(torchrun, model):
-    plans = ["tp=4", "dp=2 tp=2 mb=2", "dp=2 tp=2 sp=true"]
-    ranks = torchrun("train_worker.py", 4, *plans, env={"FXPAR_TEST_MODEL": model})
-    reference = train_single_device(model)
-    for plan in plans:
-        for results in ranks:
-            assert_equivalent(results[plan], reference, tied=model != "llama", model=model)
-            assert_collectives_as_predicted(results[plan])
+    train_and_compare(torchrun, 4, ["tp=4", "dp=2 tp=2 mb=2", "dp=2 tp=2 sp=true"], model)
