@@ -36,8 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fxpar
 from harness import (
-    GPT_SIZES, SEQ, write_json,
-    Side, first_mismatch, format_table, mean_over_ranks, paired_ratio, run_interleaved,
+    GPT_SIZES, SEQ, comparison, write_json,
+    Side, first_mismatch, format_table, mean_over_ranks, run_interleaved,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -138,19 +138,7 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
         "fxpar_bucket_bytes": [b.nbytes for b in program.buckets],
         "fxpar_all_reduces_per_step": fx_calls["count"] / steps_run,
         "ddp_bucket_bytes": ddp_bucket_bytes(ddp),
-        "ddp": runs["ddp"].timing.to_dict(),
-        "fxpar": runs["fxpar"].timing.to_dict(),
-        "ratio": runs["fxpar"].timing.median / runs["ddp"].timing.median,
-        "paired_ratio": paired_ratio(runs["ddp"].timing, runs["fxpar"].timing),
-        "ddp_cpu": runs["ddp"].cpu.to_dict(),
-        "fxpar_cpu": runs["fxpar"].cpu.to_dict(),
-        "cpu_ratio": runs["fxpar"].cpu.median / runs["ddp"].cpu.median,
-        "losses_match": mismatch is None,
-        "max_loss_relative_difference": max(
-            abs(a - b) / max(abs(a), abs(b)) for a, b in zip(ddp_losses, fx_losses)
-        ),
-        "first_loss": fx_losses[0],
-        "last_loss": fx_losses[-1],
+        **comparison(runs, "ddp", ddp_losses, fx_losses, mismatch),
     }
     if mismatch is not None and runner.is_main:
         step, a, b = mismatch

@@ -66,7 +66,7 @@ import fxpar
 from fxpar import meta
 from bubble import fxpar_bubble, p2p_latency, sum_over_ranks, torch_bubble
 from harness import (
-    GPT_SIZES, SEQ, Side, first_mismatch, format_table, paired_ratio, run_interleaved, write_json,
+    GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, run_interleaved, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -251,19 +251,7 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
         "parameters": program.captured.parameter_count(),
         "cut": cut,
         "grid": str(program.schedule),
-        "torch": runs["torch"].timing.to_dict(),
-        "fxpar": runs["fxpar"].timing.to_dict(),
-        "ratio": runs["fxpar"].timing.median / runs["torch"].timing.median,
-        "paired_ratio": paired_ratio(runs["torch"].timing, runs["fxpar"].timing),
-        "torch_cpu": runs["torch"].cpu.to_dict(),
-        "fxpar_cpu": runs["fxpar"].cpu.to_dict(),
-        "cpu_ratio": runs["fxpar"].cpu.median / runs["torch"].cpu.median,
-        "losses_match": mismatch is None,
-        "max_loss_relative_difference": max(
-            abs(a - b) / max(abs(a), abs(b)) for a, b in zip(torch_losses, fx_losses)
-        ),
-        "first_loss": fx_losses[0],
-        "last_loss": fx_losses[-1],
+        **comparison(runs, "torch", torch_losses, fx_losses, mismatch),
         "bubble": bubble,
         "torch_bubble": torch_idle,
     }

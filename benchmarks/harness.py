@@ -193,3 +193,25 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def comparison(runs: dict, native: str, native_losses: list[float], fx_losses: list[float],
+               mismatch) -> dict:
+    """The fields every side-by-side result reports: both sides' timings, the ratios, and
+    whether (and how closely) the two sides trained alike."""
+    fx, other = runs["fxpar"], runs[native]
+    return {
+        native: other.timing.to_dict(),
+        "fxpar": fx.timing.to_dict(),
+        "ratio": fx.timing.median / other.timing.median,
+        "paired_ratio": paired_ratio(other.timing, fx.timing),
+        f"{native}_cpu": other.cpu.to_dict(),
+        "fxpar_cpu": fx.cpu.to_dict(),
+        "cpu_ratio": fx.cpu.median / other.cpu.median,
+        "losses_match": mismatch is None,
+        "max_loss_relative_difference": max(
+            abs(a - b) / max(abs(a), abs(b)) for a, b in zip(native_losses, fx_losses)
+        ),
+        "first_loss": fx_losses[0],
+        "last_loss": fx_losses[-1],
+    }
