@@ -91,10 +91,13 @@ class Communicator:
 
     def recv_all(
         self, buffers: list[torch.Tensor], rank: int, peer: int, *, tag: str, phase: str, key: int
-    ) -> None:
-        """Receive into `buffers` from global rank `peer` as one batch, and wait."""
-        for pending in self._point_to_point(dist.irecv, "recv", buffers, rank, peer, tag, phase, key):
-            pending.wait()
+    ) -> list[PendingCollective]:
+        """Start receiving into `buffers` from global rank `peer` as one batch; wait before reading.
+
+        Posting a receive before the peer's send lets the data move as soon as it is sent (the
+        pipeline executor posts one action ahead: `pipeline_program.RECEIVES_AHEAD`).
+        """
+        return self._point_to_point(dist.irecv, "recv", buffers, rank, peer, tag, phase, key)
 
     def _point_to_point(self, op, kind, tensors, rank, peer, tag, phase, key) -> list[PendingCollective]:
         if not tensors:

@@ -9,10 +9,12 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
     B(s, mb)  receive the gradients of stage s's outputs, run backward through the stage,
               send the gradients of its inputs back.
 
-Sends are asynchronous (waited on at the end of the step) and receives block, so a rank never
-waits on a peer that waits on it, for any schedule the simulator accepts. Point-to-point
-transfers go through `torch.distributed.batch_isend_irecv`, one batch per action and peer,
-with a tag per stage, microbatch, direction and tensor.
+Receives are posted one action ahead and waited for when their action runs
+(`pipeline_program.issue_order`, the same order `Program.collectives` predicts); sends are
+waited for at the end of the step. A rank only ever blocks on the receives of the action it
+runs next, so it never waits on a peer that waits on it, for any schedule the simulator
+accepts. Point-to-point transfers go through `torch.distributed.batch_isend_irecv`, one batch
+per action and peer, with a tag per stage, microbatch, direction and tensor.
 
 Why fxpar's own executor and not `torch.distributed.pipelining`'s: fxpar already has stage
 GraphModules with boundary shapes known symbolically, tensor-parallel collectives inside the
@@ -30,10 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpar.mesh import Axis
-from fxpar.pipeline_program import local_shape
+from fxpar.pipeline_program import issue_order, local_shape
 
 if TYPE_CHECKING:
     from fxpar.program import Program
+    from fxpar.runtime.communicator import PendingCollective
     from fxpar.runtime.runner import Runner
 
 
@@ -78,6 +81,28 @@ class PipelineExecutor:
     def _key(self, stage: int, microbatch: int, backward: bool) -> int:
         return (stage * self.schedule.m + microbatch) * 2 + int(backward)
 
+    def _post_receives(self, action, sizes: dict, size_key: tuple) -> tuple[list[torch.Tensor], list[PendingCollective]]:
+        """Buffers for what `action` receives, and the pending receives filling them."""
+        stage, runner = self.program.stages[action.stage], self.runner
+        last = len(self.program.stages) - 1
+        if action.kind == "F" and stage.index > 0:
+            boundaries, source = stage.inputs, stage.index - 1
+            tag, phase = f"stage {stage.index} activations", "forward"
+        elif action.kind == "B" and stage.index < last:
+            boundaries, source = [b for b in stage.outputs if b.requires_grad], stage.index + 1
+            tag, phase = f"stage {stage.index} gradients", "backward"
+        else:
+            return [], []
+        buffers = [
+            torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device)
+            for b in boundaries
+        ]
+        pending = runner.communicator.recv_all(
+            buffers, runner.rank, self._peer(source), tag=tag, phase=phase,
+            key=self._key(stage.index, action.microbatch, action.kind == "B"),
+        )
+        return buffers, pending
+
     def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
         runner, program = self.runner, self.program
         stages, last = program.stages, len(program.stages) - 1
@@ -86,27 +111,27 @@ class PipelineExecutor:
         microbatches = len(chunks)
         inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        receiving: dict[int, tuple[list[torch.Tensor], list[PendingCollective]]] = {}
         total = torch.zeros((), device=runner.device)
         pending = []
         remaining_backwards = {s.index: microbatches for s in stages if self.schedule.rank_of(s.index) == self.coord.pp}
         communicator, rank = runner.communicator, runner.rank
         self.timeline = []
-        for action in self.actions:
+        for event, index in issue_order(len(self.actions)):
+            action = self.actions[index]
+            if event == "receive":
+                receiving[index] = self._post_receives(action, sizes, size_key)
+                continue
             stage = stages[action.stage]
             mb = action.microbatch
             module = self._module(stage.index)
+            received, transfers = receiving.pop(index)
+            for transfer in transfers:
+                transfer.wait()
+            start = time.perf_counter()  # the timeline shows compute, not waiting for peers
             if action.kind == "F":
-                received = [
-                    torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device)
-                    for b in stage.inputs
-                ]
-                if received:
-                    communicator.recv_all(received, rank, self._peer(stage.index - 1),
-                                          tag=f"stage {stage.index} activations", phase="forward",
-                                          key=self._key(stage.index, mb, False))
                 for boundary, buffer in zip(stage.inputs, received):
                     buffer.requires_grad_(boundary.requires_grad)
-                start = time.perf_counter()  # the timeline shows compute, not waiting for peers
                 user = dict(zip(names, chunks[mb]))
                 result = module(*received, *(user[n] for n in stage.user_inputs))
                 inputs[(stage.index, mb)] = received
@@ -127,23 +152,15 @@ class PipelineExecutor:
                         buckets.start_backward(synchronize=final)
                 produced = outputs.pop((stage.index, mb))
                 if stage.index == last:
-                    start = time.perf_counter()
                     torch.autograd.backward(produced[0])
                 else:
-                    grads = [
-                        (value, torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device))
-                        for b, value in zip(stage.outputs, produced) if b.requires_grad
-                    ]
-                    communicator.recv_all([g for _, g in grads], rank, self._peer(stage.index + 1),
-                                          tag=f"stage {stage.index} gradients", phase="backward",
-                                          key=self._key(stage.index, mb, True))
-                    start = time.perf_counter()
-                    torch.autograd.backward([v for v, _ in grads], [g for _, g in grads])
-                received = inputs.pop((stage.index, mb))
+                    values = [v for b, v in zip(stage.outputs, produced) if b.requires_grad]
+                    torch.autograd.backward(values, received)  # received: the outputs' gradients
+                stage_inputs = inputs.pop((stage.index, mb))
                 if stage.index > 0:
                     grads_back = [
                         value.grad if value.grad is not None else torch.zeros_like(value)
-                        for boundary, value in zip(stage.inputs, received) if boundary.requires_grad
+                        for boundary, value in zip(stage.inputs, stage_inputs) if boundary.requires_grad
                     ]
                     pending += communicator.send_all(grads_back, rank, self._peer(stage.index - 1),
                                                      tag=f"stage {stage.index - 1} gradients", phase="backward",

@@ -8,7 +8,7 @@ import torch
 
 import fxpar
 from fxpar import PlanError, meta
-from fxpar.pipeline_program import shared_parameters
+from fxpar.pipeline_program import issue_order, shared_parameters
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402
@@ -100,3 +100,14 @@ def test_a_stage_holding_more_microbatches_gets_fewer_layers():
         return sum(1 for n in gm.graph.nodes if n.meta.get(STAGE) == 0)
 
     assert first_stage_size((8.0, 1.0)) < first_stage_size((1.0, 1.0))
+
+
+def test_receives_are_posted_one_action_ahead_in_action_order():
+    assert list(issue_order(3)) == [
+        ("receive", 0), ("receive", 1), ("run", 0), ("receive", 2), ("run", 1), ("run", 2),
+    ]
+    program = fxpar.compile(build_model(), "pp=2 mb=4 schedule=gpipe", example_inputs=global_batches()[0])
+    # Rank 1 (the last stage) posts the receives of its first two forwards before running one.
+    calls = program.collectives(1)
+    assert [c.kind for c in calls[:2]] == ["recv", "recv"]
+    assert [c.tag for c in calls[:2]] == ["stage 1 activations"] * 2
