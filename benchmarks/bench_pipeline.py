@@ -27,23 +27,18 @@ Two measurements per GPT size and schedule (1F1B and GPipe, 8 microbatches by de
 2. The bubble. More fxpar steps with `runner.record_timeline = True`; both ranks' timelines
    go to rank 0 (`dist.all_gather_object`). A step's time T runs from the earliest action start
    to the latest action end over both ranks; a rank's idle fraction is 1 - busy / T, averaged
-   over ranks and steps. fxpar's timeline spans include the *blocking receive* at the start of
-   each action (before the timeline fix, fxpar/runtime/pipeline_executor.py took `start` before its receives),
-   so a rank waiting for its peer looks busy. The script therefore also wraps this runner's
-   `communicator.recv_all` and `.send_all` (instance attributes; fxpar is not changed) to time each
-   receive wait and each isend post, and reports two idle fractions:
-
-       "timeline spans"  busy = sum of the action spans, as `runner.timeline()` gives them
-       "compute"         busy = the spans minus the receive waits and isend posts inside them
-
-   The simulator's prediction is `simulate(program.schedule, F, B).bubble_fraction` with F and
-   B each stage's median forward and backward compute time. To explain a gap, it also prints:
-   a replay of every step through the simulator's rules with each action's own compute time
-   and no communication (what the variance of the compute alone explains); the median transfer
-   latency of the receives that waited (producer's compute end to the end of the receive) and
-   `simulate(..., comm_cost=that latency)`; the same compute-only idle fraction on the torch
-   side (spans of its stage's `forward_one_chunk` / `backward_one_chunk`); and a gloo
-   ping of one boundary-sized tensor with the sender idle or computing after its isend.
+   over ranks and steps. A rank idles only while it waits for a peer's data (and before its
+   first and after its last action); busy is its timeline spans plus the executor's work
+   between actions (posting the next receives). The simulator's prediction is
+   `simulate(program.schedule, F, B, comm_cost=c).bubble_fraction` with F and B each stage's
+   median busy time per action, for three transfer costs c: none; the median time of one
+   boundary-sized gloo transfer to a waiting receive while the sender computes (a ping
+   measured just before, in the same job); and the median transfer latency observed in the timed steps (producer's end
+   to the end of the consumer's wait; the script times the waits by wrapping this runner's
+   `communicator.recv_all`, fxpar is not changed). To explain a gap it also prints a replay of
+   every step through the simulator's rules with each action's own duration (what the
+   variance of the compute alone explains), and the same idle fraction on the torch side
+   (spans of its stage's `forward_one_chunk` / `backward_one_chunk`).
 """
 
 from __future__ import annotations
@@ -241,7 +236,10 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
     torch_losses = sum_over_ranks(runs["torch"].losses)
     fx_losses = runs["fxpar"].losses
     mismatch = first_mismatch(torch_losses, fx_losses, rel=LOSS_RELATIVE)
-    bubble = fxpar_bubble(runner, fx_optimizer, program, batches, args.bubble_steps, args.warmup)
+    boundary = (GLOBAL_BATCH // args.microbatches, SEQ, config.n_embd)
+    ping = p2p_latency(boundary, compute_ms=3.0)
+    bubble = fxpar_bubble(runner, fx_optimizer, program, batches, args.bubble_steps, args.warmup,
+                          ping_ms=ping["sender computes"])
     torch_idle = torch_bubble(torch_side, batches, args.bubble_steps, args.warmup)
     result = {
         "model": name,
@@ -252,6 +250,8 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
         "cut": cut,
         "grid": str(program.schedule),
         **comparison(runs, "torch", torch_losses, fx_losses, mismatch),
+        "boundary_shape": boundary,
+        "p2p_latency_ms": ping,
         "bubble": bubble,
         "torch_bubble": torch_idle,
     }
@@ -279,18 +279,14 @@ def main() -> int:
                 break
         if results and not results[-1]["losses_match"]:
             break
-    first = MODELS[args.models[0]]
-    shape = (GLOBAL_BATCH // args.microbatches, SEQ, first.n_embd)
-    latency = p2p_latency(shape, compute_ms=3.0)
     is_main = runner.is_main
     runner.close()
     if is_main:
-        report(results, args, latency, shape)
+        report(results, args)
     return 0 if all(r["losses_match"] for r in results) else 1
 
 
-def report(results: list[dict], args: argparse.Namespace, latency: dict[str, float],
-           shape: tuple[int, ...]) -> None:
+def report(results: list[dict], args: argparse.Namespace) -> None:
     print()
     print(f"fxpar pp=2 vs torch.distributed.pipelining, gloo on CPU, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread/rank, global batch {GLOBAL_BATCH}x{SEQ}, "
@@ -316,10 +312,11 @@ def report(results: list[dict], args: argparse.Namespace, latency: dict[str, flo
           "CPU ratio: fxpar/torch of those")
     print()
     print(f"Measured bubble (fxpar, record_timeline, {args.bubble_steps} steps) against "
-          "simulate(program.schedule, F, B) with the measured median F and B of each stage")
+          "simulate(program.schedule, F, B, comm_cost) with each stage's median F and B")
     header = ["model", "schedule", "F ms s0/s1", "B ms s0/s1", "step ms: measured/sim/replay",
-              "idle (timeline spans)", "idle (compute)", "simulated", "diff pp", "replay",
-              "= gaps + recv wait + send post", "torch idle (compute)"]
+              "measured idle", "simulated", "diff pp", "transfer ms: ping/observed",
+              "simulated + ping", "diff pp", "simulated + observed", "replay", "receive wait",
+              "torch idle (compute spans)"]
     rows = []
     for r in results:
         b, tb = r["bubble"], r["torch_bubble"]
@@ -327,42 +324,34 @@ def report(results: list[dict], args: argparse.Namespace, latency: dict[str, flo
             r["model"], r["schedule"],
             "/".join(f"{v:.2f}" for v in b["forward_ms"]),
             "/".join(f"{v:.2f}" for v in b["backward_ms"]),
-            f"{b['step_ms']:.1f}/{b['simulated_step_ms']:.1f}/{b['replay_step_ms']:.1f}",
-            f"{100 * b['idle_timeline']:.1f}%", f"{100 * b['idle_compute']:.1f}%",
-            f"{100 * b['simulated_bubble']:.1f}%",
-            f"{100 * (b['idle_compute'] - b['simulated_bubble']):+.1f}",
+            f"{b['step_ms']:.1f}/{b['simulated_step_ms_none']:.1f}/{b['replay_step_ms']:.1f}",
+            f"{100 * b['idle']:.1f}%", f"{100 * b['simulated_bubble_none']:.1f}%",
+            f"{100 * (b['idle'] - b['simulated_bubble_none']):+.1f}",
+            f"{b['ping_ms']:.2f}/{b['hop_ms']:.2f}",
+            f"{100 * b['simulated_bubble_ping']:.1f}%",
+            f"{100 * (b['idle'] - b['simulated_bubble_ping']):+.1f}",
+            f"{100 * b['simulated_bubble_observed']:.1f}%",
             f"{100 * b['replay_bubble']:.1f}%",
-            f"{100 * b['idle_timeline']:.1f} + {100 * b['recv_wait_share']:.1f} + "
-            f"{100 * b['send_post_share']:.1f}",
+            f"{100 * b['receive_wait_share']:.1f}%",
             f"{100 * tb['idle_compute']:.1f}%",
         ])
     print(format_table(header, rows))
     print("  T (step): earliest action start to latest action end over both ranks. idle: "
-          "1 - busy / T, mean over ranks and steps. busy (timeline spans): sum of "
-          "runner.timeline() spans, which include each action's blocking receive; busy "
-          "(compute): spans minus receive waits and isend posts. F/B: median compute ms per "
-          "stage. simulated: simulate(schedule, F, B).bubble_fraction; diff pp: idle (compute) "
-          "- simulated. replay: the simulator's rules with every action's own measured "
-          "duration and no communication (what noise alone explains). torch idle: the same "
-          "compute measure from torch's forward_one_chunk/backward_one_chunk spans. Ideal "
+          "1 - busy / T, mean over ranks and steps; a rank idles only while it waits for a "
+          "peer's data; busy = the runner.timeline() spans (from the end of an action's "
+          "receives to the end of its isend posts) plus the executor's work between actions. "
+          "F/B: median busy ms per action of each stage. simulated: simulate(schedule, F, B, comm_cost).bubble_fraction with no "
+          "transfer cost, with the ping (one boundary tensor to a waiting receive, sender "
+          "computing; measured just before) and with the median transfer latency observed "
+          "in these steps (producer's end to the end of the consumer's wait, over waits "
+          "> 50 us). replay: the simulator's rules with every action's own duration, no "
+          "transfer cost. receive wait: share of T spent waiting for receives. torch idle: "
+          "1 - its forward_one_chunk/backward_one_chunk spans / T (its work between chunks "
+          "counts as idle there, so it is not comparable with fxpar's column). Ideal "
           "(p-1)/(m+p-1) = "
           + ", ".join(sorted({f"{100 * r['bubble']['ideal_bubble']:.1f}%" for r in results})))
-    for r in results:
-        b = r["bubble"]
-        print(f"  {r['model']} {r['schedule']}: with raw spans (receive waits included) F ms "
-              f"{'/'.join(f'{v:.2f}' for v in b['forward_raw_ms'])}, B ms "
-              f"{'/'.join(f'{v:.2f}' for v in b['backward_raw_ms'])}, simulated "
-              f"{100 * b['simulated_bubble_raw']:.1f}%; median transfer latency "
-              f"{b['hop_ms']:.2f} ms over {b['hops']} waited receives -> simulated with "
-              f"comm_cost {100 * b['simulated_bubble_comm']:.1f}% "
-              f"({b['simulated_comm_step_ms']:.1f} ms); torch step (compute spans) "
-              f"{r['torch_bubble']['step_ms']:.1f} ms")
-    print(f"  gloo p2p latency of one {'x'.join(map(str, shape))} fp32 boundary tensor "
-          f"({4 * shape[0] * shape[1] * shape[2] / 1024:.0f} KiB) from isend to the end of a "
-          "waiting recv, median: " + ", ".join(f"{k} {v:.2f} ms" for k, v in latency.items())
-          + " (the sender computing for 3 ms right after isend)")
     if args.json is not None:
-        write_json(args.json, args, results, p2p_latency_ms=latency)
+        write_json(args.json, args, results)
 
 
 if __name__ == "__main__":

@@ -18,41 +18,32 @@ if TYPE_CHECKING:
     from bench_pipeline import TorchPipeline
 
 
-class CommSpans:
-    """Wraps this runner's `communicator.recv_all` / `.send_all` to time each receive wait and
-    send post.
+class ReceiveWaits:
+    """Wraps this runner's `communicator.recv_all` so that waiting for each posted receive is
+    timed: `spans` holds (start, end) of every wait.
 
-    Instance attributes shadow the methods on this one benchmark's communicator only."""
+    An instance attribute shadows the method on this one benchmark's communicator only."""
 
     def __init__(self, communicator):
-        self.recvs: list[tuple[float, float]] = []
-        self.sends: list[tuple[float, float]] = []
-        recv, send = communicator.recv_all, communicator.send_all
+        self.spans: list[tuple[float, float]] = []
+        post = communicator.recv_all
 
-        def timed_recv(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return recv(*args, **kwargs)
-            finally:
-                self.recvs.append((start, time.perf_counter()))
+        def timed_post(*args, **kwargs):
+            return [TimedWait(pending, self.spans) for pending in post(*args, **kwargs)]
 
-        def timed_send(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return send(*args, **kwargs)
-            finally:
-                self.sends.append((start, time.perf_counter()))
-
-        communicator.recv_all, communicator.send_all = timed_recv, timed_send
-
-    def clear(self) -> None:
-        self.recvs.clear()
-        self.sends.clear()
+        communicator.recv_all = timed_post
 
 
-def inside(spans: list[tuple[float, float]], start: float, end: float) -> float:
-    """Total length of the spans that lie within [start, end]."""
-    return sum(e - s for s, e in spans if s >= start and e <= end)
+class TimedWait:
+    def __init__(self, pending, spans: list[tuple[float, float]]):
+        self.pending, self.spans = pending, spans
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.pending.wait()
+        finally:
+            self.spans.append((start, time.perf_counter()))
 
 
 def sum_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
@@ -90,116 +81,110 @@ def replay(schedule: Schedule, durations: dict[Action, float]) -> float:
     return max(clock)
 
 
-def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int) -> dict:
+def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
+                 ping_ms: float) -> dict:
     """Run `warmup + steps` fxpar steps recording timelines; the measured and simulated bubble.
 
-    Per action of `runner.timeline()`: span = end - start; recv = time blocked in receives
-    inside it; send = time posting isends inside it; compute = span - recv - send (the stage's
-    forward or backward and the executor's bookkeeping)."""
-    comm = CommSpans(runner.communicator)
+    A rank idles while it waits for a peer's data, and before its first and after its last
+    action of the step; everything else it does is busy: an action's `runner.timeline()` span
+    (from the end of its receives to the end of posting its isends) plus the executor's work
+    since the previous action (posting receives ahead, bookkeeping), which is what a
+    simulator's action cost has to cover. idle = 1 - busy / T, with T from the earliest
+    action start to the latest action end over all ranks. The simulator gets each stage's
+    median F and B busy time, and as `comm_cost` either nothing, `ping_ms` (a separately
+    measured transfer of one boundary tensor) or the median transfer latency seen in these
+    steps."""
+    waits = ReceiveWaits(runner.communicator)
     runner.record_timeline = True
-    # On rank 0: per timed step, both ranks' [(action, start, end, recv, send, last recv end)].
+    # On rank 0: per timed step, every rank's [(action, start, end, busy, wait before it,
+    # end of that wait)].
     per_step = []
     for i in range(warmup + steps):
         x, y = batches[i % len(batches)]
-        comm.clear()
+        waits.spans.clear()
         dist.barrier()
         runner.step(*runner.local_batch(x, y))
         optimizer.step()
         optimizer.zero_grad()
-        rows = [(a, s, e, inside(comm.recvs, s, e), inside(comm.sends, s, e),
-                 max((re for rs, re in comm.recvs if rs >= s and re <= e), default=None))
-                for a, s, e in runner.timeline()]
+        rows, previous_end = [], None
+        for a, s, e in runner.timeline():
+            since = s if previous_end is None else previous_end
+            before = [(ws, we) for ws, we in waits.spans if ws >= since and we <= s]
+            waited = sum(we - ws for ws, we in before)
+            rows.append((a, s, e, e - since - waited, waited,
+                         max((we for _, we in before), default=None)))
+            previous_end = e
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, rows)
         if i >= warmup:
             per_step.append(gathered)
     runner.record_timeline = False
+    del runner.communicator.recv_all  # back to the class's method
     if dist.get_rank() != 0:
         return {}
     schedule, stages = program.schedule, len(program.stages)
-    compute: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FB"}
-    raw: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FB"}
-    shares: dict[str, list[float]] = {k: [] for k in
-                                      ("idle_timeline", "idle_compute", "recv", "send")}
-    step_times, replay_bubbles, replay_times, step_idle, hops = [], [], [], [], []
+    costs: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FB"}
+    step_times, idle, wait_share, replay_bubbles, replay_times, hops = [], [], [], [], [], []
     for ranks in per_step:
         begin = min(s for rows in ranks for _, s, *_ in rows)
         T = max(e for rows in ranks for _, _, e, *_ in rows) - begin
         step_times.append(T)
-        durations, compute_end, idle_this_step, busy_total = {}, {}, [], 0.0
+        durations, ends, busy_total = {}, {}, 0.0
         for rows in ranks:
-            spans = sum(e - s for _, s, e, *_ in rows)
-            recv = sum(row[3] for row in rows)
-            send = sum(row[4] for row in rows)
-            busy = spans - recv - send
+            busy = sum(row[3] for row in rows)
             busy_total += busy
-            shares["idle_timeline"].append(1 - spans / T)
-            shares["idle_compute"].append(1 - busy / T)
-            shares["recv"].append(recv / T)
-            shares["send"].append(send / T)
-            idle_this_step.append(1 - busy / T)
-            for text, s, e, r, sd, _ in rows:
+            idle.append(1 - busy / T)
+            wait_share.append(sum(row[4] for row in rows) / T)
+            for text, _, e, action_busy, *_ in rows:
                 action = Action.parse(text)
-                compute_end[action] = e - sd
-                durations[action] = e - s - r - sd
-                compute[(action.stage, action.kind)].append(e - s - r - sd)
-                raw[(action.stage, action.kind)].append(e - s)
-        step_idle.append(statistics.fmean(idle_this_step))
-        # Transfer latency: from the producer's compute end (before its isend) to the end of
-        # the consumer's receive, for receives that waited (> 50 us) on a cross-rank input.
+                durations[action], ends[action] = action_busy, e
+                costs[(action.stage, action.kind)].append(action_busy)
+        # Transfer latency: from the producer's end (its isend posted) to the end of the
+        # consumer's wait, for waits longer than 50 us on a cross-rank input.
         for rows in ranks:
-            for text, s, e, r, sd, received in rows:
+            for text, _, _, _, waited, received in rows:
                 action = Action.parse(text)
-                if received is None or r < 50e-6:
+                if received is None or waited < 50e-6:
                     continue
                 if action.kind == "F":
                     producer = Action(action.stage - 1, "F", action.microbatch)
                 else:
                     producer = Action(action.stage + 1, "B", action.microbatch)
-                if producer in compute_end:
-                    hops.append(received - compute_end[producer])
+                if producer in ends:
+                    hops.append(received - ends[producer])
         makespan = replay(schedule, durations)
         replay_times.append(makespan)
         replay_bubbles.append(1 - busy_total / (schedule.p * makespan))
-    med = statistics.median
-    f = [med(compute[(s, "F")]) for s in range(stages)]
-    b = [med(compute[(s, "B")]) for s in range(stages)]
-    f_raw = [med(raw[(s, "F")]) for s in range(stages)]
-    b_raw = [med(raw[(s, "B")]) for s in range(stages)]
-    simulated = simulate(schedule, f, b)
-    simulated_raw = simulate(schedule, f_raw, b_raw)
+    med, mean = statistics.median, statistics.fmean
+    f = [med(costs[(s, "F")]) for s in range(stages)]
+    b = [med(costs[(s, "B")]) for s in range(stages)]
     hop = med(hops) if hops else 0.0
-    simulated_comm = simulate(schedule, f, b, comm_cost=hop)
+    simulated = {
+        "none": simulate(schedule, f, b),
+        "ping": simulate(schedule, f, b, comm_cost=ping_ms / 1e3),
+        "observed": simulate(schedule, f, b, comm_cost=hop),
+    }
     example = per_step[len(per_step) // 2]
     origin = min(s for rows in example for _, s, *_ in rows)
-    mean = statistics.fmean
     return {
         "steps": len(per_step),
         "step_ms": 1e3 * med(step_times),
-        "idle_timeline": mean(shares["idle_timeline"]),
-        "idle_compute": mean(shares["idle_compute"]),
-        "idle_compute_per_step": step_idle,
-        "recv_wait_share": mean(shares["recv"]),
-        "send_post_share": mean(shares["send"]),
+        "idle": mean(idle),
+        "idle_per_step": [mean(idle[i:i + schedule.p]) for i in range(0, len(idle), schedule.p)],
+        "receive_wait_share": mean(wait_share),
         "forward_ms": [1e3 * v for v in f],
         "backward_ms": [1e3 * v for v in b],
-        "forward_raw_ms": [1e3 * v for v in f_raw],
-        "backward_raw_ms": [1e3 * v for v in b_raw],
-        "simulated_bubble": float(simulated.bubble_fraction),
-        "simulated_step_ms": 1e3 * float(simulated.total),
-        "simulated_bubble_raw": float(simulated_raw.bubble_fraction),
+        "ping_ms": ping_ms,
         "hop_ms": 1e3 * hop,
         "hops": len(hops),
-        "simulated_bubble_comm": float(simulated_comm.bubble_fraction),
-        "simulated_comm_step_ms": 1e3 * float(simulated_comm.total),
+        **{f"simulated_bubble_{k}": float(v.bubble_fraction) for k, v in simulated.items()},
+        **{f"simulated_step_ms_{k}": 1e3 * float(v.total) for k, v in simulated.items()},
         "replay_bubble": mean(replay_bubbles),
         "replay_step_ms": 1e3 * med(replay_times),
         "ideal_bubble": (schedule.p - 1) / (schedule.m + schedule.p - 1),
         "example_timeline_ms": [
-            [(a, round(1e3 * (s - origin), 3), round(1e3 * (e - origin), 3), round(1e3 * r, 3),
-              round(1e3 * sd, 3))
-             for a, s, e, r, sd, _ in rows]
+            [(a, round(1e3 * (s - origin), 3), round(1e3 * (e - origin), 3), round(1e3 * w, 3))
+             for a, s, e, _, w, _ in rows]
             for rows in example
         ],
     }
