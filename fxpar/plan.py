@@ -74,8 +74,9 @@ class Plan:
     # `base_model_tp_plan` dict works as is.
     tp_rules: str | Mapping[str, str] = "auto"
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms on sequence shards
-    # Pipeline: the order of microbatch forwards and backwards (fxpar.schedules), model chunks
-    # per rank (Narayanan et al. 2021's interleaving), and optional stage starts by module.
+    # Pipeline: the order of microbatch forwards and backwards (fxpar.schedules; "zb-h1" splits
+    # each backward, Qi et al. 2024), model chunks per rank (Narayanan et al. 2021's
+    # interleaving), and optional stage starts by module.
     schedule: str = "1f1b"
     virtual_stages: int = 1
     split: tuple[str, ...] = ()
@@ -138,7 +139,7 @@ class Plan:
                 value=self.virtual_stages,
             )
         stages = self.pp * self.virtual_stages
-        if self.pp > 1 and self.schedule in ("1f1b", "interleaved") and self.microbatches < self.pp:
+        if self.pp > 1 and self.schedule in ("1f1b", "interleaved", "zb-h1") and self.microbatches < self.pp:
             raise PlanError(
                 f"schedule={self.schedule} with pp={self.pp} needs at least {self.pp} microbatches "
                 f"(one in flight per stage), got mb={self.microbatches}. Fix: mb={self.pp} or "

@@ -18,7 +18,7 @@ import yaml
 
 from fxpar.errors import PlanError
 
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved")
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1")  # as fxpar.schedules builds
 Precision = Literal["fp32", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
 ZERO_STAGES = (0, 1, 2, 3)

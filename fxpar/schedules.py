@@ -4,8 +4,10 @@ Map of this module:
 
 - `Action`              one step, written "1F0": stage 1 runs the forward of microbatch 0
 - `Schedule`            per pipeline rank, the ordered actions of one training step
-- `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b`, `schedule(name, p, m, v)`   constructors
-- `check(schedule)`     every (stage, microbatch) has one F and one B, F first, on its rank
+- `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b`, `zero_bubble_h1`,
+  `schedule(name, p, m, v)`   constructors
+- `check(schedule)`     every (stage, microbatch) has one F and one B (and one W in a split
+                        schedule), in that order, on its rank
 - `simulate(...)`       a timeline from per-stage costs: makespan, idle time, activations held
 - `Schedule.grid()`, `Schedule.to_text()`, `Schedule.from_text()`   printed forms
 
@@ -27,6 +29,19 @@ every stage (a chunk costing 1/v of a rank) and no communication, GPipe and 1F1B
 cost model's bubble term is meant to read `simulate(...).bubble_fraction`, so that a new schedule
 needs no new formula.
 
+Split backward [Note: B and W]. A schedule may split each backward in two (Qi et al. 2024,
+"Zero Bubble Pipeline Parallelism", Sec. 2): "B" computes the gradient of the stage's inputs,
+which the previous stage waits for, and "W" (written "0W3") the gradient of its weights, which
+nobody waits for and can fill the rank's idle slots. In such a schedule (`splits_backward`)
+every (stage, microbatch) has an F, a B and a W, the W after the B on the same rank. A schedule
+without W runs the whole backward as "B". ZB-H1 (`zero_bubble_h1`, Sec. 3.1) is 1F1B with the
+Ws deferred. Each rank idles (p-1)(F+B-W) when W <= F and W <= B (the paper's figure; in
+general (p-1) max(F+B-W, F, B)), against 1F1B's (p-1)(F+B+W): with F = B = W = 1 the bubble
+fraction is (p-1)/(3m+p-1), a third of 1F1B's idle time. ZB-H1 holds activations of p
+microbatches on every rank (from F until W), 1F1B's peak on rank 0. Counting until W is an
+upper bound: a W needs only the inputs of the stage's weight matmuls and their output
+gradients, not every saved tensor.
+
 The simulator never hangs: an order that waits on itself raises `DeadlockError` naming each
 blocked action, what it waits for, and the grid up to the point where it stopped.
 """
@@ -42,15 +57,17 @@ from itertools import accumulate
 from numbers import Rational
 from typing import Literal
 
-_ACTION = re.compile(r"(\d+)([FB])(\d+)")
+_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
+ActionKind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step: `stage` runs the forward ("F") or backward ("B") of `microbatch`; str "1F0"."""
+    """One step: `stage` runs the forward ("F"), backward ("B") or, in a split schedule, the
+    weight gradient ("W", [Note: B and W]) of `microbatch`; str "1F0"."""
 
     stage: int
-    kind: Literal["F", "B"]
+    kind: ActionKind
     microbatch: int
 
     def __str__(self) -> str:
@@ -58,11 +75,11 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """`Action.parse("1F0") == Action(1, "F", 0)`; the inverse of `str`."""
+        """`Action.parse("1F0") == Action(1, "F", 0)`, "0W3" too; the inverse of `str`."""
         found = _ACTION.fullmatch(text.strip())
         if found is None:
             raise ValueError(
-                f"cannot read action {text!r}: expected <stage><F|B><microbatch>, e.g. '1F0'"
+                f"cannot read action {text!r}: expected <stage><F|B|W><microbatch>, e.g. '1F0'"
             )
         return cls(int(found[1]), found[2], int(found[3]))  # type: ignore[arg-type]
 
@@ -85,9 +102,14 @@ class Schedule:
         """The pipeline rank holding `stage`: `stage % p`."""
         return stage % self.p
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into B (input gradient) and W (weight gradient)."""
+        return any(a.kind == "W" for row in self.actions for a in row)
+
     def grid(self) -> str:
-        """The grid of a unit-cost simulation (F = B = 1, no comm): one column per time step."""
-        return simulate(self, 1, 1).grid()
+        """The grid of a unit-cost simulation (F = B = W = 1, no comm): one column per time step."""
+        return simulate(self, 1, 1, weight_cost=1 if self.splits_backward else 0).grid()
 
     def __str__(self) -> str:
         try:
@@ -136,8 +158,8 @@ def _warm_up_then_alternate(
 ) -> tuple[Action, ...]:
     """One rank's row: `warmup` forwards, then forward k + warmup with backward k, then drain.
 
-    Every schedule here is this shape; they differ in the warm-up and in which stage and
-    microbatch forward step k and backward step k run.
+    GPipe and both 1F1Bs are this shape; they differ in the warm-up and in which stage and
+    microbatch forward step k and backward step k run. ZB-H1 adds its Ws to 1F1B's rows.
     """
     row = [forward(k) for k in range(warmup)]
     for k in range(steps - warmup):
@@ -210,24 +232,60 @@ def interleaved_one_f_one_b(p: int, v: int, m: int) -> Schedule:
     return Schedule(name="interleaved", p=p, v=v, m=m, actions=tuple(rows))
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+def zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, Sec. 3.1): 1F1B with each backward split into B and W.
+
+    Rank r runs 1F1B's row with B the input gradient, and after its k-th B, from k = r on, the
+    oldest weight gradient W not yet run; the Ws left at the end drain. Rank r thus delays its
+    first W by r steps: that keeps p microbatches in flight (F until W) on every rank, 1F1B's
+    rank-0 peak, while the deferred Ws fill the slots where 1F1B idles in the drain. With
+    F = B = W = 1 the bubble is (p-1)/(3m+p-1). p=2, m=3 (`print(zero_bubble_h1(2, 3))`)::
+
+               t0  t1  t2  t3  t4  t5  t6  t7  t8  t9
+        rank 0 0F0 0F1 .   0B0 0W0 0F2 0B1 0W1 0B2 0W2
+        rank 1 .   1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2
+    """
+    _require_positive(p=p, m=m)
+    if m < p:
+        raise ValueError(
+            f"zb-h1 needs at least as many microbatches as pipeline ranks: m={m} < p={p}; "
+            f"use m >= {p} or the 'gpipe' schedule"
+        )
+    rows = []
+    for r in range(p):
+        warmup = p - r - 1
+        weights = iter(range(m))  # the next W to run: Ws go in microbatch order
+        row = [Action(r, "F", k) for k in range(warmup)]
+        for k in range(m):
+            row += [Action(r, "F", warmup + k)] if warmup + k < m else []
+            row += [Action(r, "B", k)] + ([Action(r, "W", next(weights))] if k >= r else [])
+        rows.append(tuple(row + [Action(r, "W", k) for k in weights]))
+    return Schedule(name="zb-h1", p=p, v=1, m=m, actions=tuple(rows))
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_ONE_STAGE_PER_RANK: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
+}
 
 
 def schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule by name: "gpipe" and "1f1b" (v == 1), "interleaved" (v >= 2)."""
+    """Build a schedule by name: "gpipe", "1f1b", "zb-h1" (v == 1), "interleaved" (v >= 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
     if name == "interleaved":
         return interleaved_one_f_one_b(p, v, m)
     if v != 1:
         raise ValueError(f"{name} runs one stage per rank, got v={v}; use v=1 or 'interleaved'")
-    return gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m)
+    return _ONE_STAGE_PER_RANK[name](p, m)
 
 
 def check(schedule: Schedule) -> None:
     """Raise ValueError unless every (stage, microbatch) has exactly one F and one B, the F
-    before the B, both on the stage's rank `stage % p`. Says nothing about deadlock: `simulate`."""
+    before the B, both on the stage's rank `stage % p`; in a split schedule also exactly one W,
+    after the B ([Note: B and W]). Says nothing about deadlock: `simulate`."""
     s = schedule
+    kinds = ("F", "B", "W") if s.splits_backward else ("F", "B")
     if len(s.actions) != s.p:
         raise ValueError(f"{s.name}: {len(s.actions)} rows for p={s.p} ranks; give one per rank")
     seen: dict[Action, int] = {}
@@ -244,10 +302,12 @@ def check(schedule: Schedule) -> None:
                 raise ValueError(f"{where}: already runs at step {seen[a]}; run it once")
             if a.kind == "B" and Action(a.stage, "F", a.microbatch) not in seen:
                 raise ValueError(f"{where}: backward before its forward; swap them")
+            if a.kind == "W" and Action(a.stage, "B", a.microbatch) not in seen:
+                raise ValueError(f"{where}: weight gradient before its backward (B); swap them")
             seen[a] = position
     missing = [
         str(Action(stage, kind, mb))
-        for stage in range(s.stages) for mb in range(s.m) for kind in ("F", "B")
+        for stage in range(s.stages) for mb in range(s.m) for kind in kinds
         if Action(stage, kind, mb) not in seen
     ]
     if missing:
@@ -266,9 +326,10 @@ class Simulation:
     """The timeline of one step. `timeline[r]` holds (action, start, end) in rank r's order.
 
     `peak_in_flight[r]` is the most (stage, microbatch) pairs whose forward has run on rank r
-    and whose backward has not: activations held, in units of one stage's activations for one
-    microbatch. With v chunks per rank a stage holds 1/v of the rank's layers, so the memory is
-    about `peak_in_flight[r] / v` microbatches of the whole rank's activations.
+    and whose backward has not (whose W has not, in a split schedule): activations held, in
+    units of one stage's activations for one microbatch. With v chunks per rank a stage holds
+    1/v of the rank's layers, so the memory is about `peak_in_flight[r] / v` microbatches of
+    the whole rank's activations.
     """
 
     schedule: Schedule
@@ -296,18 +357,30 @@ def simulate(
     forward_cost: float | Sequence[float],
     backward_cost: float | Sequence[float],
     *,
+    weight_cost: float | Sequence[float] = 0,
     comm_cost: float = 0.0,
 ) -> Simulation:
     """Run the schedule on a clock. Costs are one number or one per stage (length p * v).
 
     F(s, mb) waits for F(s-1, mb); B(s, mb) waits for F(s, mb) and B(s+1, mb) (the last stage
-    only for its forward); `comm_cost` is added when the two stages sit on different ranks. Each
-    rank runs its list in order, one action at a time, as early as these allow. Exact when the
-    costs are ints or Fractions.
+    only for its forward); W(s, mb) waits for B(s, mb), on the same rank. `comm_cost` is added
+    when the two stages sit on different ranks. Each rank runs its list in order, one action at
+    a time, as early as these allow. Exact when the costs are ints or Fractions.
+
+    In a split schedule ([Note: B and W]) `backward_cost` is the input-gradient part of each
+    stage's backward and `weight_cost` the weight-gradient part. Without W actions the whole
+    backward is `backward_cost`, and a nonzero `weight_cost` is refused.
     """
     s = schedule
     forward = _per_stage(forward_cost, s.stages, "forward_cost")
     backward = _per_stage(backward_cost, s.stages, "backward_cost")
+    weight = _per_stage(weight_cost, s.stages, "weight_cost")
+    if any(weight) and not s.splits_backward:
+        raise ValueError(
+            f"{s.name}: weight_cost={weight_cost} but the schedule runs no W actions: its B is "
+            f"the whole backward. Fix: add the weight gradient's time to backward_cost"
+        )
+    cost = {"F": forward, "B": backward, "W": weight}
     end: dict[Action, float] = {}
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.p)]
     clock: list[float] = [0] * s.p
@@ -315,6 +388,8 @@ def simulate(
     def needs(a: Action) -> list[Action]:
         if a.kind == "F":
             return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+        if a.kind == "W":
+            return [Action(a.stage, "B", a.microbatch)]
         deps = [Action(a.stage, "F", a.microbatch)]
         return deps + ([Action(a.stage + 1, "B", a.microbatch)] if a.stage < s.stages - 1 else [])
 
@@ -331,7 +406,7 @@ def simulate(
                 for d in deps:
                     hop = comm_cost if comm_cost and s.rank_of(d.stage) != rank else 0
                     start = max(start, end[d] + hop)
-                clock[rank] = end[a] = start + (forward if a.kind == "F" else backward)[a.stage]
+                clock[rank] = end[a] = start + cost[a.kind][a.stage]
                 timeline[rank].append((a, start, end[a]))
                 progress = True
     if any(len(done) < len(row) for done, row in zip(timeline, s.actions)):
@@ -340,7 +415,9 @@ def simulate(
     total = max(clock, default=0)
     busy = tuple(sum(e - b for _, b, e in row) for row in timeline)
     idle = sum(total - b for b in busy)
-    steps = [accumulate((1 if a.kind == "F" else -1 for a in row), initial=0) for row in s.actions]
+    releases = "W" if s.splits_backward else "B"  # the action after which activations are freed
+    held = {"F": 1, releases: -1}
+    steps = [accumulate((held.get(a.kind, 0) for a in row), initial=0) for row in s.actions]
     return Simulation(
         schedule=s,
         timeline=tuple(map(tuple, timeline)),

@@ -435,7 +435,7 @@ def test_world_size_mismatch_example_keeps_tp() -> None:
 
 def test_pipeline_fields_round_trip() -> None:
     for text in ("dp=2 pp=2 mb=4", "pp=2 schedule=interleaved virtual_stages=2 mb=4",
-                 "pp=2 split=h.1 mb=2", "pp=4 schedule=gpipe mb=2"):
+                 "pp=2 split=h.1 mb=2", "pp=4 schedule=gpipe mb=2", "pp=2 schedule=zb-h1 mb=4"):
         plan = Plan.parse(text)
         assert str(plan) == text and Plan.parse(str(plan)) == plan == Plan.from_json(plan.to_json())
     assert Plan.parse("dp=2 pp=2 tp=2 mb=2").world_size == 8
@@ -446,8 +446,22 @@ def test_pipeline_fields_round_trip() -> None:
     ("pp=2 mb=3 schedule=interleaved virtual_stages=2", "groups of pp=2; mb=3 is not a multiple. Fix: mb=4"),
     ("pp=2 mb=2 virtual_stages=2", "interleaved schedule needs virtual_stages >= 2, and only it"),
     ("pp=2 mb=2 split=h.1;h.2", "split names 2 stage starts, but pp x virtual_stages = 2 stages need 1"),
-    ("schedule=zb", "schedule must be one of '1f1b', 'gpipe', 'interleaved'"),
+    ("schedule=zb", "schedule must be one of '1f1b', 'gpipe', 'interleaved', 'zb-h1'"),
+    ("pp=4 mb=2 schedule=zb-h1", "schedule=zb-h1 with pp=4 needs at least 4 microbatches.*Fix: mb=4"),
+    ("pp=2 mb=4 schedule=zb-h1 virtual_stages=2", "only it uses them. Fix: .* or virtual_stages=1"),
 ])
 def test_pipeline_plan_errors(text: str, match: str) -> None:
     with pytest.raises(PlanError, match=match):
         Plan.parse(text)
+
+
+def test_zero_bubble_schedule_is_accepted() -> None:
+    plan = Plan.parse("pp=2 mb=4 schedule=zb-h1")
+    assert (plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages) == (2, 4, "zb-h1", 1)
+    assert Plan.parse({"pp": 2, "mb": 2, "schedule": "zb-h1"}).microbatches == 2  # mb == pp is enough
+
+
+def test_plan_schedules_are_the_ones_fxpar_schedules_builds() -> None:
+    from fxpar import plan, schedules
+
+    assert set(plan.SCHEDULES) == set(schedules.SCHEDULES)

@@ -1,7 +1,8 @@
 """Pipeline schedules: the published bubble and memory figures, printed forms, checks, errors.
 
 Costs are exact (ints and Fractions), so bubble fractions are compared with `==`: forward 1,
-backward 2, no communication (FORMULAS.md "Pipeline bubble").
+backward 2, no communication (FORMULAS.md "Pipeline bubble"); ZB-H1 with F = B = W = 1 (Qi et
+al. 2024, Sec. 3.1).
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from fxpar.schedules import (
     one_f_one_b,
     schedule,
     simulate,
+    zero_bubble_h1,
 )
 
 FLAT = [(2, 4), (4, 4), (4, 8), (8, 16), (3, 5)]
 INTERLEAVED = [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 2), (4, 2, 4)]
+ZERO_BUBBLE = sorted({(p, m) for p in (2, 3, 4, 8) for m in (p, 2 * p, 16)})
 
 
 def every_schedule() -> list[Schedule]:
-    flat = [schedule(name, p, m) for name in ("gpipe", "1f1b") for p, m in FLAT]
+    flat = [schedule(name, p, m) for name in ("gpipe", "1f1b", "zb-h1") for p, m in FLAT]
     return flat + [schedule("interleaved", p, m, v=v) for p, v, m in INTERLEAVED]
 
 
@@ -73,8 +76,12 @@ def test_activations_in_flight(p, m):
     assert peaks == tuple(p - r for r in range(p))
 
 
-def test_timeline_respects_order_and_dependencies():
-    simulation = simulate(schedule("interleaved", 4, 8, v=2), 1, 2, comm_cost=1)
+@pytest.mark.parametrize("built", [schedule("interleaved", 4, 8, v=2), zero_bubble_h1(4, 8)],
+                         ids=lambda s: s.name)
+def test_timeline_respects_order_and_dependencies(built):
+    weight_cost = 1 if built.splits_backward else 0
+    simulation = simulate(built, 1, 2, weight_cost=weight_cost, comm_cost=1)
+    last = built.stages - 1
     ends = {a: end for row in simulation.timeline for a, _, end in row}
     for rank, row in enumerate(simulation.timeline):
         assert [a for a, _, _ in row] == list(simulation.schedule.actions[rank])
@@ -83,8 +90,77 @@ def test_timeline_respects_order_and_dependencies():
         for a, start, _ in row:
             if a.kind == "F" and a.stage > 0:
                 assert start >= ends[Action(a.stage - 1, "F", a.microbatch)] + 1
-            if a.kind == "B" and a.stage < 7:
+            if a.kind == "B" and a.stage < last:
                 assert start >= ends[Action(a.stage + 1, "B", a.microbatch)] + 1
+            if a.kind == "W":  # same rank as its B: no comm
+                assert start >= ends[Action(a.stage, "B", a.microbatch)]
+
+
+# -- zero bubble: the backward split into B and W ---------------------------------------------------
+
+
+@pytest.mark.parametrize("p, m", ZERO_BUBBLE)
+def test_bubble_of_zb_h1_is_p_minus_1_over_3m_plus_p_minus_1(p, m):
+    """Qi et al. 2024, Sec. 3.1: with F = B = W = 1 each rank idles p - 1 slots of 3m + p - 1,
+    and holds p microbatches from F until W on every rank, 1F1B's peak on rank 0."""
+    simulation = simulate(zero_bubble_h1(p, m), 1, 1, weight_cost=1)
+    assert simulation.bubble_fraction == Fraction(p - 1, 3 * m + p - 1)
+    assert simulation.total == 3 * m + p - 1
+    assert simulation.busy == (3 * m,) * p
+    assert simulation.peak_in_flight == (p,) * p
+    assert simulation.peak_in_flight[0] == simulate(one_f_one_b(p, m), 1, 2).peak_in_flight[0]
+
+
+@pytest.mark.parametrize("forward, backward, weight", [(2, 2, 1), (1, 2, 1), (3, 2, 2), (4, 3, 1),
+                                                       (2, 1, 2), (1, 3, 2), (1, 1, 0)])
+@pytest.mark.parametrize("p, m", [(2, 2), (3, 5), (4, 8), (8, 16)])
+def test_idle_time_of_zb_h1_against_1f1b(forward, backward, weight, p, m):
+    """Per rank ZB-H1 idles (p-1)(F+B-W) where W <= F and W <= B (the paper's figure), in
+    general (p-1) max(F+B-W, F, B); 1F1B running B and W as one backward idles (p-1)(F+B+W)."""
+    zb = simulate(zero_bubble_h1(p, m), forward, backward, weight_cost=weight)
+    assert zb.total - m * (forward + backward + weight) == (p - 1) * max(
+        forward + backward - weight, forward, backward)
+    if weight <= min(forward, backward):
+        assert zb.total - zb.busy[0] == (p - 1) * (forward + backward - weight)
+    whole = simulate(one_f_one_b(p, m), forward, backward + weight)
+    assert whole.total - whole.busy[0] == (p - 1) * (forward + backward + weight)
+
+
+def test_zb_h1_order_and_docstring_grid():
+    built = zero_bubble_h1(2, 3)
+    assert built.to_text().splitlines()[1:] == [
+        "rank 0: 0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2",
+        "rank 1: 1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2",
+    ]
+    assert built.splits_backward and not one_f_one_b(2, 3).splits_backward
+    assert schedule("zb-h1", 2, 3) == built
+    grid = "\n".join("        " + line for line in str(built).splitlines())
+    assert grid in zero_bubble_h1.__doc__
+
+
+def test_zb_h1_without_w_is_1f1b():
+    """Rank r's row with its Ws removed is 1F1B's, B for B: the Ws only fill the drain."""
+    for p, m in ZERO_BUBBLE:
+        rows = [tuple(a for a in row if a.kind != "W") for row in zero_bubble_h1(p, m).actions]
+        assert rows == list(one_f_one_b(p, m).actions)
+
+
+def test_split_schedule_holds_activations_until_w():
+    # p=1: in 1F1B's order each microbatch is freed by its B; with the Ws deferred, by its W.
+    split = Schedule.from_text("rank 0: 0F0 0B0 0F1 0B1 0W0 0W1")
+    assert simulate(split, 1, 1, weight_cost=1).peak_in_flight == (2,)
+    assert simulate(Schedule.from_text("rank 0: 0F0 0B0 0F1 0B1"), 1, 1).peak_in_flight == (1,)
+
+
+def test_weight_cost_needs_a_split_schedule():
+    with pytest.raises(ValueError, match="runs no W actions.*add the weight gradient's time to backward_cost"):
+        simulate(one_f_one_b(2, 4), 1, 1, weight_cost=1)
+    assert simulate(one_f_one_b(2, 4), 1, 2, weight_cost=[0, 0]).total == 15  # zero is fine
+    with pytest.raises(ValueError, match="weight_cost has 3 entries for 2 stages"):
+        simulate(zero_bubble_h1(2, 4), 1, 1, weight_cost=[1, 1, 1])
+    # one per stage, as forward_cost and backward_cost
+    uneven = simulate(zero_bubble_h1(2, 4), 1, 1, weight_cost=[1, 2])
+    assert uneven.busy == (12, 16)
 
 
 # -- construction ----------------------------------------------------------------------------------
@@ -119,8 +195,9 @@ def test_action_string_form_round_trips():
     assert str(Action(1, "F", 0)) == "1F0"
     assert Action.parse("1F0") == Action(1, "F", 0)
     assert Action.parse("12B34") == Action(12, "B", 34)
-    for bad in ["1X0", "F0", "1F", ""]:
-        with pytest.raises(ValueError, match="expected <stage><F|B><microbatch>"):
+    assert Action.parse("0W3") == Action(0, "W", 3) and str(Action(0, "W", 3)) == "0W3"
+    for bad in ["1X0", "F0", "1F", "", "0w3"]:
+        with pytest.raises(ValueError, match=r"expected <stage><F\|B\|W><microbatch>"):
             Action.parse(bad)
 
 
@@ -170,6 +247,13 @@ def test_deadlock_names_blocked_action_and_marks_grid():
     assert "1B0!" in str(bad)  # printing never raises
 
 
+def test_deadlock_with_a_weight_gradient_names_its_backward():
+    bad = Schedule.from_text("rank 0: 0F0 0W0 0B0")
+    with pytest.raises(DeadlockError, match=r"rank 0 step 1: 0W0 waits for 0B0 \(rank 0, step 2\)"):
+        simulate(bad, 1, 1, weight_cost=1)
+    assert "0W0!" in str(bad)
+
+
 @pytest.mark.parametrize(
     "text, problem",
     [
@@ -177,6 +261,10 @@ def test_deadlock_names_blocked_action_and_marks_grid():
         ("rank 0: 0F0 0B0 1F0\nrank 1: 1B0", "stage 1 lives on rank 1"),
         ("rank 0: 0F0 0F0 0B0\nrank 1: 1F0 1B0", "already runs at step 0"),
         ("rank 0: 0F0 0B0\nrank 1: 1F0", "missing actions 1B0"),
+        ("rank 0: 0F0 0W0 0B0\nrank 1: 1F0 1B0 1W0", "weight gradient before its backward"),
+        ("rank 0: 0F0 0B0 0W0\nrank 1: 1F0 1B0", "missing actions 1W0"),
+        ("rank 0: 0F0 0B0 0W0 1W0\nrank 1: 1F0 1B0", "stage 1 lives on rank 1"),
+        ("rank 0: 0F0 0B0 0W0 0W0\nrank 1: 1F0 1B0 1W0", "already runs at step 2"),
     ],
 )
 def test_check_names_the_problem(text, problem):
@@ -189,8 +277,14 @@ def test_errors_give_numbers_and_fix():
         schedule("1f1b", 4, 2)
     with pytest.raises(ValueError, match=r"m=6, p=4, m % p = 2; use m=8 or m=4"):
         schedule("interleaved", 4, 6, v=2)
-    with pytest.raises(ValueError, match="valid names are gpipe, 1f1b, interleaved"):
+    with pytest.raises(ValueError, match="valid names are gpipe, 1f1b, interleaved, zb-h1"):
         schedule("zero-bubble", 4, 8)
+    with pytest.raises(ValueError, match=r"zb-h1 needs .* m=2 < p=4; use m >= 4 or the 'gpipe'"):
+        schedule("zb-h1", 4, 2)
+    with pytest.raises(ValueError, match="zb-h1 runs one stage per rank, got v=2; use v=1"):
+        schedule("zb-h1", 4, 8, v=2)
+    with pytest.raises(ValueError, match="p=0"):
+        zero_bubble_h1(0, 2)
     with pytest.raises(ValueError, match="v=2; use v=1 or 'interleaved'"):
         schedule("1f1b", 4, 8, v=2)
     with pytest.raises(ValueError, match="v >= 2"):
