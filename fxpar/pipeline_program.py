@@ -158,7 +158,7 @@ def pipeline_collectives(
             calls.extend(c for c in tp_calls[stage.index] if c.phase == "forward")
             if stage.outputs:
                 p2p("send", stage.outputs, peer(stage.index + 1), f"stage {stage.index + 1} activations", "forward")
-        else:
+        elif action.kind == "B":  # (a W action only runs local matmuls)
             calls.extend(c for c in tp_calls[stage.index] if c.phase == "backward")
             if stage.index > 0:
                 p2p("send", stage.inputs, peer(stage.index - 1), f"stage {stage.index - 1} gradients", "backward")

@@ -53,6 +53,7 @@ from fxpar.pipeline_program import (
 from fxpar.schedules import Schedule, schedule
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
+from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.placement import Shard, local_slice
 from fxpar.plan import Plan
 from fxpar.runtime.process_groups import RankGroup
@@ -184,11 +185,14 @@ class Program:
         coord = self.mesh.coord(rank)
         if self.stages is None:
             return [self._specialise(self.graph_module, rank)]
-        return [
+        modules = [
             self._specialise(stage.graph_module, rank)
             for stage in self.stages
             if self.schedule.rank_of(stage.index) == coord.pp
         ]
+        if self.schedule.splits_backward:  # zero-bubble: W actions compute the linear weights' grads
+            modules = [defer_weight_gradients(m) for m in modules]
+        return modules
 
     def _specialise(self, graph_module: fx.GraphModule, rank: int) -> fx.GraphModule:
         coord = self.mesh.coord(rank)

@@ -4,9 +4,12 @@ For each bucket of the compile-time assignment (`passes.data_parallel`) this kee
 buffer, and each parameter's `.grad` becomes a view into it (DDP's `gradient_as_bucket_view`),
 so the all-reduce reads the gradients where autograd left them. A
 `register_post_accumulate_grad_hook` on every parameter counts the gradients still missing in
-its bucket; when a bucket is complete (and every earlier bucket has been launched, so all
-ranks issue the same sequence) its all-reduce starts asynchronously while backward goes on.
-`finish()` waits for all of them before the optimizer may step.
+its bucket: each parameter receives one per microbatch, so a bucket of n parameters is
+complete after microbatches x n of them, whichever actions deliver them (a pipeline's
+backwards, or its deferred weight-gradient actions). When a bucket is complete (and every
+earlier bucket has been launched, so all ranks issue the same sequence) its all-reduce starts
+asynchronously while backward goes on. `finish()` waits for all of them before the optimizer
+may step.
 
 Averaging is DDP's: divide by the group size, then sum-all-reduce.
 
@@ -65,7 +68,6 @@ class GradientBuckets:
         ]
         if self.states and not self.states[-1].parameters:
             self.states[-1].buffer = self.states[-1].buffer.to(loss_device)
-        self.synchronize = True  # False for the microbatches before the last one
         self._pending: list[PendingCollective] = []
         self._next = 0
         self._handles = []
@@ -81,20 +83,20 @@ class GradientBuckets:
                 view.copy_(param.grad)
                 param.grad = view
             state.pending -= 1
-            if self.synchronize:
+            if state.pending == 0:
                 self._launch_ready()
 
         return gradient_ready
 
-    def start_backward(self, *, synchronize: bool, loss: torch.Tensor | None = None) -> None:
-        """Arm the hooks for one backward; on the synchronising one, `loss` rides along."""
-        self.synchronize = synchronize
+    def start_step(self, microbatches: int) -> None:
+        """Arm the hooks for a step of `microbatches` backwards, before the first of them."""
         for state in self.states:
-            state.pending = len(state.parameters)
-        if synchronize:
-            if self.carry_loss:
-                self.states[-1].buffer[-1].copy_(loss.detach())
-            self._next = 0
+            state.pending = microbatches * len(state.parameters)
+        self._next = 0
+
+    def carry(self, loss: torch.Tensor) -> None:
+        """Put the step's local loss in the last bucket's extra slot (before the last backward)."""
+        self.states[-1].buffer[-1].copy_(loss.detach())
 
     def _launch_ready(self) -> None:
         while self._next < len(self.states) and self.states[self._next].pending == 0:

@@ -7,7 +7,9 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
               stage module, send its outputs to stage s+1's rank; the last stage keeps the
               loss (scaled by 1/microbatches, as gradient accumulation does).
     B(s, mb)  receive the gradients of stage s's outputs, run backward through the stage,
-              send the gradients of its inputs back.
+              send the gradients of its inputs back. Under a zero-bubble schedule the linear
+              layers' weight gradients are left for W (`runtime.weight_gradients`).
+    W(s, mb)  compute those weight gradients (zero-bubble schedules only).
 
 Receives are posted one action ahead and waited for when their action runs
 (`pipeline_program.issue_order`, the same order `Program.collectives` predicts); sends are
@@ -27,12 +29,14 @@ handling, which would duplicate or fight all three. The benchmark
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from fxpar.mesh import Axis
 from fxpar.pipeline_program import issue_order, local_shape
+from fxpar.runtime.weight_gradients import WeightGradientStore, deferring
 
 if TYPE_CHECKING:
     from fxpar.program import Program
@@ -49,6 +53,7 @@ class PipelineExecutor:
         self.coord = coord
         self.actions = self.schedule.actions[coord.pp]
         self.timeline: list[tuple[str, float, float]] = []
+        self.weights = WeightGradientStore()  # B's deferred weight gradients, until their W
         self._shapes: dict[tuple, tuple[int, ...]] = {}
 
     def _peer(self, stage: int) -> int:
@@ -114,8 +119,10 @@ class PipelineExecutor:
         receiving: dict[int, tuple[list[torch.Tensor], list[PendingCollective]]] = {}
         total = torch.zeros((), device=runner.device)
         pending = []
-        remaining_backwards = {s.index: microbatches for s in stages if self.schedule.rank_of(s.index) == self.coord.pp}
+        for buckets in runner._buckets:
+            buckets.start_step(microbatches)
         communicator, rank = runner.communicator, runner.rank
+        split = self.schedule.splits_backward  # zero-bubble: B and W actions
         self.timeline = []
         for event, index in issue_order(len(self.actions)):
             action = self.actions[index]
@@ -129,11 +136,14 @@ class PipelineExecutor:
             for transfer in transfers:
                 transfer.wait()
             start = time.perf_counter()  # the timeline shows compute, not waiting for peers
-            if action.kind == "F":
+            if action.kind == "W":
+                self.weights.run((stage.index, mb))
+            elif action.kind == "F":
                 for boundary, buffer in zip(stage.inputs, received):
                     buffer.requires_grad_(boundary.requires_grad)
                 user = dict(zip(names, chunks[mb]))
-                result = module(*received, *(user[n] for n in stage.user_inputs))
+                with deferring() if split else nullcontext():
+                    result = module(*received, *(user[n] for n in stage.user_inputs))
                 inputs[(stage.index, mb)] = received
                 if stage.index == last:
                     loss = result / microbatches if microbatches > 1 else result
@@ -145,17 +155,16 @@ class PipelineExecutor:
                                                      tag=f"stage {stage.index + 1} activations", phase="forward",
                                                      key=self._key(stage.index + 1, mb, False))
             else:
-                remaining_backwards[stage.index] -= 1
-                final = remaining_backwards[stage.index] == 0
-                for buckets in runner._buckets:
-                    if buckets is runner._buckets[stage.index // self.schedule.p]:
-                        buckets.start_backward(synchronize=final)
                 produced = outputs.pop((stage.index, mb))
                 if stage.index == last:
-                    torch.autograd.backward(produced[0])
+                    tensors, grads = [produced[0]], None
+                else:  # received: the gradients of the stage's outputs
+                    tensors, grads = [v for b, v in zip(stage.outputs, produced) if b.requires_grad], received
+                if split:
+                    with self.weights.collect((stage.index, mb)):
+                        torch.autograd.backward(tensors, grads)
                 else:
-                    values = [v for b, v in zip(stage.outputs, produced) if b.requires_grad]
-                    torch.autograd.backward(values, received)  # received: the outputs' gradients
+                    torch.autograd.backward(tensors, grads)
                 stage_inputs = inputs.pop((stage.index, mb))
                 if stage.index > 0:
                     grads_back = [

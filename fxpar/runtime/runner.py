@@ -198,14 +198,16 @@ class Runner:
         if self._pipeline is not None:
             return self._pipeline.run(chunks)
         total = torch.zeros((), device=self.device)
+        for buckets in self._buckets:
+            buckets.start_step(microbatches)
         for i, chunk in enumerate(chunks):
             loss = self.module(*chunk)
             if microbatches > 1:
                 loss = loss / microbatches
             total += loss.detach()
-            last = i == microbatches - 1
-            for buckets in self._buckets:
-                buckets.start_backward(synchronize=last, loss=total if last else None)
+            if i == microbatches - 1:
+                for buckets in self._buckets:
+                    buckets.carry(total)
             loss.backward()
         loss = self._buckets[0].finish() if self._buckets else float(total)
         self.complete_gradients()

@@ -1,7 +1,8 @@
 """Tier 3: pipeline-parallel training under fxpar equals single-device training.
 
 GPT and Llama-style models, pp = 2 and 4, 4 and 8 microbatches, every schedule (GPipe, 1F1B,
-interleaved 1F1B), and pipelines combined with dp = 2 and with tp = 2. Tolerances and their
+interleaved 1F1B, zero-bubble ZB-H1 with its deferred weight gradients), and pipelines
+combined with dp = 2 and with tp = 2. Tolerances and their
 reasons are the data-parallel test's (relative 1e-5): microbatching sums the same gradients in
 another order. Every step's transfers and collectives are compared with the compiler's
 prediction and the cost model's payload, as in the tensor-parallel test.
@@ -21,11 +22,13 @@ pytestmark = pytest.mark.multirank
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_pp2_every_schedule_matches_single_device(torchrun, model):
-    plans = ["pp=2 mb=4", "pp=2 mb=8 schedule=gpipe", "pp=2 mb=4 schedule=interleaved virtual_stages=2"]
+    plans = ["pp=2 mb=4", "pp=2 mb=8 schedule=gpipe", "pp=2 mb=4 schedule=interleaved virtual_stages=2",
+             "pp=2 mb=4 schedule=zb-h1"]
     train_and_compare(torchrun, 2, plans, model)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_pp4_and_pipelines_with_dp_and_tp_match_single_device(torchrun, model):
-    plans = ["pp=4 mb=8", "pp=4 mb=4 schedule=gpipe", "dp=2 pp=2 mb=4", "pp=2 tp=2 mb=4"]
+    plans = ["pp=4 mb=8", "pp=4 mb=4 schedule=gpipe", "dp=2 pp=2 mb=4", "pp=2 tp=2 mb=4",
+             "pp=4 mb=8 schedule=zb-h1", "dp=2 pp=2 mb=4 schedule=zb-h1", "pp=2 tp=2 mb=4 schedule=zb-h1"]
     train_and_compare(torchrun, 4, plans, model)
