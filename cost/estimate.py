@@ -32,7 +32,10 @@ Time model, per rank:
   around the optimizer step are fully exposed;
 * bubble: with a pipeline, the schedule simulated with each stage's predicted times and one
   boundary transfer between dependent actions on different ranks (`fxpar.schedules.simulate`);
-  the rank's idle time in it.
+  the rank's idle time in it (the simulation itself is `Estimate.pipeline`). A schedule that
+  splits the backward (zb-h1) runs each stage's backward as B and W: W is the weight
+  gradients of the stage's linears, each its forward matmul FLOPs at the matmul rate (half
+  the linear's backward; `cost.layout`), B the rest of the backward.
 
 Per rank: tensor parallelism divides the work of sharded ops and the parameters it splits,
 a pipeline gives each rank its stages and the activations of the microbatches it keeps in
@@ -54,7 +57,7 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.symbols import BATCH
-from fxpar.schedules import simulate
+from fxpar.schedules import Simulation, simulate
 
 if TYPE_CHECKING:
     from fxpar.program import Program
@@ -139,6 +142,10 @@ class Estimate:
     uncosted: dict[str, int]  # ops without a compute rule -> occurrences
     peak_flops: float  # of one device, in the plan's math precision (for MFU)
     world_size: int
+    # The simulated pipeline step behind time.bubble: each stage's F, B (and W) seconds per
+    # microbatch, the reported rank's boundary transfer; print it for the grid. None without
+    # a pipeline.
+    pipeline: Simulation | None = None
 
     def mfu(self, seconds: float | None = None) -> float:
         """Model FLOPs utilisation of a step taking `seconds` (default: the predicted time)."""
@@ -214,7 +221,7 @@ def estimate(
     candidates = [mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)]
     per_rank = {r: _rank_terms(program, r, device, optimizer, precision, narrow, numbers) for r in candidates}
     rank = max(candidates, key=lambda r: float(per_rank[r][0]["memory.total"].subs(numbers)))
-    rank_formulas, comm = per_rank[rank]
+    rank_formulas, comm, pipeline_run = per_rank[rank]
     formulas.update(rank_formulas)
 
     values = {k: float(sympy.sympify(v).subs(numbers)) for k, v in formulas.items()}
@@ -236,11 +243,13 @@ def estimate(
         uncosted=compute.uncosted,
         peak_flops=device.peak_flops[precision],
         world_size=program.world_size,
+        pipeline=pipeline_run,
     )
 
 
 def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
-    """Memory, time and communication formulas of one rank, and its comm table."""
+    """Memory, time and communication formulas of one rank, its comm table and, with a
+    pipeline, the simulated step behind its bubble."""
     plan = program.plan
     dp, share = plan.dp, sympy.Rational(1, plan.dp)
     pipeline = program.schedule
@@ -278,7 +287,8 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         grads_persist=dp > 1 or plan.microbatches > 1,
     )
 
-    # Time: this rank's ops over its share of the batch.
+    # Time: this rank's ops over its share of the batch. `weight` is the part of `backward`
+    # that is weight gradients of linears (W in a split schedule; cost.layout).
     def seconds(piece):
         rate = device.matmul_rate(precision)
         dense = share * (piece.matmul_flops - piece.attention_flops) / rate
@@ -287,7 +297,8 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         overhead = plan.microbatches * sympy.Float(device.op_overhead)
         forward = dense + attention + streamed + piece.forward_ops * overhead
         backward = 2 * (dense + attention + streamed) + piece.backward_nodes * overhead
-        return forward, backward
+        weight = share * piece.weight_gradient_flops / rate
+        return forward, backward, weight
 
     timed = {id(p): seconds(p) for p in all_shares}
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
@@ -296,22 +307,27 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     updated = parameters * (share if plan.zero >= 1 else 1)
     formulas["time.optimizer"] = optimizer_seconds(optimizer, tensors, updated, device)
     formulas["time.bubble"] = sympy.Integer(0)
+    run = None
     if pipeline is not None:
         # The schedule's idle time, from the simulator with this size's stage times (GPipe
         # Sec. 2.3; Narayanan et al. 2021 Sec. 2.2): the bubble term is a simulation, not a
         # closed form, so uneven stages and interleaving are priced as they run.
         # A transfer between stages sits on the critical path: the simulator adds one boundary
         # send (alpha-beta, the largest boundary of a microbatch) between dependent actions.
+        # A split schedule (zb-h1) runs the weight gradients apart, as W: B is the rest.
         m = plan.microbatches
-        f = [float(timed[id(p)][0].subs(numbers)) / m for p in all_shares]
-        b = [float(timed[id(p)][1].subs(numbers)) / m for p in all_shares]
+        f, b, w = ([float(timed[id(p)][i].subs(numbers)) / m for p in all_shares] for i in range(3))
+        if pipeline.splits_backward:
+            b = [whole - weight for whole, weight in zip(b, w)]
+        else:
+            w = [0.0] * len(b)
         transfers = [c for c in program.collectives(rank) if c.kind == "send"]
         hop = max(
             (float(collective_time("send", c.payload_bytes * narrow, 2, device.link(c.group)))
              for c in transfers),
             default=0.0,
         )
-        run = simulate(pipeline, f, b, comm_cost=hop)
+        run = simulate(pipeline, f, b, weight_cost=w, comm_cost=hop)
         formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
 
     comm: dict[str, dict[str, float]] = {}
@@ -337,7 +353,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     formulas["time.total"] = sum(
         formulas[f"time.{k}"] for k in ("compute", "optimizer", "comm_exposed", "bubble")
     )
-    return formulas, comm
+    return formulas, comm, run
 
 
 def _rounded(expr: sympy.Expr) -> sympy.Expr:

@@ -7,6 +7,13 @@ a replicated op (a norm without sequence parallelism, the residual adds) is done
 every rank. A stage counts only the ops it computes (`passes.pipeline.STAGE`), not the shape
 arithmetic every stage recomputes.
 
+Weight gradients: in a schedule that splits each backward into B and W (`fxpar.schedules`,
+[Note: B and W]), W is the gradient of the weights of the stage's linears whose weight is a
+trainable parameter no other op reads (`has_weight_gradient`): grad_out^T x, 2 x rows x in x
+out FLOPs, the linear's own forward matmul FLOPs (`cost.ops`'s `linear` rule), so half the
+linear's backward (Qi et al. 2024, Sec. 2). Every other op's backward (norms, embeddings,
+biases, attention) stays in B.
+
 Activations: the exact formula is the whole model's (`cost.activations`, a symbolic fake
 forward). A rank's share of it is approximated by the share of the model's op outputs it
 produces, weighting sharded outputs by 1/tp: exact for one rank holding everything, and
@@ -21,9 +28,11 @@ from typing import TYPE_CHECKING
 
 import sympy
 import torch
+import torch.fx as fx
 
 from fxpar import meta
 from fxpar.cost.ops import cost_of, op_counts
+from fxpar.passes.weight_gradients import LINEAR, deferrable
 from fxpar.placement import Partial, Shard
 
 if TYPE_CHECKING:
@@ -39,6 +48,7 @@ class Share:
     stage: int | None
     matmul_flops: sympy.Expr  # over the global batch; divide by dp for one rank
     attention_flops: sympy.Expr
+    weight_gradient_flops: sympy.Expr  # the part of the backward (2 x matmul_flops) run as W
     other_bytes: sympy.Expr
     forward_ops: int
     backward_nodes: int
@@ -63,7 +73,7 @@ def shares(program: Program) -> list[Share]:
     result = []
     for stage, gm, mine in graphs:
         nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
-        matmul = attention = moved = sympy.Integer(0)
+        matmul = attention = weight = moved = sympy.Integer(0)
         for node in nodes:
             cost = cost_of(node, program.captured.shape)
             if cost is None:
@@ -71,6 +81,8 @@ def shares(program: Program) -> list[Share]:
             split = tp if isinstance(meta.placement(node), (Shard, Partial)) else 1
             matmul += cost.matmul_flops / split
             attention += cost.attention_flops / split
+            if has_weight_gradient(node):
+                weight += cost.matmul_flops / split
             if cost.matmul_flops == 0:
                 moved += cost.bytes / split
         forward_ops, backward_nodes = op_counts(gm)
@@ -79,10 +91,25 @@ def shares(program: Program) -> list[Share]:
             for name, node in meta.parameter_nodes(gm.graph).items()
         }
         produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)
-        result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(moved),
-                            forward_ops, backward_nodes, parameters, produced / total_output))
+        result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
+                            sympy.expand(moved), forward_ops, backward_nodes, parameters,
+                            produced / total_output))
     program._layout_shares = result
     return result
+
+
+def has_weight_gradient(node: fx.Node) -> bool:
+    """Whether a split schedule runs `node`'s weight gradient as W: `node` is `linear(x, w, b)`
+    with w a trainable parameter whose gradient `passes.weight_gradients` defers (a parameter
+    also read by another op, an embedding tied to the head in the same stage, gets its whole
+    gradient in B)."""
+    if node.op != "call_function" or node.target is not LINEAR or len(node.args) < 2:
+        return False
+    weight = node.args[1]
+    return (
+        isinstance(weight, fx.Node) and meta.parameter_name(weight) is not None
+        and meta.requires_grad(weight) and deferrable(weight)
+    )
 
 
 def _output_bytes(nodes, program: Program, *, tp: int) -> float:

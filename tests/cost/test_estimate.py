@@ -14,6 +14,7 @@ import fxpar
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.estimate import graph_compute, mfu
 from fxpar.cost.hardware import PROFILES
+from fxpar.cost.layout import shares
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.symbols import BATCH, SEQ
 from fxpar.trace import capture
@@ -225,3 +226,84 @@ def test_a_1024_rank_plan_of_a_meta_model_is_estimated():
     assert estimate.comm["all_gather"]["count"] == 2 * len(program.buckets)
     assert estimate.time["total"] > estimate.time["compute"] > 0
     assert 0 < estimate.mfu() < 1
+
+
+# -- the zero-bubble schedule: each backward split into B and W -------------------------------------
+
+# Large enough that matmuls, not per-op overheads, set the stage times; on meta, nothing allocated.
+MEDIUM = GPTConfig(n_layer=4, n_embd=1024, n_head=16, vocab_size=4096, block_size=512)
+
+
+@pytest.fixture(scope="module")
+def zb_and_1f1b():
+    with torch.device("meta"):
+        model = GPT(MEDIUM)
+    tokens = torch.randint(0, MEDIUM.vocab_size, (16, 512))
+    return {name: fxpar.compile(model, f"pp=2 mb=4 schedule={name}", example_inputs=(tokens, tokens))
+            for name in ("zb-h1", "1f1b")}
+
+
+def seconds_by_stage_and_kind(simulation) -> dict[tuple[int, str], float]:
+    seconds: dict[tuple[int, str], float] = {}
+    for row in simulation.timeline:
+        for action, start, end in row:
+            key = (action.stage, action.kind)
+            seconds[key] = seconds.get(key, 0.0) + end - start
+    return seconds
+
+
+def test_zb_h1_shrinks_the_bubble_and_keeps_the_backward(zb_and_1f1b):
+    """ZB-H1 runs the weight gradients (W) in what 1F1B leaves idle (Qi et al. 2024, Sec. 3.1):
+    a smaller bubble on every rank, for the same work. B + W of each stage is 1F1B's B, to
+    float rounding (the split is one subtraction)."""
+    zb, whole = (zb_and_1f1b[name].estimate("h100") for name in ("zb-h1", "1f1b"))
+    assert zb.pipeline.schedule.splits_backward and not whole.pipeline.schedule.splits_backward
+    assert zb.time["bubble"] < whole.time["bubble"]
+    for rank in range(2):
+        assert zb.pipeline.total - zb.pipeline.busy[rank] < whole.pipeline.total - whole.pipeline.busy[rank]
+    split, one = seconds_by_stage_and_kind(zb.pipeline), seconds_by_stage_and_kind(whole.pipeline)
+    for stage in range(2):
+        assert split[stage, "F"] == pytest.approx(one[stage, "F"], rel=1e-12)
+        assert 0 < split[stage, "W"] < split[stage, "B"]
+        assert split[stage, "B"] + split[stage, "W"] == pytest.approx(one[stage, "B"], rel=1e-12)
+
+
+def test_weight_gradient_is_the_linears_weights_times_two_tokens(zb_and_1f1b):
+    """W of a linear is grad_out^T x: 2 x tokens x in x out FLOPs. This GPT's linears hold
+    12 d^2 weights per layer (q, k, v, o: 4 d^2; the MLP: 8 d^2) and the tied head V d, so the
+    stages' W FLOPs sum to 2 batch seq (12 L d^2 + V d); at the matmul rate, the W seconds of
+    the simulated step (dp=1: one rank does a stage's whole batch)."""
+    program = zb_and_1f1b["zb-h1"]
+    L, d, V = MEDIUM.n_layer, MEDIUM.n_embd, MEDIUM.vocab_size
+    closed_form = 2 * BATCH * SEQ * (12 * L * d**2 + V * d)
+    assert sympy.expand(sum(s.weight_gradient_flops for s in shares(program)) - closed_form) == 0
+    estimate = program.estimate("h100")
+    w_seconds = sum(t for (_, kind), t in seconds_by_stage_and_kind(estimate.pipeline).items() if kind == "W")
+    rate = PROFILES["h100"].matmul_rate("fp32")
+    assert w_seconds == pytest.approx(float(closed_form.subs({BATCH: 16, SEQ: 512})) / rate, rel=1e-9)
+
+
+def test_a_weight_tied_to_an_embedding_in_the_same_graph_stays_in_b(program):
+    """Unpipelined, the tied wte is read by the embedding and the head in one graph: its
+    gradient is not deferred (`passes.weight_gradients`), so W holds only the blocks' 12 L d^2."""
+    (whole,) = shares(program)
+    L, d = CONFIG.n_layer, CONFIG.n_embd
+    assert sympy.expand(whole.weight_gradient_flops - 2 * BATCH * SEQ * 12 * L * d**2) == 0
+
+
+def test_tensor_parallel_stages_split_their_weight_gradients():
+    """Under tp=2 every linear of the GPT is column- or row-parallel (the head vocab-parallel),
+    so each rank computes half of each weight gradient; the program compiles and checks."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 32))
+    flops = {}
+    for plan in ("pp=2 mb=2 schedule=zb-h1", "pp=2 tp=2 mb=2 schedule=zb-h1"):
+        program = fxpar.compile(GPT(CONFIG), plan, example_inputs=(tokens, tokens))
+        program.check()
+        flops[plan] = sum(s.weight_gradient_flops for s in shares(program))
+        assert program.estimate("h100").pipeline.schedule.name == "zb-h1"
+    assert sympy.expand(2 * flops["pp=2 tp=2 mb=2 schedule=zb-h1"] - flops["pp=2 mb=2 schedule=zb-h1"]) == 0
+
+
+def test_no_pipeline_no_simulation(program):
+    assert program.estimate("h100").pipeline is None
