@@ -31,7 +31,7 @@ Time model, per rank:
   outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
   around the optimizer step are fully exposed;
 * bubble: with a pipeline, the schedule simulated with each stage's predicted times and one
-  boundary transfer between dependent actions on different ranks (`fxpar.schedules.simulate`);
+  boundary transfer between dependent actions on different ranks (`fxpar.simulation.simulate`);
   the rank's idle time in it (the simulation itself is `Estimate.pipeline`). A schedule that
   splits the backward (zb-h1) runs each stage's backward as B and W: W is the weight
   gradients of the stage's linears, each its forward matmul FLOPs at the matmul rate (half
@@ -57,7 +57,7 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.symbols import BATCH
-from fxpar.schedules import Simulation, simulate
+from fxpar.simulation import Simulation, simulate
 
 if TYPE_CHECKING:
     from fxpar.program import Program

@@ -29,7 +29,8 @@ from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
 from fxpar.passes.pipeline import STAGE, Boundary, split_stages
 from fxpar.placement import Shard
-from fxpar.schedules import DeadlockError, Schedule, simulate
+from fxpar.schedules import Schedule
+from fxpar.simulation import DeadlockError, simulate
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,15 @@ import pytest
 
 from fxpar.schedules import (
     Action,
-    DeadlockError,
     Schedule,
     check,
     gpipe,
     interleaved_one_f_one_b,
     one_f_one_b,
     schedule,
-    simulate,
     zero_bubble_h1,
 )
+from fxpar.simulation import DeadlockError, simulate
 
 FLAT = [(2, 4), (4, 4), (4, 8), (8, 16), (3, 5)]
 INTERLEAVED = [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 2), (4, 2, 4)]

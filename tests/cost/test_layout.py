@@ -9,7 +9,7 @@ import sympy
 
 import fxpar
 from fxpar.cost.layout import shares
-from fxpar.schedules import simulate
+from fxpar.simulation import simulate
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402
