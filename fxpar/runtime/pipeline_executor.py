@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,80 +110,97 @@ class PipelineExecutor:
         return buffers, pending
 
     def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
-        runner, program = self.runner, self.program
-        stages, last = program.stages, len(program.stages) - 1
-        names = program.captured.input_names
+        """One training step over this rank's microbatches; returns the global-batch mean loss."""
+        runner = self.runner
         sizes, size_key = self._step_sizes(chunks[0])
-        microbatches = len(chunks)
-        inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
-        outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        step = _Step(chunks, torch.zeros((), device=runner.device))
         receiving: dict[int, tuple[list[torch.Tensor], list[PendingCollective]]] = {}
-        total = torch.zeros((), device=runner.device)
-        pending = []
         for buckets in runner._buckets:
-            buckets.start_step(microbatches)
-        communicator, rank = runner.communicator, runner.rank
-        split = self.schedule.splits_backward  # zero-bubble: B and W actions
+            buckets.start_step(len(chunks))
         self.timeline = []
         for event, index in issue_order(len(self.actions)):
             action = self.actions[index]
             if event == "receive":
                 receiving[index] = self._post_receives(action, sizes, size_key)
                 continue
-            stage = stages[action.stage]
-            mb = action.microbatch
-            module = self._module(stage.index)
             received, transfers = receiving.pop(index)
             for transfer in transfers:
                 transfer.wait()
             start = time.perf_counter()  # the timeline shows compute, not waiting for peers
-            if action.kind == "W":
-                self.weights.run((stage.index, mb))
-            elif action.kind == "F":
-                for boundary, buffer in zip(stage.inputs, received):
-                    buffer.requires_grad_(boundary.requires_grad)
-                user = dict(zip(names, chunks[mb]))
-                with deferring() if split else nullcontext():
-                    result = module(*received, *(user[n] for n in stage.user_inputs))
-                inputs[(stage.index, mb)] = received
-                if stage.index == last:
-                    loss = result / microbatches if microbatches > 1 else result
-                    total += loss.detach()
-                    outputs[(stage.index, mb)] = (loss,)
-                else:
-                    outputs[(stage.index, mb)] = result
-                    pending += communicator.send_all([v.detach() for v in result], rank, self._peer(stage.index + 1),
-                                                     tag=f"stage {stage.index + 1} activations", phase="forward",
-                                                     key=self._key(stage.index + 1, mb, False))
+            if action.kind == "F":
+                self._forward(action, received, step)
+            elif action.kind == "B":
+                self._backward(action, received, step)
             else:
-                produced = outputs.pop((stage.index, mb))
-                if stage.index == last:
-                    tensors, grads = [produced[0]], None
-                else:  # received: the gradients of the stage's outputs
-                    tensors, grads = [v for b, v in zip(stage.outputs, produced) if b.requires_grad], received
-                if split:
-                    with self.weights.collect((stage.index, mb)):
-                        torch.autograd.backward(tensors, grads)
-                else:
-                    torch.autograd.backward(tensors, grads)
-                stage_inputs = inputs.pop((stage.index, mb))
-                if stage.index > 0:
-                    grads_back = [
-                        value.grad if value.grad is not None else torch.zeros_like(value)
-                        for boundary, value in zip(stage.inputs, stage_inputs) if boundary.requires_grad
-                    ]
-                    pending += communicator.send_all(grads_back, rank, self._peer(stage.index - 1),
-                                                     tag=f"stage {stage.index - 1} gradients", phase="backward",
-                                                     key=self._key(stage.index - 1, mb, True))
+                self.weights.run((action.stage, action.microbatch))
             if runner.record_timeline:
                 self.timeline.append((str(action), start, time.perf_counter()))
-        for send in pending:
+        for send in step.sends:
             send.wait()
         runner.complete_gradients()
         # Only the last stage knows the loss: sum it over the pipeline, then average over dp.
-        groups = runner.groups
-        communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
+        groups, total = runner.groups, step.loss
+        runner.communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
         if groups[Axis.DP].size > 1:
             total /= groups[Axis.DP].size
-            communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
+            runner.communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
         return float(total)
+
+    def _forward(self, action, received: list[torch.Tensor], step: _Step) -> None:
+        """F: run the stage on its received inputs; send the outputs on (the last stage keeps
+        its loss, scaled by 1/microbatches as gradient accumulation does)."""
+        stage, mb = self.program.stages[action.stage], action.microbatch
+        for boundary, buffer in zip(stage.inputs, received):
+            buffer.requires_grad_(boundary.requires_grad)
+        user = dict(zip(self.program.captured.input_names, step.chunks[mb]))
+        with deferring() if self.schedule.splits_backward else nullcontext():
+            result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs))
+        step.inputs[(stage.index, mb)] = received
+        if stage.index == len(self.program.stages) - 1:
+            microbatches = len(step.chunks)
+            loss = result / microbatches if microbatches > 1 else result
+            step.loss += loss.detach()
+            step.outputs[(stage.index, mb)] = (loss,)
+            return
+        step.outputs[(stage.index, mb)] = result
+        step.sends += self.runner.communicator.send_all(
+            [v.detach() for v in result], self.runner.rank, self._peer(stage.index + 1),
+            tag=f"stage {stage.index + 1} activations", phase="forward",
+            key=self._key(stage.index + 1, mb, False),
+        )
+
+    def _backward(self, action, received: list[torch.Tensor], step: _Step) -> None:
+        """B: backward through the stage from its outputs' received gradients (the last stage:
+        from its loss); send its inputs' gradients back. Under a zero-bubble schedule the
+        linear weights' gradients are left for the W action."""
+        stage, mb = self.program.stages[action.stage], action.microbatch
+        produced = step.outputs.pop((stage.index, mb))
+        if stage.index == len(self.program.stages) - 1:
+            tensors, grads = [produced[0]], None
+        else:
+            tensors, grads = [v for b, v in zip(stage.outputs, produced) if b.requires_grad], received
+        with self.weights.collect((stage.index, mb)) if self.schedule.splits_backward else nullcontext():
+            torch.autograd.backward(tensors, grads)
+        stage_inputs = step.inputs.pop((stage.index, mb))
+        if stage.index > 0:
+            grads_back = [
+                value.grad if value.grad is not None else torch.zeros_like(value)
+                for boundary, value in zip(stage.inputs, stage_inputs) if boundary.requires_grad
+            ]
+            step.sends += self.runner.communicator.send_all(
+                grads_back, self.runner.rank, self._peer(stage.index - 1),
+                tag=f"stage {stage.index - 1} gradients", phase="backward",
+                key=self._key(stage.index - 1, mb, True),
+            )
+
+
+@dataclass
+class _Step:
+    """What one step's actions hand each other: inputs kept for backward, outputs (or the loss)
+    until their B, the summed loss, and the isends to wait for at the end."""
+
+    chunks: list[tuple[torch.Tensor, ...]]
+    loss: torch.Tensor
+    inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    sends: list[PendingCollective] = field(default_factory=list)
