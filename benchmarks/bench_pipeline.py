@@ -2,11 +2,12 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_pipeline.py
 
-Two measurements per GPT size and schedule (1F1B and GPipe, 8 microbatches by default):
+Two measurements per GPT size and schedule (1F1B, GPipe and ZB-H1, 8 microbatches by default):
 
 1. Side by side. The same seeded GPT trains under fxpar (`pp=2 mb=8 schedule=...`, automatic
    cut) and under torch.distributed.pipelining (`pipeline(..., split_spec={cut: BEGINNING})`
-   with `Schedule1F1B` / `ScheduleGPipe`), cut at the block where fxpar cut. One timed step:
+   with `Schedule1F1B` / `ScheduleGPipe` / `ScheduleInterleavedZeroBubble`, torch's ZB1P, with
+   one stage per rank), cut at the block where fxpar cut. One timed step:
 
        fxpar:  loss = runner.step(x, y);                              opt.step(); opt.zero_grad()
        torch:  schedule.step(x) (rank 0) / schedule.step(target=y, losses=l) (rank 1),
@@ -54,8 +55,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import (
-    Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline,
+    Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble, SplitPoint, pipeline,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 import fxpar
 from fxpar import meta
@@ -69,7 +71,10 @@ from gpt import GPT  # noqa: E402
 
 GLOBAL_BATCH = 16
 MODELS = GPT_SIZES
-TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+# torch's ScheduleInterleavedZeroBubble is the paper's ZB1P (= ZB-H1) for any number of
+# stages per rank, here one.
+TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                   "zb-h1": ScheduleInterleavedZeroBubble}
 OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-4
 
@@ -104,7 +109,7 @@ def parse_args() -> argparse.Namespace:
                         help="timeline-recording steps per side for the bubble")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["small", "medium"], choices=list(MODELS))
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"],
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zb-h1"],
                         choices=list(TORCH_SCHEDULES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -151,8 +156,11 @@ class TorchPipeline:
             raise RuntimeError(f"torch's pipeline made {pipe.num_stages} stages, expected 2")
         self.stage = pipe.build_stage(self.rank, torch.device("cpu"))
         self.module = self.stage.submod
-        self.schedule = TORCH_SCHEDULES[schedule_name](
-            self.stage, microbatches, loss_fn=cross_entropy, scale_grads=True
+        schedule_class = TORCH_SCHEDULES[schedule_name]
+        multi = issubclass(schedule_class, PipelineScheduleMulti)  # takes a list of stages
+        self.schedule = schedule_class(
+            [self.stage] if multi else self.stage, microbatches, loss_fn=cross_entropy,
+            scale_grads=True,
         )
         # `pipeline` REPLICATEs the tied weight: stage 0 reads it as wte.weight, stage 1 as
         # lm_head.weight, two separate tensors whose gradients must be summed (as fxpar does).
@@ -173,9 +181,11 @@ class TorchPipeline:
         return None
 
     def record(self) -> None:
-        """Time each forward_one_chunk / backward_one_chunk (compute only, no comm waits)."""
+        """Time each forward_one_chunk / backward_one_chunk / backward_weight_one_chunk (compute
+        only, no comm waits)."""
         self.spans = []
-        for name, tag in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+        for name, tag in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                          ("backward_weight_one_chunk", "W")):
             original = getattr(self.stage, name)
 
             def timed(*args, _original=original, _tag=tag, **kwargs):
@@ -313,7 +323,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     print()
     print(f"Measured bubble (fxpar, record_timeline, {args.bubble_steps} steps) against "
           "simulate(program.schedule, F, B, comm_cost) with each stage's median F and B")
-    header = ["model", "schedule", "F ms s0/s1", "B ms s0/s1", "step ms: measured/sim/replay",
+    header = ["model", "schedule", "F ms s0/s1", "B (W) ms s0/s1", "step ms: measured/sim/replay",
               "measured idle", "simulated", "diff pp", "transfer ms: ping/observed",
               "simulated + ping", "diff pp", "simulated + observed", "replay", "receive wait",
               "torch idle (compute spans)"]
@@ -323,7 +333,9 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         rows.append([
             r["model"], r["schedule"],
             "/".join(f"{v:.2f}" for v in b["forward_ms"]),
-            "/".join(f"{v:.2f}" for v in b["backward_ms"]),
+            "/".join(f"{v:.2f}" for v in b["backward_ms"])
+            + ("" if not any(b["weight_ms"]) else
+               " W " + "/".join(f"{v:.2f}" for v in b["weight_ms"])),
             f"{b['step_ms']:.1f}/{b['simulated_step_ms_none']:.1f}/{b['replay_step_ms']:.1f}",
             f"{100 * b['idle']:.1f}%", f"{100 * b['simulated_bubble_none']:.1f}%",
             f"{100 * (b['idle'] - b['simulated_bubble_none']):+.1f}",
@@ -347,9 +359,10 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
           "> 50 us). replay: the simulator's rules with every action's own duration, no "
           "transfer cost. receive wait: share of T spent waiting for receives. torch idle: "
           "1 - its forward_one_chunk/backward_one_chunk spans / T (its work between chunks "
-          "counts as idle there, so it is not comparable with fxpar's column). Ideal "
-          "(p-1)/(m+p-1) = "
-          + ", ".join(sorted({f"{100 * r['bubble']['ideal_bubble']:.1f}%" for r in results})))
+          "counts as idle there, so it is not comparable with fxpar's column). With unit "
+          "costs (F = B = W) the bubble is "
+          + ", ".join(sorted({f"{r['schedule']} {100 * r['bubble']['unit_cost_bubble']:.1f}%"
+                              for r in results})))
     if args.json is not None:
         write_json(args.json, args, results)
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxpar.schedules import Action, Schedule, simulate
+from fxpar.schedules import Action, Schedule
+from fxpar.simulation import simulate
 
 if TYPE_CHECKING:
     from bench_pipeline import TorchPipeline
@@ -56,7 +57,8 @@ def replay(schedule: Schedule, durations: dict[Action, float]) -> float:
     """The makespan of `schedule` with each action's own duration and no communication time.
 
     `simulate` with one cost per action instead of one per stage: the same rules (F(s, mb) after
-    F(s-1, mb); B(s, mb) after F(s, mb) and B(s+1, mb); each rank in its order)."""
+    F(s-1, mb); B(s, mb) after F(s, mb) and B(s+1, mb); W(s, mb) after B(s, mb); each rank in
+    its order)."""
     end: dict[Action, float] = {}
     clock = [0.0] * schedule.p
     done = [0] * schedule.p
@@ -68,6 +70,8 @@ def replay(schedule: Schedule, durations: dict[Action, float]) -> float:
                 a = row[done[rank]]
                 if a.kind == "F":
                     deps = [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+                elif a.kind == "W":
+                    deps = [Action(a.stage, "B", a.microbatch)]
                 else:
                     deps = [Action(a.stage, "F", a.microbatch)]
                     if a.stage < schedule.stages - 1:
@@ -123,7 +127,7 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
     if dist.get_rank() != 0:
         return {}
     schedule, stages = program.schedule, len(program.stages)
-    costs: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FB"}
+    costs: dict[tuple[int, str], list[float]] = {(s, k): [] for s in range(stages) for k in "FBW"}
     step_times, idle, wait_share, replay_bubbles, replay_times, hops = [], [], [], [], [], []
     for ranks in per_step:
         begin = min(s for rows in ranks for _, s, *_ in rows)
@@ -144,7 +148,7 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         for rows in ranks:
             for text, _, _, _, waited, received in rows:
                 action = Action.parse(text)
-                if received is None or waited < 50e-6:
+                if received is None or waited < 50e-6 or action.kind == "W":
                     continue
                 if action.kind == "F":
                     producer = Action(action.stage - 1, "F", action.microbatch)
@@ -156,13 +160,12 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         replay_times.append(makespan)
         replay_bubbles.append(1 - busy_total / (schedule.p * makespan))
     med, mean = statistics.median, statistics.fmean
-    f = [med(costs[(s, "F")]) for s in range(stages)]
-    b = [med(costs[(s, "B")]) for s in range(stages)]
+    f, b, w = ([med(costs[(s, k)]) if costs[(s, k)] else 0.0 for s in range(stages)] for k in "FBW")
     hop = med(hops) if hops else 0.0
     simulated = {
-        "none": simulate(schedule, f, b),
-        "ping": simulate(schedule, f, b, comm_cost=ping_ms / 1e3),
-        "observed": simulate(schedule, f, b, comm_cost=hop),
+        "none": simulate(schedule, f, b, weight_cost=w),
+        "ping": simulate(schedule, f, b, weight_cost=w, comm_cost=ping_ms / 1e3),
+        "observed": simulate(schedule, f, b, weight_cost=w, comm_cost=hop),
     }
     example = per_step[len(per_step) // 2]
     origin = min(s for rows in example for _, s, *_ in rows)
@@ -174,6 +177,7 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         "receive_wait_share": mean(wait_share),
         "forward_ms": [1e3 * v for v in f],
         "backward_ms": [1e3 * v for v in b],
+        "weight_ms": [1e3 * v for v in w],
         "ping_ms": ping_ms,
         "hop_ms": 1e3 * hop,
         "hops": len(hops),
@@ -181,7 +185,9 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         **{f"simulated_step_ms_{k}": 1e3 * float(v.total) for k, v in simulated.items()},
         "replay_bubble": mean(replay_bubbles),
         "replay_step_ms": 1e3 * med(replay_times),
-        "ideal_bubble": (schedule.p - 1) / (schedule.m + schedule.p - 1),
+        "unit_cost_bubble": float(
+            simulate(schedule, 1, 1, weight_cost=int(schedule.splits_backward)).bubble_fraction
+        ),
         "example_timeline_ms": [
             [(a, round(1e3 * (s - origin), 3), round(1e3 * (e - origin), 3), round(1e3 * w, 3))
              for a, s, e, _, w, _ in rows]
