@@ -27,8 +27,8 @@ Two measurements per GPT size and schedule (1F1B, GPipe and ZB-H1, 8 microbatche
 
 2. The bubble. More fxpar steps with `runner.record_timeline = True`; both ranks' timelines
    go to rank 0 (`dist.all_gather_object`). A step's time T runs from the earliest action start
-   to the latest action end over both ranks; a rank's idle fraction is 1 - busy / T, averaged
-   over ranks and steps. A rank idles only while it waits for a peer's data (and before its
+   to the latest action end over both ranks; a rank's idle fraction is 1 - busy / T; a step's
+   is the mean over ranks, and the reported one is the median step's. A rank idles only while it waits for a peer's data (and before its
    first and after its last action); busy is its timeline spans plus the executor's work
    between actions (posting the next receives). The simulator's prediction is
    `simulate(program.schedule, F, B, comm_cost=c).bubble_fraction` with F and B each stage's
@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -180,6 +181,20 @@ class TorchPipeline:
                 return None
         return None
 
+    def order(self) -> list[list[str]] | None:
+        """Each rank's compute actions in fxpar's notation ("0B3" for torch's input-gradient
+        "0I3") for the schedules that run their `pipeline_order`, else None.
+
+        Schedule1F1B and ScheduleGPipe also carry a `pipeline_order` (torch 2.13), but run their
+        own loop: for 1F1B with 8 microbatches it lists rank 1 as 1F1 1B0 ... 1F8 1B7, a
+        microbatch 8 that does not exist, so it is not compared."""
+        if not isinstance(self.schedule, PipelineScheduleMulti):
+            return None
+        order = self.schedule.pipeline_order
+        return [[str(a).replace("I", "B") for a in order[r]
+                 if a is not None and re.fullmatch(r"\d+[FIBW]\d+", str(a))]
+                for r in sorted(order)]
+
     def record(self) -> None:
         """Time each forward_one_chunk / backward_one_chunk / backward_weight_one_chunk (compute
         only, no comm waits)."""
@@ -259,6 +274,9 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
         "parameters": program.captured.parameter_count(),
         "cut": cut,
         "grid": str(program.schedule),
+        # Where torch exposes its order: is it the same schedule as fxpar's, action for action?
+        "same_order_as_torch": None if torch_side.order() is None else
+        torch_side.order() == [[str(a) for a in row] for row in program.schedule.actions],
         **comparison(runs, "torch", torch_losses, fx_losses, mismatch),
         "boundary_shape": boundary,
         "p2p_latency_ms": ping,
@@ -283,7 +301,9 @@ def main() -> int:
             if runner.is_main:
                 print(f"{name} {schedule_name}: torch {result['torch']['median_ms']:.1f} ms, "
                       f"fxpar {result['fxpar']['median_ms']:.1f} ms, ratio "
-                      f"{result['ratio']:.3f}, losses match {result['losses_match']}",
+                      f"{result['ratio']:.3f}, losses match {result['losses_match']}"
+                      + ("" if result["same_order_as_torch"] is None else
+                         f", same order as torch's {result['same_order_as_torch']}"),
                       flush=True)
             if not result["losses_match"]:
                 break
@@ -349,10 +369,11 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         ])
     print(format_table(header, rows))
     print("  T (step): earliest action start to latest action end over both ranks. idle: "
-          "1 - busy / T, mean over ranks and steps; a rank idles only while it waits for a "
-          "peer's data; busy = the runner.timeline() spans (from the end of an action's "
-          "receives to the end of its isend posts) plus the executor's work between actions. "
-          "F/B: median busy ms per action of each stage. simulated: simulate(schedule, F, B, comm_cost).bubble_fraction with no "
+          "1 - busy / T, mean over ranks, median over steps (replay too); a rank idles only "
+          "while it waits for a peer's data; busy = the runner.timeline() spans (from the end "
+          "of an action's receives to the end of its isend posts) plus the executor's work "
+          "between actions. F/B: median busy ms per action of each stage. simulated: "
+          "simulate(schedule, F, B, comm_cost).bubble_fraction with no "
           "transfer cost, with the ping (one boundary tensor to a waiting receive, sender "
           "computing; measured just before) and with the median transfer latency observed "
           "in these steps (producer's end to the end of the consumer's wait, over waits "

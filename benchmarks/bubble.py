@@ -94,7 +94,8 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
     (from the end of its receives to the end of posting its isends) plus the executor's work
     since the previous action (posting receives ahead, bookkeeping), which is what a
     simulator's action cost has to cover. idle = 1 - busy / T, with T from the earliest
-    action start to the latest action end over all ranks. The simulator gets each stage's
+    action start to the latest action end over all ranks; the result is the median step's
+    idle (mean over ranks), as for every timing here. The simulator gets each stage's
     median F and B busy time, and as `comm_cost` either nothing, `ping_ms` (a separately
     measured transfer of one boundary tensor) or the median transfer latency seen in these
     steps."""
@@ -172,8 +173,11 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
     return {
         "steps": len(per_step),
         "step_ms": 1e3 * med(step_times),
-        "idle": mean(idle),
-        "idle_per_step": [mean(idle[i:i + schedule.p]) for i in range(0, len(idle), schedule.p)],
+        # Per step: the mean over ranks; the headline is the median step, as every timing here.
+        "idle_per_step": (per_step_idle := [mean(idle[i:i + schedule.p])
+                                            for i in range(0, len(idle), schedule.p)]),
+        "idle": med(per_step_idle),
+        "idle_mean": mean(idle),
         "receive_wait_share": mean(wait_share),
         "forward_ms": [1e3 * v for v in f],
         "backward_ms": [1e3 * v for v in b],
@@ -183,7 +187,10 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         "hops": len(hops),
         **{f"simulated_bubble_{k}": float(v.bubble_fraction) for k, v in simulated.items()},
         **{f"simulated_step_ms_{k}": 1e3 * float(v.total) for k, v in simulated.items()},
-        "replay_bubble": mean(replay_bubbles),
+        "replay_bubble": med(replay_bubbles),
+        "replay_bubble_per_step": replay_bubbles,
+        "step_ms_per_step": [1e3 * t for t in step_times],
+        "replay_step_ms_per_step": [1e3 * t for t in replay_times],
         "replay_step_ms": 1e3 * med(replay_times),
         "unit_cost_bubble": float(
             simulate(schedule, 1, 1, weight_cost=int(schedule.splits_backward)).bubble_fraction
