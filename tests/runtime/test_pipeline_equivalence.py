@@ -20,15 +20,22 @@ from test_tensor_parallel_equivalence import train_and_compare  # noqa: E402
 pytestmark = pytest.mark.multirank
 
 
+def assert_ran_its_schedule(ranks: list[dict], plans: list[str]) -> None:
+    """Each rank's executor ran its schedule row, action for action (W actions included)."""
+    for plan in plans:
+        for results in ranks:
+            assert results[plan]["executed"] == results[plan]["schedule_row"], (plan, results[plan]["rank"])
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_pp2_every_schedule_matches_single_device(torchrun, model):
     plans = ["pp=2 mb=4", "pp=2 mb=8 schedule=gpipe", "pp=2 mb=4 schedule=interleaved virtual_stages=2",
              "pp=2 mb=4 schedule=zb-h1"]
-    train_and_compare(torchrun, 2, plans, model)
+    assert_ran_its_schedule(train_and_compare(torchrun, 2, plans, model), plans)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_pp4_and_pipelines_with_dp_and_tp_match_single_device(torchrun, model):
     plans = ["pp=4 mb=8", "pp=4 mb=4 schedule=gpipe", "dp=2 pp=2 mb=4", "pp=2 tp=2 mb=4",
              "pp=4 mb=8 schedule=zb-h1", "dp=2 pp=2 mb=4 schedule=zb-h1", "pp=2 tp=2 mb=4 schedule=zb-h1"]
-    train_and_compare(torchrun, 4, plans, model)
+    assert_ran_its_schedule(train_and_compare(torchrun, 4, plans, model), plans)

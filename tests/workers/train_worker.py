@@ -35,6 +35,7 @@ for plan in plans:
     resized_loss = runner.step(*[t.to(runner.device) for t in runner.local_batch(*small)])
     optimizer.zero_grad()
     losses, first_grads, step_logs = [], None, []
+    runner.record_timeline = True  # what the pipeline executor ran (the last step's is kept)
     for tokens, labels in global_batches():
         runner.reset_comm_stats()
         local = [t.to(runner.device) for t in runner.local_batch(tokens, labels)]
@@ -54,6 +55,9 @@ for plan in plans:
         "estimated_comm": (estimate := program.estimate("h100")).comm,
         "estimated_rank": estimate.rank,
         "rank": runner.rank,
+        "executed": [action for action, _, _ in runner.timeline()],
+        "schedule_row": [] if program.stages is None else
+        [str(a) for a in program.schedule.actions[program.mesh.coord(runner.rank).pp]],
         "buckets": program.buckets if program.stages is None else [s.buckets for s in program.stages],
     }
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
