@@ -70,30 +70,40 @@ def shared_parameters(stages: tuple[Stage, ...]) -> dict[str, tuple[int, ...]]:
     return {n: tuple(s) for n, s in owners.items() if len(s) > 1}
 
 
-RECEIVES_AHEAD = 1
-"""How many actions ahead of the running one a rank posts its receives.
+def receives_ahead(backend: str) -> int:
+    """How many actions ahead of the running one a rank posts its receives: 1 on gloo, 0 else.
 
-A receive posted before the peer's send turns the transfer into a one-way write: gloo (and
-NCCL) only move a message once both sides have posted it, and a send that finds no receive
-waits for the receiver's "ready" notice, which the sender's I/O thread must then answer while
-its main thread computes the next action. Posted one action early, the receive is waiting
-when the send starts, and the data arrives while this rank computes. Measured with 2 ranks on
-a 2-vCPU machine (benchmarks/RESULTS.md, "Receives posted one action ahead"): for the medium
-GPT under GPipe the idle time beyond the simulated bubble fell from +8.0 to +2.1 percentage
-points of the step. One action ahead suffices in 1F1B's steady state and costs one boundary
-buffer per rank.
-"""
+    gloo: a receive posted before the peer's send turns the transfer into a one-way write. gloo
+    moves a message only once both sides have posted it, and a send that finds no receive
+    waits for the receiver's "ready" notice, which the sender's I/O thread must then answer
+    while its main thread computes the next action. Posted one action early, the receive is
+    waiting when the send starts, and the data arrives while this rank computes. Measured with
+    2 ranks on a 2-vCPU machine (benchmarks/RESULTS.md, "Receives posted one action ahead"):
+    for the medium GPT under GPipe the idle time beyond the simulated bubble fell from +8.0 to
+    +0.5..+2.1 percentage points of the step. gloo matches messages by tag, so the posting
+    order is free.
+
+    NCCL (and other backends): a pair of ranks' transfers run in order on one stream, and a
+    receive holds that stream until its data arrives. A receive posted ahead would sit in front
+    of a send the peer is waiting for: in 1F1B with p = 2, rank 0 would queue "receive the
+    gradient of microbatch 0" before "send the activations of microbatch 1", while rank 1
+    queues "receive those activations" before "send that gradient", and both would wait
+    forever. So elsewhere each action posts its receives when it comes, the order of
+    torch.distributed.pipelining's runtime.
+    """
+    return 1 if backend == "gloo" else 0
 
 
-def issue_order(actions: int) -> Iterator[tuple[str, int]]:
+def issue_order(actions: int, ahead: int) -> Iterator[tuple[str, int]]:
     """("receive", i) and ("run", i) events for a rank with `actions` actions, in issue order.
 
-    Action i's receives are posted before action i - RECEIVES_AHEAD runs. Per peer, receives
-    stay in action order, so the send/receive pairing (`check_pipeline`) is the schedule's.
+    Action i's receives are posted before action i - `ahead` runs (`receives_ahead`). Per peer,
+    receives stay in action order, so the send/receive pairing (`check_pipeline`) is the
+    schedule's whatever `ahead` is.
     """
     posted = 0
     for i in range(actions):
-        while posted <= min(i + RECEIVES_AHEAD, actions - 1):
+        while posted <= min(i + ahead, actions - 1):
             yield "receive", posted
             posted += 1
         yield "run", i
@@ -120,13 +130,14 @@ def pipeline_collectives(
     stages: tuple[Stage, ...],
     sizes: dict,
     zero: int = 0,
+    backend: str = "nccl",
 ) -> tuple[Collective, ...]:
     """Every transfer and collective of one step on `rank`, in the order the rank issues them.
 
     Forward of stage s: receive its inputs from stage s-1's rank, its tensor-parallel calls,
     send its outputs to stage s+1's rank. Backward: receive the outputs' gradients, the
-    tensor-parallel backward calls, send the inputs' gradients. Receives are posted ahead of
-    their action (`issue_order`). Then, once per step: each
+    tensor-parallel backward calls, send the inputs' gradients. On gloo, receives are posted one
+    action ahead (`receives_ahead(backend)`). Then, once per step: each
     local stage's gradient buckets, partial-gradient sums, tied-parameter sums between the
     stages that share them, and the loss (summed over the pipeline, averaged over dp).
     """
@@ -147,7 +158,7 @@ def pipeline_collectives(
 
     tp_calls = {s.index: tensor_parallel_collectives(s.graph_module, tp_group, sizes) for s in stages}
     actions = schedule.actions[coord.pp]
-    for event, i in issue_order(len(actions)):
+    for event, i in issue_order(len(actions), receives_ahead(backend)):
         action = actions[i]
         stage = stages[action.stage]
         if event == "receive":

@@ -212,16 +212,18 @@ class Program:
             )
         return module
 
-    def collectives(self, rank: int) -> tuple[Collective, ...]:
+    def collectives(self, rank: int, *, backend: str = "nccl") -> tuple[Collective, ...]:
         """Every collective `rank` issues in one training step, in issue order.
 
-        See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues.
+        See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues. The
+        backend only moves a pipeline's receives in that order (on gloo they are posted one
+        action ahead: `pipeline_program.receives_ahead`); what is sent and received is the same.
         """
         sizes = self._local_sizes()
         if self.stages is not None:
             return pipeline_collectives(
                 rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages,
-                sizes=sizes, zero=self.plan.zero,
+                sizes=sizes, zero=self.plan.zero, backend=backend,
             )
         tp_group = self.mesh.group(rank, Axis.TP)
         tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)

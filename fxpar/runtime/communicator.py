@@ -95,7 +95,7 @@ class Communicator:
         """Start receiving into `buffers` from global rank `peer` as one batch; wait before reading.
 
         Posting a receive before the peer's send lets the data move as soon as it is sent (the
-        pipeline executor posts one action ahead: `pipeline_program.RECEIVES_AHEAD`).
+        pipeline executor posts one action ahead on gloo: `pipeline_program.receives_ahead`).
         """
         return self._point_to_point(dist.irecv, "recv", buffers, rank, peer, tag, phase, key)
 

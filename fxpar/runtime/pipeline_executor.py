@@ -11,9 +11,9 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
               layers' weight gradients are left for W (`runtime.weight_gradients`).
     W(s, mb)  compute those weight gradients (zero-bubble schedules only).
 
-Receives are posted one action ahead and waited for when their action runs
-(`pipeline_program.issue_order`, the same order `Program.collectives` predicts); sends are
-waited for at the end of the step. A rank only ever blocks on the receives of the action it
+On gloo, receives are posted one action ahead and waited for when their action runs; on NCCL
+each action posts its own (`pipeline_program.receives_ahead` says why; `issue_order` is the
+order `Program.collectives` predicts). Sends are waited for at the end of the step. A rank only ever blocks on the receives of the action it
 runs next, so it never waits on a peer that waits on it, for any schedule the simulator
 accepts. Point-to-point transfers go through `torch.distributed.batch_isend_irecv`, one batch
 per action and peer, with a tag per stage, microbatch, direction and tensor.
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpar.mesh import Axis
-from fxpar.pipeline_program import issue_order, local_shape
+from fxpar.pipeline_program import issue_order, local_shape, receives_ahead
 from fxpar.runtime.weight_gradients import WeightGradientStore, deferring
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class PipelineExecutor:
         for buckets in runner._buckets:
             buckets.start_step(len(chunks))
         self.timeline = []
-        for event, index in issue_order(len(self.actions)):
+        for event, index in issue_order(len(self.actions), receives_ahead(runner.backend)):
             action = self.actions[index]
             if event == "receive":
                 receiving[index] = self._post_receives(action, sizes, size_key)

@@ -47,10 +47,12 @@ class Runner:
         groups: dict[Axis, RankGroup],
         tied_groups: dict[tuple[int, ...], RankGroup],
         communicator: Communicator,
+        backend: str,
     ):
         self.program = program
         self.rank = rank
         self.device = device
+        self.backend = backend  # "gloo", "nccl", ...: the pipeline's receive order depends on it
         self.groups = groups
         self.communicator = communicator
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
@@ -96,7 +98,7 @@ class Runner:
         )
         runner = cls(
             program, rank=env.rank, device=device, groups=groups, tied_groups=tied_groups,
-            communicator=Communicator(timeout),
+            communicator=Communicator(timeout), backend=backend,
         )
         runner._place_state()
         return runner

@@ -51,7 +51,7 @@ for plan in plans:
         "grads": first_grads,
         "state": runner.full_state_dict(),
         "comm": step_logs,
-        "predicted": program.collectives(runner.rank),
+        "predicted": program.collectives(runner.rank, backend=runner.backend),
         "estimated_comm": (estimate := program.estimate("h100")).comm,
         "estimated_rank": estimate.rank,
         "rank": runner.rank,
