@@ -36,7 +36,7 @@ Two measurements per GPT size and schedule (1F1B, GPipe and ZB-H1, 8 microbatche
    boundary-sized gloo transfer to a waiting receive while the sender computes (a ping
    measured just before, in the same job); and the median transfer latency observed in the timed steps (producer's end
    to the end of the consumer's wait; the script times the waits by wrapping this runner's
-   `communicator.recv_all`, fxpar is not changed). To explain a gap it also prints a replay of
+   `communicator.exchange`, fxpar is not changed). To explain a gap it also prints a replay of
    every step through the simulator's rules with each action's own duration (what the
    variance of the compute alone explains), and the same idle fraction on the torch side
    (spans of its stage's `forward_one_chunk` / `backward_one_chunk`).

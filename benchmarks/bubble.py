@@ -20,19 +20,23 @@ if TYPE_CHECKING:
 
 
 class ReceiveWaits:
-    """Wraps this runner's `communicator.recv_all` so that waiting for each posted receive is
+    """Wraps this runner's `communicator.exchange` so that waiting for each posted receive is
     timed: `spans` holds (start, end) of every wait.
 
     An instance attribute shadows the method on this one benchmark's communicator only."""
 
     def __init__(self, communicator):
         self.spans: list[tuple[float, float]] = []
-        post = communicator.recv_all
+        exchange = communicator.exchange
 
-        def timed_post(*args, **kwargs):
-            return [TimedWait(pending, self.spans) for pending in post(*args, **kwargs)]
+        def timed_exchange(rank, transfers):
+            pending = exchange(rank, transfers)
+            return [
+                [TimedWait(p, self.spans) for p in waits] if t.kind == "recv" else waits
+                for t, waits in zip(transfers, pending)
+            ]
 
-        communicator.recv_all = timed_post
+        communicator.exchange = timed_exchange
 
 
 class TimedWait:
@@ -124,7 +128,7 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         if i >= warmup:
             per_step.append(gathered)
     runner.record_timeline = False
-    del runner.communicator.recv_all  # back to the class's method
+    del runner.communicator.exchange  # back to the class's method
     if dist.get_rank() != 0:
         return {}
     schedule, stages = program.schedule, len(program.stages)

@@ -212,18 +212,19 @@ class Program:
             )
         return module
 
-    def collectives(self, rank: int, *, backend: str = "nccl") -> tuple[Collective, ...]:
+    def collectives(self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None) -> tuple[Collective, ...]:
         """Every collective `rank` issues in one training step, in issue order.
 
         See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues. The
         backend only moves a pipeline's receives in that order (on gloo they are posted one
-        action ahead: `pipeline_program.receives_ahead`); what is sent and received is the same.
+        action ahead: `pipeline_program.receives_ahead`, which `receives_ahead` overrides as
+        `Runner.receives_ahead` does); what is sent and received is the same.
         """
         sizes = self._local_sizes()
         if self.stages is not None:
             return pipeline_collectives(
                 rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages,
-                sizes=sizes, zero=self.plan.zero, backend=backend,
+                sizes=sizes, zero=self.plan.zero, backend=backend, ahead=receives_ahead,
             )
         tp_group = self.mesh.group(rank, Axis.TP)
         tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)

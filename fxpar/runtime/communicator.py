@@ -9,7 +9,9 @@ compare them call for call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,18 @@ class PendingCollective:
             ) from error
         finally:
             self._work = None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Point-to-point: `tensors` to send to, or buffers to receive from, global rank `peer`."""
+
+    kind: Literal["send", "recv"]
+    tensors: list[torch.Tensor]
+    peer: int
+    tag: str  # what the tensors are, for logs and errors: "stage 1 activations"
+    phase: str  # "forward" or "backward"
+    key: int  # unique per stage, microbatch and direction within a step: the wire tags
 
 
 class Communicator:
@@ -79,35 +93,28 @@ class Communicator:
         work = dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
 
-    def send_all(
-        self, tensors: list[torch.Tensor], rank: int, peer: int, *, tag: str, phase: str, key: int
-    ) -> list[PendingCollective]:
-        """Start sending `tensors` to global rank `peer` as one batch; wait before reusing them.
+    def exchange(self, rank: int, transfers: list[Transfer]) -> list[list[PendingCollective]]:
+        """Start every transfer as one `torch.distributed.batch_isend_irecv` batch; one list of
+        pending operations per transfer, to wait for before reusing (send) or reading (recv).
 
-        `torch.distributed.batch_isend_irecv` lets NCCL coalesce the transfers of one pipeline
-        action into one launch; each tensor has its own tag (`key` x 16 + its index).
+        One batch is one NCCL group, whose sends and receives progress together: the pipeline
+        executor puts an action's sends in the batch with the receives it posts next, as
+        Megatron-LM's `send_forward_recv_backward` and torch's 1F1B do, so two ranks never
+        wait for each other on a pair's in-order stream. Each tensor has its own tag
+        (`key` x 16 + its index), by which gloo matches messages.
         """
-        return self._point_to_point(dist.isend, "send", tensors, rank, peer, tag, phase, key)
-
-    def recv_all(
-        self, buffers: list[torch.Tensor], rank: int, peer: int, *, tag: str, phase: str, key: int
-    ) -> list[PendingCollective]:
-        """Start receiving into `buffers` from global rank `peer` as one batch; wait before reading.
-
-        Posting a receive before the peer's send lets the data move as soon as it is sent (the
-        pipeline executor posts one action ahead on gloo: `pipeline_program.receives_ahead`).
-        """
-        return self._point_to_point(dist.irecv, "recv", buffers, rank, peer, tag, phase, key)
-
-    def _point_to_point(self, op, kind, tensors, rank, peer, tag, phase, key) -> list[PendingCollective]:
-        if not tensors:
-            return []
-        pair = RankGroup(axis=None, ranks=tuple(sorted((rank, peer))), handle=None, rank=rank)
-        calls = [self._record(kind, t, pair, tag, op="none", phase=phase) for t in tensors]
-        works = dist.batch_isend_irecv(
-            [dist.P2POp(op, t, peer, tag=key * 16 + i) for i, t in enumerate(tensors)]
-        )
-        return [PendingCollective(w, c, pair, self.timeout) for w, c in zip(works, calls)]
+        operations, pending = [], []
+        for transfer in transfers:
+            pair = RankGroup(axis=None, ranks=tuple(sorted((rank, transfer.peer))), handle=None, rank=rank)
+            op = dist.isend if transfer.kind == "send" else dist.irecv
+            calls = []
+            for i, tensor in enumerate(transfer.tensors):
+                calls.append(self._record(transfer.kind, tensor, pair, transfer.tag, op="none", phase=transfer.phase))
+                operations.append(dist.P2POp(op, tensor, transfer.peer, tag=transfer.key * 16 + i))
+            pending.append((calls, pair))
+        works = iter(dist.batch_isend_irecv(operations) if operations else ())
+        return [[PendingCollective(next(works), call, pair, self.timeout) for call in calls]
+                for calls, pair in pending]
 
     def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
         """Broadcast `tensor` in place from the group's first rank, and wait for it."""

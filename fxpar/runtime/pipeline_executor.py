@@ -11,12 +11,14 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
               layers' weight gradients are left for W (`runtime.weight_gradients`).
     W(s, mb)  compute those weight gradients (zero-bubble schedules only).
 
-On gloo, receives are posted one action ahead and waited for when their action runs; on NCCL
-each action posts its own (`pipeline_program.receives_ahead` says why; `issue_order` is the
-order `Program.collectives` predicts). Sends are waited for at the end of the step. A rank only ever blocks on the receives of the action it
-runs next, so it never waits on a peer that waits on it, for any schedule the simulator
-accepts. Point-to-point transfers go through `torch.distributed.batch_isend_irecv`, one batch
-per action and peer, with a tag per stage, microbatch, direction and tensor.
+Between two actions a rank starts one batch of transfers (`torch.distributed.
+batch_isend_irecv`, one NCCL group): the sends of the action that just ran and the receives due
+next, which it waits for when their action runs. On gloo those are the receives one action
+ahead; on NCCL the next action's own (`pipeline_program.receives_ahead` says why;
+`issue_order` is the order `Program.collectives` predicts). Sends are waited for at the end of
+the step. A rank only ever blocks on the receives of the action it runs next, so it never
+waits on a peer that waits on it, for any schedule the simulator accepts. Each tensor has its
+own tag per stage, microbatch, direction and index.
 
 Why fxpar's own executor and not `torch.distributed.pipelining`'s: fxpar already has stage
 GraphModules with boundary shapes known symbolically, tensor-parallel collectives inside the
@@ -36,7 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpar.mesh import Axis
-from fxpar.pipeline_program import issue_order, local_shape, receives_ahead
+from fxpar.pipeline_program import issue_order, local_shape
+from fxpar.runtime.communicator import Transfer
 from fxpar.runtime.weight_gradients import WeightGradientStore, deferring
 
 if TYPE_CHECKING:
@@ -87,8 +90,9 @@ class PipelineExecutor:
     def _key(self, stage: int, microbatch: int, backward: bool) -> int:
         return (stage * self.schedule.m + microbatch) * 2 + int(backward)
 
-    def _post_receives(self, action, sizes: dict, size_key: tuple) -> tuple[list[torch.Tensor], list[PendingCollective]]:
-        """Buffers for what `action` receives, and the pending receives filling them."""
+    def _receives(self, action, sizes: dict, size_key: tuple) -> Transfer | None:
+        """What `action` receives, into fresh buffers: its inputs (F) or its outputs' gradients
+        (B); None for a first stage's F, a last stage's B and every W."""
         stage, runner = self.program.stages[action.stage], self.runner
         last = len(self.program.stages) - 1
         if action.kind == "F" and stage.index > 0:
@@ -98,43 +102,48 @@ class PipelineExecutor:
             boundaries, source = [b for b in stage.outputs if b.requires_grad], stage.index + 1
             tag, phase = f"stage {stage.index} gradients", "backward"
         else:
-            return [], []
+            return None
         buffers = [
             torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device)
             for b in boundaries
         ]
-        pending = runner.communicator.recv_all(
-            buffers, runner.rank, self._peer(source), tag=tag, phase=phase,
-            key=self._key(stage.index, action.microbatch, action.kind == "B"),
-        )
-        return buffers, pending
+        key = self._key(stage.index, action.microbatch, action.kind == "B")
+        return Transfer("recv", buffers, self._peer(source), tag, phase, key)
 
     def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
-        """One training step over this rank's microbatches; returns the global-batch mean loss."""
+        """One training step over this rank's microbatches; returns the global-batch mean loss.
+
+        Transfers go out in one batch per gap between actions: the sends of the action that
+        just ran with the receives due next (`issue_order`; see `Communicator.exchange`)."""
         runner = self.runner
         sizes, size_key = self._step_sizes(chunks[0])
         step = _Step(chunks, torch.zeros((), device=runner.device))
         receiving: dict[int, tuple[list[torch.Tensor], list[PendingCollective]]] = {}
+        sends: list[Transfer] = []  # of the action that just ran, not yet posted
+        due: list[int] = []  # actions whose receives go out with them
         for buckets in runner._buckets:
             buckets.start_step(len(chunks))
         self.timeline = []
-        for event, index in issue_order(len(self.actions), receives_ahead(runner.backend)):
-            action = self.actions[index]
+        for event, index in issue_order(len(self.actions), runner.receives_ahead):
             if event == "receive":
-                receiving[index] = self._post_receives(action, sizes, size_key)
+                due.append(index)
                 continue
-            received, transfers = receiving.pop(index)
+            self._post(sends, due, receiving, step, sizes, size_key)
+            sends, due = [], []
+            action = self.actions[index]
+            received, transfers = receiving.pop(index, ([], []))
             for transfer in transfers:
                 transfer.wait()
             start = time.perf_counter()  # the timeline shows compute, not waiting for peers
             if action.kind == "F":
-                self._forward(action, received, step)
+                sends = self._forward(action, received, step)
             elif action.kind == "B":
-                self._backward(action, received, step)
+                sends = self._backward(action, received, step)
             else:
                 self.weights.run((action.stage, action.microbatch))
             if runner.record_timeline:
                 self.timeline.append((str(action), start, time.perf_counter()))
+        self._post(sends, due, receiving, step, sizes, size_key)
         for send in step.sends:
             send.wait()
         runner.complete_gradients()
@@ -146,9 +155,22 @@ class PipelineExecutor:
             runner.communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
         return float(total)
 
-    def _forward(self, action, received: list[torch.Tensor], step: _Step) -> None:
-        """F: run the stage on its received inputs; send the outputs on (the last stage keeps
-        its loss, scaled by 1/microbatches as gradient accumulation does)."""
+    def _post(self, sends: list[Transfer], due: list[int], receiving: dict, step: _Step,
+              sizes: dict, size_key: tuple) -> None:
+        """Start `sends` and the receives of the actions in `due` as one batch."""
+        receives = {i: r for i in due if (r := self._receives(self.actions[i], sizes, size_key))}
+        if not sends and not receives:
+            return
+        pending = self.runner.communicator.exchange(self.runner.rank, [*sends, *receives.values()])
+        for waits in pending[:len(sends)]:
+            step.sends += waits
+        for (index, transfer), waits in zip(receives.items(), pending[len(sends):]):
+            receiving[index] = (transfer.tensors, waits)
+
+    def _forward(self, action, received: list[torch.Tensor], step: _Step) -> list[Transfer]:
+        """F: run the stage on its received inputs; returns the sends of its outputs to the
+        next stage (the last stage keeps its loss, scaled by 1/microbatches as gradient
+        accumulation does)."""
         stage, mb = self.program.stages[action.stage], action.microbatch
         for boundary, buffer in zip(stage.inputs, received):
             buffer.requires_grad_(boundary.requires_grad)
@@ -161,18 +183,16 @@ class PipelineExecutor:
             loss = result / microbatches if microbatches > 1 else result
             step.loss += loss.detach()
             step.outputs[(stage.index, mb)] = (loss,)
-            return
+            return []
         step.outputs[(stage.index, mb)] = result
-        step.sends += self.runner.communicator.send_all(
-            [v.detach() for v in result], self.runner.rank, self._peer(stage.index + 1),
-            tag=f"stage {stage.index + 1} activations", phase="forward",
-            key=self._key(stage.index + 1, mb, False),
-        )
+        return [Transfer("send", [v.detach() for v in result], self._peer(stage.index + 1),
+                         f"stage {stage.index + 1} activations", "forward",
+                         self._key(stage.index + 1, mb, False))]
 
-    def _backward(self, action, received: list[torch.Tensor], step: _Step) -> None:
+    def _backward(self, action, received: list[torch.Tensor], step: _Step) -> list[Transfer]:
         """B: backward through the stage from its outputs' received gradients (the last stage:
-        from its loss); send its inputs' gradients back. Under a zero-bubble schedule the
-        linear weights' gradients are left for the W action."""
+        from its loss); returns the sends of its inputs' gradients back. Under a zero-bubble
+        schedule the linear weights' gradients are left for the W action."""
         stage, mb = self.program.stages[action.stage], action.microbatch
         produced = step.outputs.pop((stage.index, mb))
         if stage.index == len(self.program.stages) - 1:
@@ -182,16 +202,15 @@ class PipelineExecutor:
         with self.weights.collect((stage.index, mb)) if self.schedule.splits_backward else nullcontext():
             torch.autograd.backward(tensors, grads)
         stage_inputs = step.inputs.pop((stage.index, mb))
-        if stage.index > 0:
-            grads_back = [
-                value.grad if value.grad is not None else torch.zeros_like(value)
-                for boundary, value in zip(stage.inputs, stage_inputs) if boundary.requires_grad
-            ]
-            step.sends += self.runner.communicator.send_all(
-                grads_back, self.runner.rank, self._peer(stage.index - 1),
-                tag=f"stage {stage.index - 1} gradients", phase="backward",
-                key=self._key(stage.index - 1, mb, True),
-            )
+        if stage.index == 0:
+            return []
+        grads_back = [
+            value.grad if value.grad is not None else torch.zeros_like(value)
+            for boundary, value in zip(stage.inputs, stage_inputs) if boundary.requires_grad
+        ]
+        return [Transfer("send", grads_back, self._peer(stage.index - 1),
+                         f"stage {stage.index - 1} gradients", "backward",
+                         self._key(stage.index - 1, mb, True))]
 
 
 @dataclass

@@ -30,6 +30,7 @@ from fxpar.placement import Shard, global_tensor
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.environment import TorchrunEnvironment
 from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.pipeline_program import receives_ahead
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 
@@ -52,7 +53,10 @@ class Runner:
         self.program = program
         self.rank = rank
         self.device = device
-        self.backend = backend  # "gloo", "nccl", ...: the pipeline's receive order depends on it
+        self.backend = backend  # "gloo", "nccl", ...
+        # How many actions ahead the pipeline executor posts receives: the backend's choice
+        # (pipeline_program.receives_ahead); the tests set it to run NCCL's order on gloo.
+        self.receives_ahead = receives_ahead(backend)
         self.groups = groups
         self.communicator = communicator
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk

@@ -15,7 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tensor_parallel_equivalence import train_and_compare  # noqa: E402
+from test_data_parallel_equivalence import assert_equivalent  # noqa: E402
+from test_tensor_parallel_equivalence import assert_collectives_as_predicted, train_and_compare  # noqa: E402
+from tiny_training import train_single_device  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -32,6 +34,18 @@ def test_pp2_every_schedule_matches_single_device(torchrun, model):
     plans = ["pp=2 mb=4", "pp=2 mb=8 schedule=gpipe", "pp=2 mb=4 schedule=interleaved virtual_stages=2",
              "pp=2 mb=4 schedule=zb-h1"]
     assert_ran_its_schedule(train_and_compare(torchrun, 2, plans, model), plans)
+
+
+def test_pipelines_in_nccls_transfer_order_match_single_device(torchrun):
+    """Receives posted when their action comes (NCCL's order, `receives_ahead`), on gloo."""
+    plans = ["pp=2 mb=4", "pp=2 mb=4 schedule=zb-h1", "pp=2 mb=4 schedule=interleaved virtual_stages=2"]
+    ranks = torchrun("train_worker.py", 2, *plans, env={"FXPAR_TEST_RECEIVES_AHEAD": "0"})
+    reference = train_single_device("gpt")
+    for plan in plans:
+        for results in ranks:
+            assert_equivalent(results[plan], reference, tied=True, model="gpt")
+            assert_collectives_as_predicted(results[plan])
+    assert_ran_its_schedule(ranks, plans)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])

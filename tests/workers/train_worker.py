@@ -4,7 +4,8 @@
 
 FXPAR_TEST_MODEL picks the model of tiny_training.MODELS (default gpt). FXPAR_TEST_DEVICE
 and FXPAR_TEST_BACKEND, when set, choose bind()'s device and backend (the GPU tier runs NCCL on
-one GPU, or several gloo ranks sharing one GPU).
+one GPU, or several gloo ranks sharing one GPU). FXPAR_TEST_RECEIVES_AHEAD sets
+`Runner.receives_ahead` (0 runs a pipeline in NCCL's transfer order on gloo).
 """
 
 import os
@@ -29,6 +30,8 @@ for plan in plans:
         device=os.environ.get("FXPAR_TEST_DEVICE"),
         backend=os.environ.get("FXPAR_TEST_BACKEND"),
     )
+    if "FXPAR_TEST_RECEIVES_AHEAD" in os.environ:  # e.g. NCCL's pipeline order, run on gloo
+        runner.receives_ahead = int(os.environ["FXPAR_TEST_RECEIVES_AHEAD"])
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
     # One step at another batch and sequence length than the example: sizes are symbolic.
     small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
@@ -51,7 +54,8 @@ for plan in plans:
         "grads": first_grads,
         "state": runner.full_state_dict(),
         "comm": step_logs,
-        "predicted": program.collectives(runner.rank, backend=runner.backend),
+        "predicted": program.collectives(runner.rank, backend=runner.backend,
+                                         receives_ahead=runner.receives_ahead),
         "estimated_comm": (estimate := program.estimate("h100")).comm,
         "estimated_rank": estimate.rank,
         "rank": runner.rank,
