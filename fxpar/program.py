@@ -212,7 +212,9 @@ class Program:
             )
         return module
 
-    def collectives(self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None) -> tuple[Collective, ...]:
+    def collectives(
+        self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None
+    ) -> tuple[Collective, ...]:
         """Every collective `rank` issues in one training step, in issue order.
 
         See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues. The
