@@ -35,6 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
 
 import fxpar  # noqa: E402
+from fxpar.gantt import gantt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from text_data import VOCAB_SIZE, ByteDataset, load_stdlib_text  # noqa: E402
 
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
     parser.add_argument("--save", type=Path, default=None,
                         help="write the consolidated state dict here (rank 0) at the end")
+    parser.add_argument("--timeline", action="store_true",
+                        help="with a pipeline: print the last step's Gantt chart (rank 0)")
     return parser.parse_args(argv)
 
 
@@ -95,6 +98,20 @@ def format_comm_stats(stats: dict[str, dict[str, int]]) -> str:
         return "none"
     return ", ".join(f"{kind} {s['count']}x {s['bytes'] / 1e6:.1f} MB"
                      for kind, s in sorted(stats.items()))
+
+
+def print_pipeline_timeline(runner, program) -> None:
+    """Rank 0 prints the last step of the first pipeline (dp 0, tp 0) as a Gantt chart."""
+    if program.stages is None:
+        if runner.is_main:
+            print("--timeline: this plan has no pipeline (pp=1); nothing to show", flush=True)
+        return
+    timelines = [None] * runner.world_size
+    torch.distributed.all_gather_object(timelines, runner.timeline())  # every rank takes part
+    if runner.is_main:
+        first_pipeline = [program.mesh.rank_of(dp=0, pp=i, tp=0) for i in range(program.mesh.pp)]
+        print(f"last step, schedule {program.schedule.name}:")
+        print(gantt([timelines[r] for r in first_pipeline]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             x, y = dataset.get_batch("train", args.batch, args.seq, generator)  # (B, T) each
             xs, ys = runner.local_batch(x, y)  # (B / dp, T) each: this rank's rows
 
+            runner.record_timeline = args.timeline and step == args.steps - 1
             t0 = time.perf_counter()
             loss = runner.step(xs.to(runner.device), ys.to(runner.device))
             opt.step()
@@ -159,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         bar.close()
 
         comm = runner.comm_stats()
+        if args.timeline:
+            print_pipeline_timeline(runner, program)
         if args.save is not None:
             state = runner.full_state_dict()  # on every rank: consolidation may be collective
             if runner.is_main:
