@@ -1,0 +1,28 @@
+"""Tier 3: the README's trainer runs end to end under torchrun (examples/train_gpt.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+TRAINER = Path(__file__).parents[2] / "examples" / "train_gpt.py"
+
+
+def test_trainer_runs_a_zero_bubble_pipeline_and_prints_its_timeline(tmp_path):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(TRAINER), "--plan", "pp=2 mb=2 schedule=zb-h1", "--steps", "3", "--batch", "4",
+        "--seq", "32", "--n-layer", "2", "--timeline", "--save", str(tmp_path / "state.pt"),
+    ]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout
+    assert "last step, schedule zb-h1:" in out
+    chart = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert len(chart) == 2 and all("W" in line and "B" in line and "F" in line for line in chart)
+    assert "loss " in out and " -> " in out and (tmp_path / "state.pt").exists()
