@@ -266,6 +266,7 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
     bubble = fxpar_bubble(runner, fx_optimizer, program, batches, args.bubble_steps, args.warmup,
                           ping_ms=ping["sender computes"])
     torch_idle = torch_bubble(torch_side, batches, args.bubble_steps, args.warmup)
+    torch_order = torch_side.order()
     result = {
         "model": name,
         "schedule": schedule_name,
@@ -275,8 +276,8 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
         "cut": cut,
         "grid": str(program.schedule),
         # Where torch exposes its order: is it the same schedule as fxpar's, action for action?
-        "same_order_as_torch": None if torch_side.order() is None else
-        torch_side.order() == [[str(a) for a in row] for row in program.schedule.actions],
+        "same_order_as_torch": None if torch_order is None else
+        torch_order == [[str(a) for a in row] for row in program.schedule.actions],
         **comparison(runs, "torch", torch_losses, fx_losses, mismatch),
         "boundary_shape": boundary,
         "p2p_latency_ms": ping,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxpar.schedules import Action, Schedule
+from fxpar.schedules import Action
 from fxpar.simulation import simulate
 
 if TYPE_CHECKING:
@@ -55,38 +55,6 @@ def sum_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
     return tuple(tensor.tolist())
-
-
-def replay(schedule: Schedule, durations: dict[Action, float]) -> float:
-    """The makespan of `schedule` with each action's own duration and no communication time.
-
-    `simulate` with one cost per action instead of one per stage: the same rules (F(s, mb) after
-    F(s-1, mb); B(s, mb) after F(s, mb) and B(s+1, mb); W(s, mb) after B(s, mb); each rank in
-    its order)."""
-    end: dict[Action, float] = {}
-    clock = [0.0] * schedule.p
-    done = [0] * schedule.p
-    progress = True
-    while progress:
-        progress = False
-        for rank, row in enumerate(schedule.actions):
-            while done[rank] < len(row):
-                a = row[done[rank]]
-                if a.kind == "F":
-                    deps = [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
-                elif a.kind == "W":
-                    deps = [Action(a.stage, "B", a.microbatch)]
-                else:
-                    deps = [Action(a.stage, "F", a.microbatch)]
-                    if a.stage < schedule.stages - 1:
-                        deps.append(Action(a.stage + 1, "B", a.microbatch))
-                if any(d not in end for d in deps):
-                    break
-                start = max([clock[rank], *(end[d] for d in deps)])
-                clock[rank] = end[a] = start + durations[a]
-                done[rank] += 1
-                progress = True
-    return max(clock)
 
 
 def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
@@ -138,10 +106,9 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
         begin = min(s for rows in ranks for _, s, *_ in rows)
         T = max(e for rows in ranks for _, _, e, *_ in rows) - begin
         step_times.append(T)
-        durations, ends, busy_total = {}, {}, 0.0
+        durations, ends = {}, {}
         for rows in ranks:
             busy = sum(row[3] for row in rows)
-            busy_total += busy
             idle.append(1 - busy / T)
             wait_share.append(sum(row[4] for row in rows) / T)
             for text, _, e, action_busy, *_ in rows:
@@ -161,9 +128,10 @@ def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,
                     producer = Action(action.stage + 1, "B", action.microbatch)
                 if producer in ends:
                     hops.append(received - ends[producer])
-        makespan = replay(schedule, durations)
-        replay_times.append(makespan)
-        replay_bubbles.append(1 - busy_total / (schedule.p * makespan))
+        # The step replayed through the simulator's rules with each action's own duration.
+        replayed = simulate(schedule, 0, 0, action_cost=durations)
+        replay_times.append(float(replayed.total))
+        replay_bubbles.append(float(replayed.bubble_fraction))
     med, mean = statistics.median, statistics.fmean
     f, b, w = ([med(costs[(s, k)]) if costs[(s, k)] else 0.0 for s in range(stages)] for k in "FBW")
     hop = med(hops) if hops else 0.0

@@ -130,15 +130,14 @@ def pipeline_collectives(
     stages: tuple[Stage, ...],
     sizes: dict,
     zero: int = 0,
-    backend: str = "nccl",
-    ahead: int | None = None,
+    ahead: int = 0,
 ) -> tuple[Collective, ...]:
     """Every transfer and collective of one step on `rank`, in the order the rank issues them.
 
     Forward of stage s: receive its inputs from stage s-1's rank, its tensor-parallel calls,
     send its outputs to stage s+1's rank. Backward: receive the outputs' gradients, the
-    tensor-parallel backward calls, send the inputs' gradients. On gloo, receives are posted one
-    action ahead (`receives_ahead(backend)`, or `ahead` when given). Then, once per step: each
+    tensor-parallel backward calls, send the inputs' gradients. Receives are posted `ahead`
+    actions early (`receives_ahead`: 1 on gloo). Then, once per step: each
     local stage's gradient buckets, partial-gradient sums, tied-parameter sums between the
     stages that share them, and the loss (summed over the pipeline, averaged over dp).
     """
@@ -159,7 +158,6 @@ def pipeline_collectives(
 
     tp_calls = {s.index: tensor_parallel_collectives(s.graph_module, tp_group, sizes) for s in stages}
     actions = schedule.actions[coord.pp]
-    ahead = receives_ahead(backend) if ahead is None else ahead
     for event, i in issue_order(len(actions), ahead):
         action = actions[i]
         stage = stages[action.stage]

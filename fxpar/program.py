@@ -49,6 +49,7 @@ from fxpar.pipeline_program import (
     node_time,
     schedule_in_flight,
     pipeline_collectives,
+    receives_ahead as pipeline_receives_ahead,  # collectives() has a parameter of that name
 )
 from fxpar.schedules import Schedule, schedule
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
@@ -226,7 +227,8 @@ class Program:
         if self.stages is not None:
             return pipeline_collectives(
                 rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages,
-                sizes=sizes, zero=self.plan.zero, backend=backend, ahead=receives_ahead,
+                sizes=sizes, zero=self.plan.zero,
+                ahead=pipeline_receives_ahead(backend) if receives_ahead is None else receives_ahead,
             )
         tp_group = self.mesh.group(rank, Axis.TP)
         tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)

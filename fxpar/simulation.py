@@ -13,7 +13,7 @@ waits for, and the grid up to the point where it stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
@@ -67,6 +67,7 @@ def simulate(
     *,
     weight_cost: float | Sequence[float] = 0,
     comm_cost: float = 0.0,
+    action_cost: Mapping[Action, float] | None = None,
 ) -> Simulation:
     """Run the schedule on a clock. Costs are one number or one per stage (length p * v).
 
@@ -78,6 +79,9 @@ def simulate(
     In a split schedule ([Note: B and W]) `backward_cost` is the input-gradient part of each
     stage's backward and `weight_cost` the weight-gradient part. Without W actions the whole
     backward is `backward_cost`, and a nonzero `weight_cost` is refused.
+
+    `action_cost`, when given, is every action's own cost and overrides the per-stage ones: a
+    measured step replayed through these rules (`benchmarks/bubble.py`).
     """
     s = schedule
     forward = _per_stage(forward_cost, s.stages, "forward_cost")
@@ -114,7 +118,8 @@ def simulate(
                 for d in deps:
                     hop = comm_cost if comm_cost and s.rank_of(d.stage) != rank else 0
                     start = max(start, end[d] + hop)
-                clock[rank] = end[a] = start + cost[a.kind][a.stage]
+                duration = cost[a.kind][a.stage] if action_cost is None else action_cost[a]
+                clock[rank] = end[a] = start + duration
                 timeline[rank].append((a, start, end[a]))
                 progress = True
     if any(len(done) < len(row) for done, row in zip(timeline, s.actions)):
