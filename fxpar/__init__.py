@@ -4,6 +4,9 @@
     runner = program.bind()                     # inside torchrun
     loss = runner.step(*runner.local_batch(tokens, labels))
 
+    captured = fxpar.capture(hf_model, {"input_ids": ids, "labels": labels})  # one export,
+    program = fxpar.compile(captured, "tp=2")                                  # many plans
+
 Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `fxpar.cost`
 (formulas), `program` (the compiled job, pure data), `runtime` (one torchrun worker).
 """
@@ -12,9 +15,11 @@ from fxpar.errors import BindError, CaptureError, CollectiveError, FxparError, P
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.program import Program, compile
+from fxpar.trace import CapturedGraph, capture
 
 __all__ = [
     "BindError",
+    "CapturedGraph",
     "CaptureError",
     "CollectiveError",
     "FxparError",
@@ -22,6 +27,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Program",
+    "capture",
     "compile",
 ]
 __version__ = "0.1.0"

@@ -136,6 +136,16 @@ def data_parallel_collectives(
     return tuple(calls)
 
 
+def valid_target_collectives(group: tuple[int, ...], *, counted: bool) -> tuple[Collective, ...]:
+    """The step's count of valid targets summed over the data-parallel group, before the first
+    forward: one scalar all-reduce when the loss is a sum over that count
+    (`passes.loss_normalisation`), issued by the ranks that compute the loss."""
+    if not counted or len(group) == 1:
+        return ()
+    return (Collective(kind="all_reduce", group=group, numel=1, dtype=torch.int64,
+                       tag="valid targets", phase="forward"),)
+
+
 # Tensor-parallel op -> its forward and backward collectives: (kind, payload size, tag).
 # Payload size: "whole" is the global value's numel, "local" this rank's piece of it.
 _TP_CALLS = {

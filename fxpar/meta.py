@@ -31,6 +31,7 @@ GRAD_PARTIAL = "fxpar.grad_partial"
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
 GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter name
 GRAPH_NON_PERSISTENT = "fxpar.non_persistent"  # buffers kept out of the state dict
+GRAPH_LOSS = "fxpar.loss"  # passes.loss_normalisation.LossReduction: how pieces' losses combine
 
 
 def module_path(node: fx.Node) -> str:

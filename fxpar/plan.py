@@ -43,6 +43,7 @@ from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     LOOKS_LIKE_PATH,
     PRECISIONS,
     SCHEDULES,
+    TP_RULE_SOURCES,
     ZERO_STAGES,
     Precision,
     invalid_value,
@@ -69,9 +70,10 @@ class Plan:
     dp: int = 1
     pp: int = 1
     tp: int = 1
-    # Which modules tensor parallelism splits: "auto" (Megatron's pairs, inferred from the
-    # graph) or {module-path glob: style}; see fxpar.passes.tp_rules. A Hugging Face
-    # `base_model_tp_plan` dict works as is.
+    # Which modules tensor parallelism splits: "auto" (a Hugging Face model's own base-model
+    # plan, else Megatron's pairs inferred from the graph), "model" (the model's whole
+    # declared plan, its head's included) or {module-path glob: style}; see
+    # fxpar.passes.tp_rules. A Hugging Face `base_model_tp_plan` dict works as is.
     tp_rules: str | Mapping[str, str] = "auto"
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms on sequence shards
     # Pipeline: the order of microbatch forwards and backwards (fxpar.schedules; "zb-h1" splits
@@ -109,7 +111,7 @@ class Plan:
         if not isinstance(self.sequence_parallel, bool):
             raise invalid_value("sequence_parallel", self.sequence_parallel)
         rules = self.tp_rules
-        if rules != "auto" and not (
+        if rules not in TP_RULE_SOURCES and not (
             isinstance(rules, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in rules.items())
         ):
             raise invalid_value("tp_rules", rules)

@@ -18,6 +18,10 @@ import yaml
 
 from fxpar.errors import PlanError
 
+# tp_rules given by name: inferred from the graph (or the model's own base-model plan), or the
+# model's whole declared plan (fxpar.passes.tp_rules).
+TP_RULE_SOURCES = ("auto", "model")
+
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1")  # as fxpar.schedules builds
 Precision = Literal["fp32", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
@@ -52,7 +56,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "sequence_parallel": ("sp", "true or false (shard norms and dropout along the sequence)", "sp=true"),
     "tp_rules": (
         "tp_rules",
-        "'auto' or a mapping of module-path globs to colwise/rowwise/vocab/replicate",
+        "'auto', 'model' or a mapping of module-path globs to colwise/rowwise/vocab/replicate",
         'tp_rules={"h.*.attn.q":"colwise","h.*.attn.o":"rowwise"}',
     ),
     "zero": ("zero", "one of 0, 1, 2, 3 (the ZeRO stage: what is sharded over dp)", "zero=1"),
@@ -136,8 +140,8 @@ def value_from_text(name: str, text: str) -> object:
             return flags[text.strip().lower()]
         raise invalid_value(name, text)
     if name == "tp_rules":
-        if text.strip() == "auto":
-            return "auto"
+        if text.strip() in TP_RULE_SOURCES:
+            return text.strip()
         try:
             rules = json.loads(text)
         except json.JSONDecodeError:

@@ -18,6 +18,7 @@ with a pipeline, the graph is cut into `program.stages` (each with its own bucke
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from fxpar.collectives import (
     data_parallel_collectives,
     partial_gradient_collectives,
     tensor_parallel_collectives,
+    valid_target_collectives,
 )
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.hardware import hardware_profile
@@ -39,6 +41,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
 from fxpar.passes.infra import copy_graph_module, run_passes
+from fxpar.passes.loss_normalisation import COUNT_INPUT, LossReduction, normalise_loss
 from fxpar.passes.pipeline import assign_stages
 from fxpar.pipeline_program import (
     Stage,
@@ -58,7 +61,7 @@ from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.placement import Shard, local_slice
 from fxpar.plan import Plan
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.trace import CapturedGraph, capture, restore_state_layout
+from fxpar.trace import CapturedGraph, ExampleInputs, capture, restore_state_layout
 
 if TYPE_CHECKING:
     from fxpar.cost.estimate import Estimate
@@ -66,22 +69,34 @@ if TYPE_CHECKING:
 
 
 def compile(
-    model: torch.nn.Module,
+    model: torch.nn.Module | CapturedGraph,
     plan: Plan | str | dict,
-    example_inputs: tuple[torch.Tensor, ...],
+    example_inputs: ExampleInputs | None = None,
     *,
     hardware: str | None = None,
 ) -> Program:
     """Capture `model(*example_inputs) -> loss` and compile it for `plan`.
 
+    `model` may also be a capture (`fxpar.capture(model, example_inputs)`), to compile many
+    plans of one model with one torch.export; then `example_inputs` is not given.
+
     `example_inputs` is one *global* batch, what a single device would train on; each input's
-    dim 0 is the batch. `hardware` names the cost profile that sizes gradient buckets
+    dim 0 is the batch. A tuple is passed positionally, a dict by keyword (a Hugging Face
+    model: `{"input_ids": ids, "labels": labels}`); the model returns its loss, alone, first
+    in a tuple, or as the `loss` of its output (`trace.capture`). `hardware` names the cost profile that sizes gradient buckets
     (default: "h100" when CUDA is available, else "cpu"); the plan's `bucket_mb` overrides it.
     Raises PlanError for a plan that does not fit the model or batch, CaptureError for a model
     that cannot be captured.
     """
     plan = Plan.parse(plan)
-    captured = capture(model, example_inputs)
+    if isinstance(model, CapturedGraph):
+        if example_inputs is not None:
+            raise TypeError("compile(capture, plan) takes no example_inputs: the capture has them")
+        captured = model
+    elif example_inputs is None:
+        raise TypeError("fxpar.compile(model, plan, example_inputs): the example inputs are missing")
+    else:
+        captured = capture(model, example_inputs)
     _check_batch(plan, captured)
     hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
     mesh = Mesh.from_plan(plan)
@@ -91,9 +106,11 @@ def compile(
         # Nominal, never measured, constants: every rank must choose the same buckets.
         link = hardware_profile(hardware, measured=False).intra_node
         bucket_bytes = gradient_bucket_bytes(mesh.dp, link)
-    # [Note: pass order] Tensor parallelism runs first: it decides which parameters are split,
-    # and gradient buckets are sized by the shards each rank really holds.
-    passes = []
+    # [Note: pass order] The loss becomes sum / global count first, so that every later
+    # rewrite (the vocabulary-parallel loss, the pipeline's last stage) works on the sum.
+    # Tensor parallelism runs next: it decides which parameters are split, and gradient
+    # buckets are sized by the shards each rank really holds.
+    passes: list = [normalise_loss]
     if plan.tp > 1:
         placements = parameter_placements(captured.graph_module, plan.tp_rules, tp=plan.tp)
         passes.append(
@@ -120,6 +137,7 @@ def compile(
     else:
         passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
     graph_module = run_passes(captured.graph_module, passes)
+    _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
     stages = build_stages(graph_module, bucket_bytes=bucket_bytes) if stages_count > 1 else None
     return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module, stages=stages)
 
@@ -135,6 +153,18 @@ def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
             field="dp",
             value=plan.dp,
         )
+
+
+def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:
+    if reduction.sums or plan.dp * plan.microbatches == 1:
+        return
+    warnings.warn(
+        f"fxpar: {reduction.reason}, so the plan's {plan.dp * plan.microbatches} pieces of each "
+        "batch (dp x microbatches) are averaged as means: equal to one device only when every "
+        "piece weighs the same (no padding, no ignored targets). A mean cross entropy "
+        "(F.cross_entropy, Hugging Face's loss) is exact under any split",
+        stacklevel=3,
+    )
 
 
 class Program:
@@ -171,6 +201,23 @@ class Program:
         if self.stages is not None:
             raise AttributeError("a pipelined program has buckets per stage: program.stages[i].buckets")
         return self.graph_module.meta[meta.GRAPH_BUCKETS]
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        """How the step's pieces combine into the one-device loss (passes.loss_normalisation)."""
+        return self.graph_module.meta[meta.GRAPH_LOSS]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """What each rank module's forward takes: the step's inputs, then `valid_targets` when
+        the loss is a sum over the global count of valid targets."""
+        return self.captured.input_names + ((COUNT_INPUT,) if self.loss_reduction.sums else ())
+
+    def holds_loss(self, rank: int) -> bool:
+        """Whether `rank` computes the loss: every rank, or a pipeline's last stage's ranks."""
+        if self.stages is None:
+            return True
+        return self.mesh.coord(rank).pp == self.schedule.rank_of(len(self.stages) - 1)
 
     def rank_module(self, rank: int) -> fx.GraphModule:
         """The GraphModule `rank` runs, with readable `.code`: its stage, with a pipeline
@@ -224,8 +271,11 @@ class Program:
         `Runner.receives_ahead` does); what is sent and received is the same.
         """
         sizes = self._local_sizes()
+        counting = valid_target_collectives(
+            self.mesh.group(rank, Axis.DP), counted=self.loss_reduction.sums and self.holds_loss(rank)
+        )
         if self.stages is not None:
-            return pipeline_collectives(
+            return counting + pipeline_collectives(
                 rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages,
                 sizes=sizes, zero=self.plan.zero,
                 ahead=pipeline_receives_ahead(backend) if receives_ahead is None else receives_ahead,
@@ -236,7 +286,7 @@ class Program:
             self.buckets, self.mesh.group(rank, Axis.DP), zero=self.plan.zero
         )
         partial = partial_gradient_collectives(self.graph_module, tp_group)
-        return tensor_parallel * self.plan.microbatches + data_parallel + partial
+        return counting + tensor_parallel * self.plan.microbatches + data_parallel + partial
 
     def _local_sizes(self) -> dict:
         """Export's size symbols -> their values in one rank's microbatch of the example."""

@@ -30,9 +30,11 @@ def test_rank_module_prints_the_code_the_rank_runs():
     module = program.rank_module(3)
     assert module.meta["fxpar.coord"].dp == 3
     code = module.code
-    assert "def forward(self, idx, targets)" in code
+    # The mean loss is a sum over the step's global count of valid targets (loss_normalisation).
+    assert "def forward(self, idx, targets, valid_targets)" in code
     assert "torch.ops.aten.scaled_dot_product_attention.default" in code
-    assert code.rstrip().endswith("return cross_entropy_loss")
+    assert "div_tensor = torch.ops.aten.div.Tensor(cross_entropy_loss, valid_targets)" in code
+    assert code.rstrip().endswith("return div_tensor")
     with pytest.raises(ValueError, match="rank 4"):
         program.rank_module(4)
 
@@ -40,9 +42,10 @@ def test_rank_module_prints_the_code_the_rank_runs():
 def test_collectives_cover_every_gradient_once_and_the_loss():
     program = compile_gpt("dp=4 bucket_mb=0.02")
     parameters = program.captured.parameter_count()
-    calls = program.collectives(2)
+    count, *calls = program.collectives(2)
+    assert (count.tag, count.numel, count.dtype) == ("valid targets", 1, torch.int64)
     assert len(calls) == len(program.buckets) > 1
-    assert {c.group for c in calls} == {(0, 1, 2, 3)}
+    assert {c.group for c in (count, *calls)} == {(0, 1, 2, 3)}
     assert sum(c.numel for c in calls) == parameters + 1  # + the loss in the last bucket
     assert calls[-1].tag.endswith("+ loss")
     program.check()

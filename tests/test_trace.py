@@ -132,9 +132,38 @@ class _TwoOutputs(nn.Module):
         return F.mse_loss(h, y), h
 
 
+class _DictOutput(_TwoOutputs):
+    def forward(self, x, y):
+        loss, h = super().forward(x, y)
+        return {"hidden": h, "loss": loss}
+
+
+class _NoLoss(_TwoOutputs):
+    def forward(self, x, y):
+        return {"hidden": self.proj(x)}
+
+
+def test_the_loss_is_taken_from_a_tuple_or_a_dict_and_the_rest_dropped():
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for model in (_TwoOutputs(), _DictOutput()):
+        captured = capture(model, (x, y))
+        assert captured.graph_module(x, y) == model(x, y)["loss" if isinstance(model, _DictOutput) else 0]
+        assert captured.graph_module.graph.output_node().args[0].meta["val"].dim() == 0
+    model = _DictOutput()
+    keyword = capture(model, {"y": y, "x": x})  # keyword inputs, in the order given
+    assert keyword.input_names == ("y", "x") and keyword.keyword_inputs
+    assert keyword.arrange(({"x": x, "y": y},), {}) == (y, x)
+    assert keyword.graph_module(y, x) == model(x=x, y=y)["loss"]
+
+
 def test_model_must_return_a_scalar_loss():
-    with pytest.raises(CaptureError, match="return the scalar loss, found 2 outputs"):
-        capture(_TwoOutputs(), (torch.randn(4, 4), torch.randn(4, 4)))
+    with pytest.raises(CaptureError, match=r"found a dict with \['hidden'\] and no scalar `loss`"):
+        capture(_NoLoss(), (torch.randn(4, 4), torch.randn(4, 4)))
+
+
+def test_keyword_inputs_must_be_forward_parameters():
+    with pytest.raises(CaptureError, match="'z' is not a parameter of _TwoOutputs.forward, which takes x, y"):
+        capture(_TwoOutputs(), {"x": torch.randn(4, 4), "z": torch.randn(4, 4)})
 
 
 def test_inputs_must_be_tensors():

@@ -11,7 +11,9 @@ earlier bucket has been launched, so all ranks issue the same sequence) its all-
 asynchronously while backward goes on. `finish()` waits for all of them before the optimizer
 may step.
 
-Averaging is DDP's: divide by the group size, then sum-all-reduce.
+Averaging is DDP's: divide by the group size, then sum-all-reduce. When each rank's
+gradients are already its share of the global mean (the loss divides by the global count of
+valid targets: `runtime.step_loss`), `average=False` sums them instead.
 
 The last bucket has one element more: the step's local loss, summed over microbatches. It is
 averaged with the gradients, so every rank learns the global-batch mean loss without a
@@ -55,10 +57,12 @@ class GradientBuckets:
         loss_device: torch.device,
         *,
         carry_loss: bool = True,
+        average: bool = True,
     ):
         self.group = group
         self.communicator = communicator
         self.carry_loss = carry_loss
+        self.average = average
         if not buckets and carry_loss:  # nothing to train: the loss travels alone
             buckets = (Bucket(0, (), 0, torch.float32),)
         extra = 1 if carry_loss else 0
@@ -101,7 +105,8 @@ class GradientBuckets:
     def _launch_ready(self) -> None:
         while self._next < len(self.states) and self.states[self._next].pending == 0:
             state = self.states[self._next]
-            state.buffer.div_(self.group.size)
+            if self.average:
+                state.buffer.div_(self.group.size)
             tag = f"gradient bucket {state.bucket.index}"
             if self._next == len(self.states) - 1 and self.carry_loss:
                 tag += " + loss"

@@ -5,7 +5,7 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
     F(s, mb)  receive stage s's inputs from stage s-1's rank (shapes known at compile time:
               buffers are allocated from the boundary formulas, no shape exchange), run the
               stage module, send its outputs to stage s+1's rank; the last stage keeps the
-              loss (scaled by 1/microbatches, as gradient accumulation does).
+              loss (its share of the step's: `runtime.step_loss`).
     B(s, mb)  receive the gradients of stage s's outputs, run backward through the stage,
               send the gradients of its inputs back. Under a zero-bubble schedule the linear
               layers' weight gradients are left for W (`runtime.weight_gradients`).
@@ -151,7 +151,7 @@ class PipelineExecutor:
         groups, total = runner.groups, step.loss
         runner.communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
         if groups[Axis.DP].size > 1:
-            total /= groups[Axis.DP].size
+            total /= runner.loss.data_parallel_divisor()
             runner.communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
         return float(total)
 
@@ -169,18 +169,17 @@ class PipelineExecutor:
 
     def _forward(self, action, received: list[torch.Tensor], step: _Step) -> list[Transfer]:
         """F: run the stage on its received inputs; returns the sends of its outputs to the
-        next stage (the last stage keeps its loss, scaled by 1/microbatches as gradient
-        accumulation does)."""
+        next stage (the last stage keeps its loss, its share of the step's:
+        `runtime.step_loss`)."""
         stage, mb = self.program.stages[action.stage], action.microbatch
         for boundary, buffer in zip(stage.inputs, received):
             buffer.requires_grad_(boundary.requires_grad)
-        user = dict(zip(self.program.captured.input_names, step.chunks[mb]))
+        user = dict(zip(self.program.input_names, step.chunks[mb]))
         with deferring() if self.schedule.splits_backward else nullcontext():
             result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs))
         step.inputs[(stage.index, mb)] = received
         if stage.index == len(self.program.stages) - 1:
-            microbatches = len(step.chunks)
-            loss = result / microbatches if microbatches > 1 else result
+            loss = self.runner.loss.share(result, len(step.chunks))
             step.loss += loss.detach()
             step.outputs[(stage.index, mb)] = (loss,)
             return []

@@ -9,13 +9,15 @@
 `step` splits the local batch into the plan's microbatches and runs forward and backward on
 the rank's module (or, with a pipeline, the schedule's actions on its stage modules), lets the
 gradient buckets all-reduce during the last backward, and returns the global-batch mean loss,
-the same float on every rank.
+the same float on every rank. A batch comes in the form of the compile-time example: tensors
+in order, or a dict of keyword tensors (`runner.step(runner.local_batch(batch_dict))`).
 """
 
 from __future__ import annotations
 
 import gc
 from dataclasses import replace
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.pipeline_program import receives_ahead
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
+from fxpar.runtime.step_loss import StepLoss
 
 if TYPE_CHECKING:
     from fxpar.program import Program
@@ -62,6 +65,13 @@ class Runner:
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
         self._dp = groups[Axis.DP]
         self._tied = _tied_parameters(program, rank, tied_groups, self.modules)
+        self.loss = StepLoss(
+            program.loss_reduction,
+            count_dtype=program.captured.graph_module.graph.output_node().args[0].meta["val"].dtype,
+            holds_loss=program.holds_loss(rank),
+            data_parallel=self._dp,
+            communicator=communicator,
+        )
         self._buckets: list[GradientBuckets] = []
         self._pipeline = (
             PipelineExecutor(self, program) if program.stages is not None else None
@@ -123,7 +133,7 @@ class Runner:
                 if tensor.device != self.device:
                     tensor.data = tensor.data.to(self.device)
         tp = self.groups.get(Axis.TP)
-        for module in self.modules:
+        for module in (*self.modules, *filter(None, [self.loss.reduction.count_module])):
             _place_graph_constants(module, self.device)
             if tp is not None and tp.size > 1:
                 module.tp_group = replace(tp, communicator=self.communicator)
@@ -142,7 +152,7 @@ class Runner:
                 self._buckets.append(
                     GradientBuckets(
                         buckets, _parameters(module), self._dp, self.communicator, self.device,
-                        carry_loss=self._pipeline is None,
+                        carry_loss=self._pipeline is None, average=not self.loss.sums,
                     )
                 )
         self.communicator.reset()
@@ -168,30 +178,39 @@ class Runner:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def local_batch(self, *global_batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's data-parallel slice (along dim 0) of each tensor of a global batch."""
+    def local_batch(self, *global_batch: torch.Tensor | Mapping[str, torch.Tensor], **keywords: torch.Tensor):
+        """This rank's data-parallel slice (along dim 0) of each tensor of a global batch, in
+        the form given: a tuple for tensors, a dict for a dict (or keywords) of tensors."""
+        if len(global_batch) == 1 and isinstance(global_batch[0], Mapping) and not keywords:
+            keywords, global_batch = dict(global_batch[0]), ()
+        if keywords and global_batch:
+            raise TypeError("pass a batch either positionally or by keyword, not both")
+        named = keywords or {f"input {i}": t for i, t in enumerate(global_batch)}
         dp, index = self._dp.size, self._dp.ranks.index(self.rank)
-        slices = []
-        for i, tensor in enumerate(global_batch):
+        slices = {}
+        for name, tensor in named.items():
             if tensor.shape[0] % dp:
                 raise PlanError(
-                    f"input {i} has batch {tensor.shape[0]}, not divisible by dp={dp}. Fix: use "
+                    f"{name} has batch {tensor.shape[0]}, not divisible by dp={dp}. Fix: use "
                     f"a global batch that is a multiple of {dp}",
                     field="dp",
                     value=dp,
                 )
-            slices.append(tensor.tensor_split(dp)[index])
-        return tuple(slices)
+            slices[name] = tensor.tensor_split(dp)[index]
+        return slices if keywords else tuple(slices.values())
 
-    def step(self, *local_batch: torch.Tensor) -> float:
+    def step(self, *local_batch: torch.Tensor | Mapping[str, torch.Tensor], **keywords: torch.Tensor) -> float:
         """Forward and backward over this rank's batch; returns the global-batch mean loss.
 
-        Gradients are left in the parameters' `.grad`, averaged over the data-parallel group,
-        ready for the optimizer. The loss is the mean of the microbatch losses, averaged over
-        data-parallel ranks: the global mean when every rank holds the same number of samples.
+        The batch comes as the example did: tensors in order, a dict, or keywords. Gradients
+        are left in the parameters' `.grad`, ready for the optimizer: exactly one device's
+        over the global batch when the loss is a mean cross entropy, however many valid
+        targets each piece holds (`runtime.step_loss`); for another loss, the average of the
+        pieces' gradients.
         """
+        inputs = self.program.captured.arrange(local_batch, keywords)
         microbatches = self.program.plan.microbatches
-        batch = local_batch[0].shape[0]
+        batch = inputs[0].shape[0]
         if batch % microbatches:
             raise PlanError(
                 f"this rank's batch of {batch} does not split into microbatches={microbatches}. "
@@ -199,17 +218,16 @@ class Runner:
                 field="microbatches",
                 value=microbatches,
             )
-        chunks = list(zip(*(t.tensor_split(microbatches) for t in local_batch)))
+        chunks = list(zip(*(t.tensor_split(microbatches) for t in inputs)))
         self.communicator.start_step()
+        chunks = self.loss.with_counts(chunks)
         if self._pipeline is not None:
             return self._pipeline.run(chunks)
         total = torch.zeros((), device=self.device)
         for buckets in self._buckets:
             buckets.start_step(microbatches)
         for i, chunk in enumerate(chunks):
-            loss = self.module(*chunk)
-            if microbatches > 1:
-                loss = loss / microbatches
+            loss = self.loss.share(self.module(*chunk), microbatches)
             total += loss.detach()
             if i == microbatches - 1:
                 for buckets in self._buckets:

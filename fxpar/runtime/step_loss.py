@@ -1,0 +1,67 @@
+"""The step's loss at run time: counting valid targets, and combining the pieces' losses.
+
+Compile decided how a step's pieces (data-parallel ranks x microbatches) make the one-device
+loss (`passes.loss_normalisation.LossReduction`):
+
+    sums (a mean cross entropy)           each piece computes sum / global count of valid
+                                          targets; losses and gradients are summed
+    means (any other loss)                each piece computes its own mean; the pieces are
+                                          averaged (1/microbatches, then 1/dp)
+
+With `sums`, before the first forward every rank that computes the loss runs the compiled
+count module on each of its microbatches and sums the counts over the data-parallel group in
+one scalar all-reduce (`fxpar.collectives.valid_target_collectives` predicts it); each
+microbatch then gets that global count as its `valid_targets` input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.passes.loss_normalisation import LossReduction
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.process_groups import RankGroup
+
+
+class StepLoss:
+    def __init__(
+        self,
+        reduction: LossReduction,
+        *,
+        count_dtype: torch.dtype,
+        holds_loss: bool,
+        data_parallel: RankGroup,
+        communicator: Communicator,
+    ):
+        self.reduction = reduction
+        self.count_dtype = count_dtype  # the loss's dtype: the graph divides by the count
+        self.holds_loss = holds_loss
+        self.data_parallel = data_parallel
+        self.communicator = communicator
+
+    @property
+    def sums(self) -> bool:
+        """Whether pieces' losses and gradients are summed (True) or averaged (False)."""
+        return self.reduction.sums
+
+    def with_counts(self, chunks: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        """Each microbatch's inputs, plus the global count of valid targets where the loss
+        needs it (a rank that does not compute the loss gets its inputs unchanged)."""
+        if not (self.sums and self.holds_loss):
+            return chunks
+        with torch.no_grad():
+            count = sum(self.reduction.count_module(*chunk) for chunk in chunks)
+        if self.data_parallel.size > 1:
+            self.communicator.all_reduce_now(
+                count, self.data_parallel, tag="valid targets", phase="forward"
+            )
+        count = count.to(self.count_dtype)
+        return [(*chunk, count) for chunk in chunks]
+
+    def share(self, loss: torch.Tensor, microbatches: int) -> torch.Tensor:
+        """A microbatch's contribution to the rank's loss: itself, or 1/microbatches of it."""
+        return loss if self.sums or microbatches == 1 else loss / microbatches
+
+    def data_parallel_divisor(self) -> int:
+        """What the sum over data-parallel ranks is divided by: 1, or the group's size."""
+        return 1 if self.sums else self.data_parallel.size
