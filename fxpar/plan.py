@@ -72,8 +72,9 @@ class Plan:
     tp: int = 1
     # Which modules tensor parallelism splits: "auto" (a Hugging Face model's own base-model
     # plan, else Megatron's pairs inferred from the graph), "model" (the model's whole
-    # declared plan, its head's included) or {module-path glob: style}; see
-    # fxpar.passes.tp_rules. A Hugging Face `base_model_tp_plan` dict works as is.
+    # declared plan, its head's included), "infer" (Megatron's pairs inferred from the graph)
+    # or {module-path glob: style}; see fxpar.passes.tp_rules. A Hugging Face
+    # `base_model_tp_plan` dict works as is.
     tp_rules: str | Mapping[str, str] = "auto"
     sequence_parallel: bool = False  # Korthikanti et al. 2022: norms on sequence shards
     # Pipeline: the order of microbatch forwards and backwards (fxpar.schedules; "zb-h1" splits

@@ -18,9 +18,9 @@ import yaml
 
 from fxpar.errors import PlanError
 
-# tp_rules given by name: inferred from the graph (or the model's own base-model plan), or the
-# model's whole declared plan (fxpar.passes.tp_rules).
-TP_RULE_SOURCES = ("auto", "model")
+# tp_rules given by name: "auto" (the model's own base-model plan, else inferred), "model" (the
+# model's whole declared plan) or "infer" (Megatron's layout inferred from the graph).
+TP_RULE_SOURCES = ("auto", "model", "infer")
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1")  # as fxpar.schedules builds
 Precision = Literal["fp32", "bf16-mixed"]
@@ -56,7 +56,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "sequence_parallel": ("sp", "true or false (shard norms and dropout along the sequence)", "sp=true"),
     "tp_rules": (
         "tp_rules",
-        "'auto', 'model' or a mapping of module-path globs to colwise/rowwise/vocab/replicate",
+        "'auto', 'model', 'infer' or a mapping of module-path globs to colwise/rowwise/vocab/replicate",
         'tp_rules={"h.*.attn.q":"colwise","h.*.attn.o":"rowwise"}',
     ),
     "zero": ("zero", "one of 0, 1, 2, 3 (the ZeRO stage: what is sharded over dp)", "zero=1"),

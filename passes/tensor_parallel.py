@@ -6,12 +6,17 @@ an input lies otherwise it inserts the converting collective of `placement.REDIS
 call of an autograd function from `runtime.tensor_parallel_ops`, on the rank module's
 `tp_group`), and it rewrites what must change for local shards: the constants of views (head
 counts, hidden sizes), the split sizes of a fused q|k|v projection, the bias of a row-parallel
-linear (added once, after the sum), a vocabulary-parallel embedding and cross entropy.
+projection (added once, after the sum), a vocabulary-parallel embedding and cross entropy.
 
 One rule needs no op in particular: a replicated input that requires grad and feeds math whose
 output is sharded or partial contributes only a partial gradient on each rank, so it passes
 through `copy_to_region` (Megatron's f: identity forward, all-reduce backward), once per value.
 Megatron's f and g thus fall out of the table instead of being placed by hand.
+
+Some values are converted right where they are produced, for all their uses ("settled"): a
+vocabulary-parallel embedding's partial sums (all-reduced at once, so the residual stream stays
+replicated and no norm sums them again), and the output of a module whose style is
+`colwise_gather_output` (all-gathered, so the rest of the model sees the whole value).
 
     before (colwise q, rowwise o):          after, on each of tp ranks:
       linear = aten.linear(ln, q_w, q_b)      copy = copy_to_region(ln, tp_group)
@@ -28,6 +33,8 @@ group); the graph computes each rank's local part; the loss is replicated.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.fx as fx
 
@@ -37,31 +44,37 @@ from fxpar.placement import Partial, Placement, R, Replicate, Shard
 from fxpar.mesh import Axis
 from fxpar.runtime import tensor_parallel_ops as ops
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.passes.tp_projections import packet, projection_of
 from fxpar.passes.tp_propagation import Context, Decision, is_tensor, rule_for, shape_of
 
 GROUP_ATTRIBUTE = "tp_group"
+_COPY = "R*"  # a replicated value on its way into sharded math (Megatron's f)
 
 
 def _order(graph: fx.Graph):
     positions = {n: i for i, n in enumerate(graph.nodes)}
     return positions.__getitem__
-_COPY = "R*"  # a replicated value on its way into sharded math (Megatron's f)
 
 
 def shard_tensor_parallel(
     gm: fx.GraphModule,
     *,
-    placements: dict[str, Placement],
+    placements: Mapping[str, Placement],
     tp: int,
     sequence_parallel: bool = False,
     seq: frozenset = frozenset(),
+    gathered_outputs: frozenset[str] = frozenset(),
 ) -> fx.GraphModule:
-    """Rewrite `gm` so that it computes one tensor-parallel rank's share (see module doc)."""
+    """Rewrite `gm` so that it computes one tensor-parallel rank's share (see module doc).
+
+    `gathered_outputs` names the modules whose sharded projections and lookups give their
+    output whole (style colwise_gather_output), as `tp_rules.parameter_placements` records.
+    """
     graph = gm.graph
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
         group = graph.create_node("get_attr", GROUP_ATTRIBUTE)
-    walk = _Walk(graph, group, Context({}, tp, sequence_parallel, seq))
+    walk = _Walk(graph, group, Context({}, tp, sequence_parallel, seq), gathered_outputs)
     for node in list(graph.nodes):
         if node is group:
             continue
@@ -80,8 +93,8 @@ def shard_tensor_parallel(
 
 
 class _Walk:
-    def __init__(self, graph: fx.Graph, group: fx.Node, ctx: Context):
-        self.graph, self.group, self.ctx = graph, group, ctx
+    def __init__(self, graph: fx.Graph, group: fx.Node, ctx: Context, gathered: frozenset[str]):
+        self.graph, self.group, self.ctx, self.gathered = graph, group, ctx, gathered
         self.converted: dict[tuple[fx.Node, str], fx.Node] = {}
         self.sharded_uses: dict[fx.Node, list[fx.Node]] = {}  # parameter -> sharded consumers
 
@@ -122,6 +135,24 @@ class _Walk:
         if decision.rewrite is not None:
             getattr(self, "_" + decision.rewrite)(node, decision)
         self.set(node, decision.output)
+        settle_to = decision.settle_to
+        if settle_to is None and self._gathers(node, decision.output):
+            settle_to = R
+        if settle_to is not None:
+            self.settle(node, settle_to)
+
+    def _gathers(self, node: fx.Node, output) -> bool:
+        """Whether `node` is a sharded projection or lookup of a colwise_gather_output module."""
+        looks_up = projection_of(node) is not None or packet(node) is torch.ops.aten.embedding
+        return looks_up and isinstance(output, Shard) and meta.module_path(node) in self.gathered
+
+    def settle(self, node: fx.Node, wanted) -> None:
+        """Convert `node`'s value to `wanted` right after it is produced, for all its uses."""
+        users = list(node.users)
+        converted = self.convert(node, wanted, before=node.next)
+        converted.meta[meta.MODULE_PATH] = meta.module_path(node)
+        for user in users:
+            user.replace_input_with(node, converted)
 
     def settle_parameters_feeding_shards(self) -> None:
         """Replicated parameters in sharded math: one coalesced gradient all-reduce, not f each.
@@ -227,9 +258,16 @@ class _Walk:
         node.args = tuple(args)
 
     def _bias_after_reduction(self, node: fx.Node, decision: Decision) -> None:
-        """linear(x, w, b) with partial sums -> linear(x, w) + b, b added once after the sum."""
-        bias = node.args[2]
-        node.args = node.args[:2]
+        """A row-parallel projection's bias, added once after the sum of the partials:
+
+            linear(x, w, b)  ->  linear(x, w) + b
+            addmm(b, x, w)   ->  mm(x, w) + b
+        """
+        projection = projection_of(node)
+        bias = projection.bias
+        if packet(node) is torch.ops.aten.addmm:
+            node.target = torch.ops.aten.mm.default
+        node.args, node.kwargs = (projection.x, projection.weight), {}
         with self.graph.inserting_after(node):
             add = self.graph.call_function(torch.ops.aten.add.Tensor, (node, bias))
         add.meta.update({k: v for k, v in node.meta.items() if k != meta.PLACEMENT})
@@ -239,9 +277,25 @@ class _Walk:
         self.visit(add)
 
     def _vocab_parallel_embedding(self, node: fx.Node, decision: Decision) -> None:
+        """embedding(w, ids, padding_idx) on a vocabulary shard (see ops.vocab_parallel_embedding).
+
+        The padding row keeps a zero gradient, as on one device: the rank holding it skips it.
+        Frequency-scaled and sparse gradients are refused: each rank would count only the
+        tokens of its own rows, and sparse gradients do not reach the sharded optimizer.
+        """
+        options = dict(zip(("padding_idx", "scale_grad_by_freq", "sparse"), node.args[2:])) | node.kwargs
+        for option in ("scale_grad_by_freq", "sparse"):
+            if options.get(option, False):
+                raise PlanError(
+                    f"a vocabulary-parallel embedding cannot take {option}=True: "
+                    f"{meta.describe(node)}. Fix: replicate the embedding "
+                    f"(tp_rules={{{_module_of(node.args[0])!r}: 'replicate'}}), or build it "
+                    f"without {option}",
+                    field="tp_rules",
+                )
         weight, indices = node.args[0], node.args[1]
         node.target = ops.vocab_parallel_embedding
-        node.args, node.kwargs = (weight, indices, self.group), {}
+        node.args, node.kwargs = (weight, indices, self.group, options.get("padding_idx", -1)), {}
 
     def _vocab_parallel_cross_entropy(self, node: fx.Node, decision: Decision) -> None:
         logits, target, *rest = node.args
@@ -258,3 +312,8 @@ class _Walk:
         node.target = ops.vocab_parallel_cross_entropy
         node.args = (logits, target, self.group, options.get("ignore_index", -100), reduction)
         node.kwargs = {}
+
+
+def _module_of(parameter: fx.Node) -> str:
+    name = meta.parameter_name(parameter) or meta.module_path(parameter)
+    return name.rsplit(".", 1)[0] if "." in name else name

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from fxpar import meta
 from fxpar.errors import PlanError
+from fxpar.passes.tp_projections import projection_of
 from fxpar.placement import P, Partial, Placement, R, Replicate, Shard
 
 aten = torch.ops.aten
@@ -33,6 +34,8 @@ class Decision:
     output: Placement | list[Placement]
     inputs: dict[fx.Node, Placement] = field(default_factory=dict)
     rewrite: str | None = None  # the name of a rewrite in passes.tensor_parallel
+    # Where the output goes right where it is produced, for every use (None: it stays `output`).
+    settle_to: Placement | None = None
 
 
 class Context:
@@ -154,8 +157,13 @@ def _groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int
 
 
 def _smaller(a, b) -> bool:
+    """Whether product `a` must grow to reach `b`: b = 4a, or b = seq * a for symbolic sizes
+    (and not a = batch * seq against b = batch, where `b` must grow: (B*T, C) -> (B, T, C))."""
     ratio = sympy.simplify(b / a)
-    return ratio.is_number and ratio > 1 or not ratio.is_number
+    if ratio.is_number:
+        return ratio > 1
+    _, denominator = sympy.fraction(sympy.together(ratio))
+    return denominator.is_number
 
 
 def view(node: fx.Node, ctx: Context) -> Decision:
@@ -304,21 +312,37 @@ def reduction(node: fx.Node, ctx: Context) -> Decision:
 # -- contractions ----------------------------------------------------------------------------
 
 
-def linear(node: fx.Node, ctx: Context) -> Decision:
-    x, weight = node.args[0], node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else None
+def projection(node: fx.Node, ctx: Context) -> Decision:
+    """x @ W (+ b) in any form of `tp_projections` (linear, addmm, mm, matmul with a weight).
+
+    Column-parallel (W split on its output dim): the input whole, the output split on its
+    last dim like W, the bias split with it. Row-parallel (W split on its input dim): the
+    input split on its last dim, partial sums out, the bias added once after the sum
+    (rewrite `bias_after_reduction`). A replicated W keeps a batch or sequence shard of x, and
+    a bias-free one carries a partial sum through (the product is linear in x).
+    """
+    proj = projection_of(node)
+    if proj is None:  # mm or matmul of two activations; addmm without a weight
+        return matmul(node, ctx) if node.target.overloadpacket is not aten.addmm else _replicated(node)
+    x, weight, bias = proj.x, proj.weight, proj.bias
     wp, xp = ctx.placement(weight), ctx.placement(x)
-    rank = len(shape_of(x))
-    if isinstance(wp, Shard) and wp.dim == 0:  # column-parallel
-        inputs = {x: R, weight: wp} | ({bias: wp} if bias is not None else {})
-        return Decision(Shard(rank - 1, wp.parts), inputs)
-    if isinstance(wp, Shard) and wp.dim == 1:  # row-parallel: partial sums, bias after the sum
+    rank, out_rank = len(shape_of(x)), len(shape_of(node))
+    if isinstance(wp, Shard) and wp.dim == proj.out_dim:  # column-parallel
+        inputs = {x: R, weight: wp}
+        if bias is not None:
+            inputs[bias] = Shard(len(shape_of(bias)) - 1, wp.parts)
+        return Decision(Shard(out_rank - 1, wp.parts), inputs)
+    if isinstance(wp, Shard) and wp.dim == proj.in_dim:  # row-parallel: partial sums
         inputs = {x: Shard(rank - 1, wp.parts), weight: wp}
         return Decision(P, inputs, rewrite="bias_after_reduction" if bias is not None else None)
     if isinstance(xp, Shard) and xp.dim < rank - 1:  # a replicated weight on a batch/seq shard
         return Decision(xp, {x: xp, weight: R} | ({bias: R} if bias is not None else {}))
     if isinstance(xp, Partial) and bias is None:
         return Decision(P, {x: P, weight: R})
+    return _replicated(node)
+
+
+def _replicated(node: fx.Node) -> Decision:
     return Decision(R, {n: R for n in tensor_inputs(node)})
 
 
@@ -359,10 +383,15 @@ def matmul(node: fx.Node, ctx: Context) -> Decision:
 
 
 def embedding(node: fx.Node, ctx: Context) -> Decision:
+    """A vocabulary-sharded table gives partial sums (each rank its rows' lookups), summed right
+    where they are produced, as Megatron's VocabParallelEmbedding does: carried on, the partial
+    would ride the residual stream and every norm would sum it again. Under sequence
+    parallelism the sum is a reduce-scatter onto sequence shards (`ctx.partial_target`)."""
     weight, indices = node.args[0], node.args[1]
     wp, ip = ctx.placement(weight), ctx.placement(indices)
     if isinstance(wp, Shard) and wp.dim == 0:
-        return Decision(P, {weight: wp, indices: R}, rewrite="vocab_parallel_embedding")
+        return Decision(P, {weight: wp, indices: R}, rewrite="vocab_parallel_embedding",
+                        settle_to=ctx.partial_target(node))
     if isinstance(wp, Shard) and wp.dim == 1:
         return Decision(Shard(len(shape_of(node)) - 1), {weight: wp, indices: R})
     return Decision(ip if isinstance(ip, Shard) else R, {weight: R, indices: ip if isinstance(ip, Shard) else R})
@@ -407,7 +436,8 @@ RULES: dict[object, Callable[[fx.Node, Context], Decision]] = {
     aten.layer_norm: reduction, aten.softmax: reduction, aten._softmax: reduction,
     aten.log_softmax: reduction, aten._log_softmax: reduction, aten.mean: reduction,
     aten.sum: reduction, aten.amax: reduction,
-    aten.linear: linear, aten.matmul: matmul, aten.bmm: matmul, aten.mm: matmul,
+    aten.linear: projection, aten.addmm: projection, aten.mm: projection,
+    aten.matmul: projection, aten.bmm: matmul,
     aten.scaled_dot_product_attention: attention,
     aten.embedding: embedding, aten.cross_entropy_loss: cross_entropy,
     aten.arange: creation, aten.zeros: creation, aten.ones: creation, aten.full: creation,

@@ -19,7 +19,6 @@ which multiplies the gradient of a replicated loss by the group size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fxpar.errors import BindError
 from fxpar.runtime.process_groups import RankGroup
@@ -147,17 +146,23 @@ def reduce_scatter(x: torch.Tensor, group: RankGroup, dim: int) -> torch.Tensor:
     return _ReduceScatter.apply(x, group, dim)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, group: RankGroup) -> torch.Tensor:
+def vocab_parallel_embedding(
+    weight: torch.Tensor, indices: torch.Tensor, group: RankGroup, padding_idx: int = -1
+) -> torch.Tensor:
     """Look up rows of a vocabulary-sharded table: a Partial result (Megatron's embedding).
 
-    Rank i holds rows [i V/t, (i+1) V/t); tokens outside them read row 0 and are zeroed, so
-    the sum over ranks is the full lookup.
+    Rank i holds rows [i V/t, (i+1) V/t); tokens outside them read row 0 and are zeroed (so is
+    their gradient), so the sum over ranks is the full lookup. `padding_idx` is the global
+    row whose gradient stays zero (-1: none), as `aten.embedding` takes it: the rank holding
+    that row passes its local index on, the others have no padding row.
     """
     rows = weight.shape[0]
     start = group.index * rows
     outside = (indices < start) | (indices >= start + rows)
     local = (indices - start).masked_fill(outside, 0)
-    return F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    local_padding = padding_idx - start if start <= padding_idx < start + rows else -1
+    looked_up = torch.ops.aten.embedding(weight, local, local_padding)
+    return looked_up.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -1,7 +1,9 @@
 """Tier 1: tensor-parallel rules, rewrites and errors on small graphs, no processes."""
 
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +11,9 @@ import torch.nn as nn
 
 import fxpar
 from fxpar import PlanError, meta
-from fxpar.passes.tp_rules import infer_styles
+from fxpar.passes.tp_rules import infer_styles, placement_for
 from fxpar.placement import R, Shard, global_tensor, local_slice
+from fxpar.runtime import tensor_parallel_ops as ops
 from fxpar.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
@@ -127,3 +130,138 @@ def test_tp_collectives_are_predicted_per_microbatch():
     assert len(program.collectives(0)) == 2 * len(one.collectives(0))
     # half the batch per microbatch: half the payload per call
     assert sum(c.numel for c in program.collectives(0)) == sum(c.numel for c in one.collectives(0))
+
+
+# -- placements of every projection form and style ---------------------------------------------
+
+
+@pytest.mark.parametrize("kind, role, style, parts, placement", [
+    ("linear", "weight", "colwise", 1, Shard(0)),  # nn.Linear's weight is (out, in)
+    ("linear", "weight", "rowwise", 1, Shard(1)),
+    ("linear", "bias", "rowwise", 1, R),  # added once, after the sum
+    ("matmul", "weight", "colwise", 1, Shard(1)),  # GPT-2's Conv1D weight is (in, out)
+    ("matmul", "weight", "rowwise", 1, Shard(0)),
+    ("matmul", "bias", "colwise", 3, Shard(0, parts=3)),  # a fused q|k|v bias
+    ("matmul", "weight", "colwise", 3, Shard(1, parts=3)),
+    ("linear", "weight", "packed_colwise", 1, Shard(0, parts=2)),  # gate|up
+    ("linear", "weight", "colwise_gather_output", 1, Shard(0)),
+    ("linear", "weight", "vocab", 1, Shard(0)),
+    ("embedding", "weight", "vocab", 1, Shard(0)),
+    ("embedding", "weight", "rowwise", 1, Shard(0)),  # Hugging Face's embedding rowwise
+    ("embedding", "weight", "colwise", 1, Shard(1)),
+    ("other", "other", "colwise", 1, R),
+])
+def test_placement_for_each_form_and_style(kind, role, style, parts, placement):
+    assert placement_for(kind, role, style, parts=parts) == placement
+
+
+def test_vocab_parallel_embedding_keeps_the_padding_row_gradient_zero():
+    torch.manual_seed(0)
+    whole = torch.randn(8, 3)
+    ids = torch.tensor([[0, 6, 5, 6], [1, 7, 6, 2]])
+    expected = nn.functional.embedding(ids, whole, padding_idx=6)
+    pieces, grads = [], []
+    for index in range(2):  # rank 1 holds rows 4..7, the padding row among them as its row 2
+        shard = whole.chunk(2)[index].clone().requires_grad_()
+        out = ops.vocab_parallel_embedding(shard, ids, SimpleNamespace(index=index), 6)
+        out.sum().backward()
+        pieces.append(out.detach())
+        grads.append(shard.grad)
+    assert torch.equal(pieces[0] + pieces[1], expected)
+    global_grad = torch.cat(grads)
+    assert torch.equal(global_grad[6], torch.zeros(3))
+    assert torch.equal(global_grad[5], torch.ones(3)) and torch.equal(global_grad[7], torch.ones(3))
+
+
+class _Lookup(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16, **options)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids, labels):
+        return nn.functional.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), labels.flatten())
+
+
+def test_the_padding_index_reaches_the_vocabulary_parallel_embedding():
+    program = fxpar.compile(_Lookup(padding_idx=3), "tp=2", (TOKENS, LABELS))
+    graph = program.rank_module(1).graph
+    lookup = next(n for n in graph.nodes if n.target is ops.vocab_parallel_embedding)
+    weight, ids, group, padding_idx = lookup.args
+    assert group.target == "tp_group" and padding_idx == 3
+
+
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
+def test_embedding_options_a_vocabulary_shard_cannot_honour_are_plan_errors(option):
+    with pytest.raises(PlanError, match=rf"{option}=True.*module 'emb'.*tp_rules=\{{'emb': 'replicate'\}}"):
+        fxpar.compile(_Lookup(**{option: True}), "tp=2", (TOKENS, LABELS))
+    fxpar.compile(_Lookup(**{option: True}), fxpar.Plan(tp=2, tp_rules={"head": "vocab"}), (TOKENS, LABELS))
+
+
+def test_the_vocabulary_parallel_embedding_is_summed_where_it_is_produced():
+    program = fxpar.compile(build_model("llama"), "tp=2", (TOKENS, LABELS))
+    graph = program.rank_module(0).graph
+    lookup = next(n for n in graph.nodes if n.target is ops.vocab_parallel_embedding)
+    assert [u.target for u in lookup.users] == [ops.all_reduce] and lookup.next.target is ops.all_reduce
+    # so the residual stream is replicated: 2 all-reduces per layer, 1 for the embedding and
+    # the loss' 2 forward; f before each column-parallel group and the head backward
+    layers = 2
+    calls = Counter((c.kind, c.phase) for c in program.collectives(0))
+    assert calls == {
+        ("all_reduce", "forward"): 2 * layers + 1 + 2, ("all_reduce", "backward"): 2 * layers + 1,
+    }
+
+
+def test_gathering_styles_gather_right_where_the_output_is_produced():
+    rules = {"layers.*.attention.[qkv]_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
+             "lm_head": "colwise_gather_output", "embed_tokens": "embedding_colwise"}
+    program = fxpar.compile(build_model("llama"), fxpar.Plan(tp=2, tp_rules=rules), (TOKENS, LABELS))
+    graph = program.rank_module(0).graph
+    aten = torch.ops.aten
+    for module, op in (("lm_head", aten.linear.default), ("embed_tokens", aten.embedding.default)):
+        node = next(n for n in graph.nodes if meta.module_path(n) == module and n.target is op)
+        assert node.next.target is ops.all_gather and [u.target for u in node.users] == [ops.all_gather]
+    assert placements(program)["embed_tokens.weight"] == Shard(1)  # the embedding dim is split
+    assert "vocab_parallel_cross_entropy" not in program.rank_module(0).code  # the logits are whole
+
+
+class _PackedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Linear(8, 32)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return nn.functional.mse_loss(self.down(nn.functional.silu(gate) * up), y)
+
+
+@pytest.mark.parametrize("style", ["packed_colwise", "colwise"])
+def test_a_packed_projection_gives_each_rank_its_slice_of_each_block(style):
+    x = torch.randn(4, 8)
+    plan = fxpar.Plan(tp=2, tp_rules={"gate_up": style, "down": "rowwise"})
+    found = placements(fxpar.compile(_PackedMLP(), plan, (x, x)))
+    assert found["gate_up.weight"] == Shard(0, parts=2) and found["gate_up.bias"] == Shard(0, parts=2)
+
+
+# -- rules fxpar cannot honour -----------------------------------------------------------------
+
+
+def test_an_expert_parallel_style_is_a_plan_error_with_a_fix():
+    plan = fxpar.Plan(tp=2, tp_rules={"layers.*.mlp": "moe_tp_experts"})
+    with pytest.raises(PlanError, match=r"mixture-of-experts.*Fix: .*\['layers\.\*\.mlp'\] = 'replicate'"):
+        fxpar.compile(build_model("llama"), plan, (TOKENS, LABELS))
+
+
+def test_a_rule_naming_a_module_whose_parameters_cannot_be_split_is_a_plan_error():
+    plan = fxpar.Plan(tp=2, tp_rules={"layers.*.attention_norm": "colwise"})
+    message = r"module 'layers\.0\.attention_norm' colwise.*cannot split its parameter"
+    with pytest.raises(PlanError, match=message):
+        fxpar.compile(build_model("llama"), plan, (TOKENS, LABELS))
+
+
+def test_a_tied_weight_whose_uses_want_different_layouts_is_a_plan_error():
+    plan = fxpar.Plan(tp=2, tp_rules={"wte": "colwise"})  # the embedding splits its dim, the head its vocab
+    message = r"'wte.weight' is used in ways whose tensor-parallel layouts disagree"
+    with pytest.raises(PlanError, match=message):
+        fxpar.compile(build_model("gpt"), plan, (TOKENS, LABELS))

@@ -1,0 +1,169 @@
+"""Projections: an activation times a weight matrix, in every form torch.export emits.
+
+Tensor parallelism splits projections (Shoeybi et al. 2019, Sec. 3), and a captured graph
+spells them four ways:
+
+    form                          weight     out_dim   comes from
+    aten.linear(x, w, b)          (out, in)  0         nn.Linear, F.linear
+    aten.addmm(b, x2d, w)         (in, out)  1         Hugging Face GPT-2's Conv1D:
+                                                       addmm(bias, x.view(-1, in), weight)
+    aten.mm(x2d, w)               (in, out)  1         the same without a bias
+    aten.matmul(x, w)             (in, out)  1         `x @ w` with a parameter `w`
+
+A `Projection` names the parts of any of them alike, so the plan rules (`tp_rules`), the
+propagation table (`tp_propagation.RULES`) and the rewrite (`tensor_parallel`) each handle one
+shape of problem instead of four: column-parallel splits the weight's `out_dim`
+(`Shard(out_dim)`, and the bias with it), row-parallel its `in_dim` (`Shard(in_dim)`, the bias
+added once after the sum).
+
+    %view_1 = aten.reshape(%ln, [-1, 64])
+    %addmm = aten.addmm(%c_attn_bias, %view_1, %c_attn_weight)
+    projection_of(addmm) == Projection(node=addmm, x=view_1, weight=c_attn_weight,
+                                       bias=c_attn_bias, out_dim=1)
+
+For addmm, mm and matmul only a parameter in the weight's place makes a projection: the same
+ops between two activations are attention's `q @ k^T` and `p @ v`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import meta
+
+aten = torch.ops.aten
+
+# Views after which the last dim is still the projection's output features: (B*T, 3C) -> (B, T, 3C).
+_VIEWS = {aten.view, aten._unsafe_view, aten.reshape}
+_SPLITS = {aten.split, aten.split_with_sizes, aten.chunk}
+
+
+@dataclass(frozen=True)
+class Projection:
+    """`x @ W (+ b)` as the graph computes it at `node`; see the module doc for `out_dim`."""
+
+    node: fx.Node
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    out_dim: int  # the weight dim that holds the output features
+
+    @property
+    def in_dim(self) -> int:
+        """The weight dim contracted with the input's last dim."""
+        return 1 - self.out_dim
+
+    @property
+    def weight_name(self) -> str | None:
+        """The weight's parameter name, or None for a computed weight."""
+        return meta.parameter_name(self.weight)
+
+    @property
+    def bias_name(self) -> str | None:
+        return meta.parameter_name(self.bias) if self.bias is not None else None
+
+
+def packet(node: fx.Node):
+    """The op of a call node without its overload: aten.addmm for aten.addmm.default."""
+    target = node.target
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+
+
+def is_parameter(node: object) -> bool:
+    return isinstance(node, fx.Node) and meta.parameter_name(node) is not None
+
+
+def _is_matrix_parameter(node: object) -> bool:
+    return is_parameter(node) and node.meta["val"].dim() == 2
+
+
+def projection_of(node: fx.Node) -> Projection | None:
+    """The projection `node` computes, or None (see the table in the module doc)."""
+    if node.op != "call_function":
+        return None
+    op = packet(node)
+    if op is aten.linear and isinstance(node.args[1], fx.Node):
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return Projection(node=node, x=node.args[0], weight=node.args[1], bias=bias, out_dim=0)
+    if op is aten.addmm and _is_matrix_parameter(node.args[2]) and _unscaled(node):
+        return Projection(node=node, x=node.args[1], weight=node.args[2], bias=node.args[0], out_dim=1)
+    if op in (aten.mm, aten.matmul) and _is_matrix_parameter(node.args[1]):
+        return Projection(node=node, x=node.args[0], weight=node.args[1], bias=None, out_dim=1)
+    return None
+
+
+def _unscaled(addmm: fx.Node) -> bool:
+    """addmm(b, x, w, beta=1, alpha=1): scaled forms are not plain projections."""
+    beta = addmm.args[3] if len(addmm.args) > 3 else addmm.kwargs.get("beta", 1)
+    alpha = addmm.args[4] if len(addmm.args) > 4 else addmm.kwargs.get("alpha", 1)
+    return beta == 1 and alpha == 1
+
+
+def projections(graph: fx.Graph) -> list[Projection]:
+    """Every projection of `graph`, in graph order."""
+    return [p for node in graph.nodes if (p := projection_of(node)) is not None]
+
+
+def fused_projections(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameters of projections whose output is split into equal blocks: {name: blocks}.
+
+    GPT-2's `c_attn` computes q|k|v in one matmul and splits the last dim in three (HF's
+    Conv1D first views (B*T, 3C) back to (B, T, 3C)). Cutting its weight into tp contiguous
+    slices would give rank 0 all of q; as `Shard(out_dim, parts=3)` each rank holds its own
+    slice of each block, so the local output splits into local q, k and v heads.
+
+    A split after a view that cuts the last dim is no fused projection: GPT-NeoX views its
+    `query_key_value` output as (B, T, heads, 3 * head_dim) and chunks each head, so its rows
+    are head-major and a plain `Shard(0)` already gives each rank whole heads.
+    """
+    fused = {}
+    for projection in projections(gm.graph):
+        blocks = _equal_blocks_of_last_dim(projection.node)
+        if blocks is None:
+            continue
+        for parameter in (projection.weight, projection.bias):
+            if is_parameter(parameter):
+                fused[meta.parameter_name(parameter)] = blocks
+    return fused
+
+
+def _equal_blocks_of_last_dim(node: fx.Node) -> int | None:
+    width = node.meta["val"].shape[-1]
+    if not isinstance(width, int):
+        return None
+    for user in _through_last_dim_views(node):
+        op = packet(user)
+        if op not in _SPLITS:
+            continue
+        rank = len(user.args[0].meta["val"].shape)
+        dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+        if dim % rank != rank - 1:
+            continue
+        size = user.args[1]
+        if op is aten.chunk:
+            return int(size)
+        if isinstance(size, (list, tuple)):
+            return len(size) if len(set(size)) == 1 and size[0] * len(size) == width else None
+        if isinstance(size, int) and width % size == 0:
+            return int(width // size)
+    return None
+
+
+def _through_last_dim_views(node: fx.Node) -> list[fx.Node]:
+    """`node`'s users, and theirs through views that keep the last dim whole."""
+    found, stack = [], list(node.users)
+    width = node.meta["val"].shape[-1]
+    while stack:
+        user = stack.pop()
+        found.append(user)
+        if packet(user) in _VIEWS and _same_size(user.meta["val"].shape[-1], width):
+            stack.extend(user.users)
+    return found
+
+
+def _same_size(a: object, b: object) -> bool:
+    """Equal static sizes; never compares symbolic ones (that would specialise them)."""
+    return isinstance(a, int) and isinstance(b, int) and a == b

@@ -1,0 +1,402 @@
+"""Tier 1: tensor parallelism on unmodified Hugging Face models, and on every projection form.
+
+Models come from tests/hf_models.py (small configs, random weights, nothing downloaded; GPT-2's
+Conv1D, Llama's and Mistral's grouped-query attention, Qwen2's q/k/v biases, GPT-NeoX's fused
+query_key_value, BERT's pad token), with sdpa and eager attention. Three kinds of check:
+
+* styles: inference (`tp_rules="infer"`, and `"auto"` for a model without a plan of its own)
+  finds Megatron's layout, equal to the model's own `base_model_tp_plan` where it has one;
+* counts: `program.collectives(rank)` holds Megatron's collectives, exactly (Shoeybi et al.
+  2019, Sec. 3: two all-reduces forward and two backward per layer);
+* numbers: the rank modules run as threads of this process, their collectives meeting in
+  `ThreadedCollectives` (no process group, no torchrun), and their loss and every gradient,
+  reassembled from the shards, equal one device's. fp32, relative 1e-4 and absolute 1e-6:
+  sharding sums the same products in another order, nothing more.
+"""
+
+import dataclasses
+import functools
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import PlanError, meta
+from fxpar.declared_plans import declared_plans
+from fxpar.passes.tp_rules import HF_STYLES, UNSUPPORTED_HF_STYLES, infer_styles
+from fxpar.placement import R, Shard, global_tensor
+from fxpar.runtime import tensor_parallel_ops as ops
+from fxpar.trace import capture
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from hf_models import LossOf, build  # noqa: E402
+
+MODELS = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox", "bert"]
+LAYERS = 2
+# Megatron's layout for the models without a tp plan of their own.
+MEGATRON = {
+    "gpt2": {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+             "mlp.c_proj": "rowwise"},
+    "bert": {"attention.self.query": "colwise", "attention.self.key": "colwise",
+             "attention.self.value": "colwise", "attention.output.dense": "rowwise",
+             "intermediate.dense": "colwise", "output.dense": "rowwise"},
+}
+
+
+# -- rank modules as threads -------------------------------------------------------------------
+
+
+class ThreadedCollectives:
+    """The communicator of tp ranks that are threads of one process: each collective is a
+    meeting at a barrier where every rank posts its tensor and reads all the others'."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=120)
+        self.posted: list[torch.Tensor | None] = [None] * size
+        self.log: list[list[tuple[str, str]]] = [[] for _ in range(size)]
+
+    def _meet(self, tensor, group, kind: str, phase: str) -> list[torch.Tensor]:
+        self.log[group.index].append((kind, phase))
+        self.posted[group.index] = tensor.detach().clone()
+        self.barrier.wait()
+        pieces = list(self.posted)
+        self.barrier.wait()  # nobody posts the next tensor before all have read this one
+        return pieces
+
+    def all_reduce_now(self, tensor, group, *, tag, op="sum", phase):
+        pieces = torch.stack(self._meet(tensor, group, "all_reduce", phase))
+        tensor.copy_(pieces.amax(0) if op == "max" else pieces.sum(0))
+
+    def all_gather_now(self, output, tensor, group, *, tag, phase):
+        output.copy_(torch.cat(self._meet(tensor, group, "all_gather", phase)))
+
+    def reduce_scatter_now(self, output, tensor, group, *, tag, phase):
+        total = torch.stack(self._meet(tensor, group, "reduce_scatter", phase)).sum(0)
+        output.copy_(total.chunk(self.size)[group.index])
+
+
+def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, ThreadedCollectives]:
+    """Each tp rank's (loss, {parameter name: gradient}) for one step on `inputs`."""
+    if program.loss_reduction.sums:  # the step's count of valid targets, as the runner passes it
+        inputs = (*inputs, program.loss_reduction.count_module(*inputs).float())
+    collectives = ThreadedCollectives(program.mesh.tp)
+    results, errors = [None] * program.mesh.tp, []
+
+    def rank(r: int) -> None:
+        try:
+            module = program.rank_module(r)
+            module.tp_group = dataclasses.replace(module.tp_group, communicator=collectives)
+            names, parameters = zip(*module.named_parameters())
+            loss = module(*inputs)
+            # autograd.grad, not backward: replicated parameters are shared by the rank modules
+            gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
+            results[r] = (loss.detach(), dict(zip(names, gradients)))
+        except BaseException as error:  # a failing rank releases the others from the barrier
+            errors.append(error)
+            collectives.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(program.mesh.tp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results, collectives
+
+
+def assert_equals_one_device(program: fxpar.Program, model: nn.Module, inputs: tuple) -> dict:
+    """Loss and every gradient of the tp ranks equal one device's; returns the global grads."""
+    results, _ = run_ranks_in_threads(program, inputs)
+    model.zero_grad()
+    loss = model(*inputs)
+    loss.backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for rank_loss, _ in results:
+        torch.testing.assert_close(rank_loss, loss.detach(), rtol=1e-5, atol=1e-6)
+    partial = set(meta.partial_gradient_parameters(program.graph_module.graph))
+    found = {}
+    for name, node in meta.parameter_nodes(program.graph_module.graph).items():
+        pieces = [grads[name] for _, grads in results]
+        if name in partial:  # the runner sums these over the tp group after backward
+            pieces = [sum(pieces)] * len(pieces)
+        found[name] = global_tensor(pieces, meta.placement(node))
+        torch.testing.assert_close(found[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    return found
+
+
+@functools.cache
+def captured(name: str, attention: str = "sdpa") -> tuple[nn.Module, tuple, fxpar.CapturedGraph]:
+    """A Hugging Face model, its inputs and its capture: one torch.export for all tests here."""
+    model, inputs = build(name, attention)
+    return model, inputs, capture(model, inputs)
+
+
+def compiled(name: str, plan: fxpar.Plan | str, attention: str = "sdpa") -> tuple:
+    """(model, inputs, program) of a Hugging Face model compiled for `plan`."""
+    model, inputs, graph = captured(name, attention)
+    return model, inputs, fxpar.compile(graph, plan)
+
+
+def kinds(program: fxpar.Program) -> Counter:
+    return Counter((c.kind, c.phase) for c in program.collectives(0))
+
+
+# -- 1. every linear form ----------------------------------------------------------------------
+
+
+def test_gpt2_conv1d_is_split_by_megatrons_rules_and_equals_one_device():
+    rules = {f"h.*.{module}": style for module, style in MEGATRON["gpt2"].items()}
+    model, inputs, program = compiled("gpt2", fxpar.Plan(tp=2, tp_rules=rules))
+    found = {n: meta.placement(node) for n, node in meta.parameter_nodes(program.graph_module.graph).items()}
+    layer = "model.transformer.h.0"
+    # Conv1D's weight is (in, out): colwise splits dim 1, and c_attn's q|k|v blocks each
+    assert found[f"{layer}.attn.c_attn.weight"] == Shard(1, parts=3)
+    assert found[f"{layer}.attn.c_attn.bias"] == Shard(0, parts=3)
+    assert found[f"{layer}.attn.c_proj.weight"] == Shard(0) and found[f"{layer}.attn.c_proj.bias"] == R
+    assert found[f"{layer}.mlp.c_fc.weight"] == Shard(1) and found[f"{layer}.mlp.c_fc.bias"] == Shard(0)
+    assert found[f"{layer}.mlp.c_proj.weight"] == Shard(0)
+    rank = program.rank_module(0)
+    whole = dict(model.named_parameters())
+    for name, placement in found.items():
+        if isinstance(placement, Shard):
+            halved = list(whole[name].shape)
+            halved[placement.dim] //= 2
+            assert list(rank.get_parameter(name).shape) == halved, name
+    assert "torch.ops.aten.mm.default" in rank.code  # row-parallel: addmm without its bias
+    # Shoeybi et al. 2019, Sec. 3: two all-reduces forward and two backward per layer, no more.
+    assert kinds(program) == {("all_reduce", "forward"): 2 * LAYERS, ("all_reduce", "backward"): 2 * LAYERS}
+    assert_equals_one_device(program, model, inputs)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's projection: weight (in, out), addmm(bias, x.view(-1, in), weight)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+        self.bias = nn.Parameter(torch.randn(n_out) / 10)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class MatrixProduct(nn.Module):
+    """`x @ W` with W (in, out), as mm on a flattened input or as matmul."""
+
+    def __init__(self, n_in: int, n_out: int, *, flatten: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+        self.flatten = flatten
+
+    def forward(self, x):
+        if self.flatten:
+            return torch.mm(x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        return x @ self.weight
+
+
+class Forms(nn.Module):
+    """Two MLPs whose projections take the four forms: addmm, mm, matmul and linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = Conv1D(8, 32)
+        self.down = MatrixProduct(32, 8, flatten=True)
+        self.up2 = MatrixProduct(8, 32, flatten=False)
+        self.down2 = nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        x = x + self.down(F.gelu(self.up(x)))
+        x = x + self.down2(F.relu(self.up2(x)))
+        return F.mse_loss(x, y)
+
+
+def test_addmm_mm_and_matmul_projections_are_inferred_placed_and_exact():
+    torch.manual_seed(0)
+    model, inputs = Forms(), (torch.randn(4, 6, 8), torch.randn(4, 6, 8))
+    assert infer_styles(capture(model, inputs).graph_module) == {
+        "up": "colwise", "down": "rowwise", "up2": "colwise", "down2": "rowwise",
+    }
+    program = fxpar.compile(model, "tp=2", inputs)
+    found = {n: meta.placement(node) for n, node in meta.parameter_nodes(program.graph_module.graph).items()}
+    assert found == {
+        "up.weight": Shard(1), "up.bias": Shard(0), "down.weight": Shard(0),
+        "up2.weight": Shard(1), "down2.weight": Shard(1), "down2.bias": R,
+    }
+    # the input needs no gradient, so the first f is free in backward
+    assert kinds(program) == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 1}
+    assert_equals_one_device(program, model, inputs)
+
+
+# -- 2. automatic styles follow data paths -----------------------------------------------------
+
+
+def _expected_layer_styles(name: str, model: nn.Module) -> dict[str, str]:
+    """{module-path glob: style} of the layers' projections: the model's plan, else Megatron's."""
+    hf = model.model
+    if name in MEGATRON:
+        return {f"*.{module}": style for module, style in MEGATRON[name].items()}
+    plan = hf.config.base_model_tp_plan
+    return {f"*.{key}": style for key, style in plan.items() if key.startswith("layers.")}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", MODELS)
+def test_auto_styles_of_the_layers_equal_the_models_own_plan(name, attention):
+    import fnmatch
+
+    model, _, graph = captured(name, attention)
+    styles = infer_styles(graph.graph_module)
+    expected = _expected_layer_styles(name, model)
+    layer_modules = [m for m in styles if any(fnmatch.fnmatchcase(m, g) for g in expected)]
+    assert len(layer_modules) == len(expected) * LAYERS
+    for module in layer_modules:
+        wanted = next(s for g, s in expected.items() if fnmatch.fnmatchcase(module, g))
+        assert styles[module] == wanted, module
+    layer_styles = {m: s for m, s in styles.items() if ".0." in m or ".1." in m}
+    assert set(layer_styles) == set(layer_modules)  # nothing else in the layers is split
+
+
+# -- 3. the residual stream stays replicated ---------------------------------------------------
+
+
+def test_llama_auto_plan_is_its_base_model_plan():
+    """`auto` takes the model's own base_model_tp_plan: the layers split, embedding and head
+    replicated; 2 all-reduces forward and 2 backward per layer, nothing else."""
+    model, inputs, program = compiled("llama", "tp=2")
+    stream = inputs[0].numel() * 64
+    calls = program.collectives(0)
+    assert [(c.kind, c.phase, c.numel) for c in calls] == (
+        [("all_reduce", "forward", stream)] * 2 * LAYERS + [("all_reduce", "backward", stream)] * 2 * LAYERS
+    )
+    assert sum(c.payload_bytes for c in calls) == 262_144
+    assert_equals_one_device(program, model, inputs)
+
+
+def test_llama_inferred_plan_runs_megatrons_collectives_exactly():
+    model, inputs, program = compiled("llama", "tp=2 tp_rules=infer")
+    (batch, seq), hidden = inputs[0].shape, 64
+    stream, tokens = batch * seq * hidden, batch * seq
+    expected = (
+        [("all_reduce", "forward", stream)]  # the vocabulary-parallel embedding, summed at once
+        + [("all_reduce", "forward", stream)] * 2 * LAYERS  # g after attention and MLP
+        + [("all_reduce", "forward", tokens), ("all_reduce", "forward", 2 * tokens)]  # the loss
+        + [("all_reduce", "backward", stream)]  # f before the vocabulary-parallel head
+        + [("all_reduce", "backward", stream)] * 2 * LAYERS  # f before attention and MLP
+    )
+    calls = program.collectives(0)
+    assert [(c.kind, c.phase, c.numel) for c in calls] == expected
+    assert sum(c.payload_bytes for c in calls) == 329_216 == 4 * (10 * stream + 3 * tokens)
+    code = program.rank_module(0).code
+    assert "vocab_parallel_embedding" in code and "vocab_parallel_cross_entropy" in code
+    program.check()
+    assert_equals_one_device(program, model, inputs)
+
+
+def test_under_sequence_parallelism_the_embedding_is_reduce_scattered_and_exact():
+    model, inputs, program = compiled("llama", "tp=2 sp=true tp_rules=infer")
+    graph = program.rank_module(0).graph
+    lookup = next(n for n in graph.nodes if n.target is ops.vocab_parallel_embedding)
+    assert [u.target for u in lookup.users] == [ops.reduce_scatter]  # onto sequence shards
+    assert_equals_one_device(program, model, inputs)
+
+
+# -- 4. the models' own plans ------------------------------------------------------------------
+
+
+def test_declared_plans_read_base_and_model_plans_relative_to_the_model():
+    llama, _ = build("llama")
+    plans = declared_plans(llama)
+    rules = plans.whole
+    assert rules["model.lm_head"] == "colwise_gather_output"  # LlamaForCausalLM._tp_plan
+    assert rules["model.model.layers.*.self_attn.q_proj"] == "colwise"  # base_model_tp_plan
+    assert rules["model.model.embed_tokens"] == "embedding_rowwise"  # transformers adds it
+    assert set(plans.base) == {k for k in rules if ".layers." in k}  # the layers alone
+    assert declared_plans(llama.model).whole["lm_head"] == "colwise_gather_output"
+    neox, _ = build("gpt_neox")
+    assert declared_plans(neox).whole["model.gpt_neox.layers.*.attention.query_key_value"] == "colwise"
+    assert declared_plans(build("gpt2")[0]).whole == {}  # GPT-2 declares no plan
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_neox"])
+def test_the_models_own_plan_compiles_to_megatrons_collectives_and_equals_one_device(name):
+    model, inputs, program = compiled(name, "tp=2 tp_rules=model")
+    (batch, seq), hidden, vocab = inputs[0].shape, 64, 256
+    stream = batch * seq * hidden
+    expected = (
+        [("all_reduce", "forward", stream)] * (1 + 2 * LAYERS)  # embedding_rowwise, then g
+        + [("all_gather", "forward", batch * seq * vocab)]  # lm_head: colwise_gather_output
+        + [("all_reduce", "backward", stream)] * (1 + 2 * LAYERS)  # f of the head and layers
+    )
+    assert [(c.kind, c.phase, c.numel) for c in program.collectives(0)] == expected
+    assert_equals_one_device(program, model, inputs)  # the gathered logits: one device's loss
+
+
+def test_gpt_neox_base_plan_as_is_compiles_to_megatrons_collectives_and_equals_one_device():
+    model, inputs, graph = captured("gpt_neox")
+    base_plan = model.model.config.base_model_tp_plan  # keys relative to model.model.gpt_neox
+    program = fxpar.compile(graph, fxpar.Plan(tp=2, tp_rules=base_plan))
+    stream = inputs[0].numel() * 64
+    # its fused query_key_value is head-major, (B, T, heads, 3 * head_dim): a plain Shard(0)
+    # gives each rank whole heads, and the view's -1 needs no rewrite
+    qkv = "model.gpt_neox.layers.0.attention.query_key_value.weight"
+    assert meta.placement(meta.parameter_nodes(program.graph_module.graph)[qkv]) == Shard(0)
+    expected = (
+        [("all_reduce", "forward", stream)] * (1 + 2 * LAYERS)  # embedding_rowwise, then g
+        + [("all_reduce", "backward", stream)] * 2 * LAYERS  # f; the head is replicated
+    )
+    assert [(c.kind, c.phase, c.numel) for c in program.collectives(0)] == expected
+    assert_equals_one_device(program, model, inputs)
+
+
+def test_packed_colwise_on_gpt_neox_head_major_qkv_is_a_plan_error():
+    _, _, graph = captured("gpt_neox")  # q|k|v interleave per head: no two-block packing fits
+    plan = fxpar.Plan(tp=2, tp_rules={"layers.*.attention.query_key_value": "packed_colwise"})
+    with pytest.raises(PlanError, match=r"cannot turn linear .*query_key_value.* from S\(2, parts=2\)"):
+        fxpar.compile(graph, plan)
+
+
+def test_every_style_transformers_registers_has_a_meaning_or_a_plan_error():
+    transformers_styles = pytest.importorskip("transformers.distributed.tensor_parallel")
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the EP styles)
+
+    registered = set(transformers_styles.ALL_PARALLEL_STYLES.valid_keys())
+    assert registered <= set(HF_STYLES) | set(UNSUPPORTED_HF_STYLES)
+
+
+# -- 5. embedding arguments --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral", "qwen2", "gpt_neox", "bert"])
+def test_auto_plan_equals_one_device(name):
+    model, inputs, program = compiled(name, "tp=2")  # BERT's data holds its pad token
+    assert_equals_one_device(program, model, inputs)
+
+
+def test_the_pad_row_of_a_vocabulary_parallel_embedding_gets_no_gradient():
+    import transformers
+
+    torch.manual_seed(0)
+    pad = 200  # in rank 1's half of the vocabulary: it looks the row up by its local index
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=pad,
+    )
+    model = LossOf(transformers.LlamaForCausalLM(config))  # untied: the head leaves row 200 be
+    _, (ids, labels) = build("llama")
+    ids[:, -4:] = pad
+    program = fxpar.compile(model, "tp=2 tp_rules=infer", (ids, labels))  # vocabulary-parallel
+    grads = assert_equals_one_device(program, model, (ids, labels))
+    assert torch.equal(grads["model.model.embed_tokens.weight"][pad], torch.zeros(64))
+
+
+def test_eager_attention_auto_plan_equals_one_device():
+    model, inputs, program = compiled("gpt2", "tp=2", "eager")
+    assert_equals_one_device(program, model, inputs)
