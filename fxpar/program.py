@@ -61,7 +61,8 @@ from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.placement import Shard, local_slice
 from fxpar.plan import Plan
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.trace import CapturedGraph, ExampleInputs, capture, restore_state_layout
+from fxpar.model_io import ExampleInputs
+from fxpar.trace import CapturedGraph, capture, restore_state_layout
 
 if TYPE_CHECKING:
     from fxpar.cost.estimate import Estimate
@@ -112,7 +113,8 @@ def compile(
     # buckets are sized by the shards each rank really holds.
     passes: list = [normalise_loss]
     if plan.tp > 1:
-        placements = parameter_placements(captured.graph_module, plan.tp_rules, tp=plan.tp)
+        rules = _tensor_parallel_rules(plan, captured)
+        placements = parameter_placements(captured.graph_module, rules, tp=plan.tp)
         passes.append(
             partial(
                 shard_tensor_parallel,
@@ -120,6 +122,7 @@ def compile(
                 tp=plan.tp,
                 sequence_parallel=plan.sequence_parallel,
                 seq=frozenset(captured.export_symbols("seq")),
+                gathered_outputs=placements.gathered_outputs,
             )
         )
     # The pipeline cut comes after: stages hold tensor-parallel shards, and each stage's
@@ -153,6 +156,24 @@ def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
             field="dp",
             value=plan.dp,
         )
+
+
+def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str] | str:
+    """The plan's tp_rules with the model's own plans in place of "auto" and "model"."""
+    declared = captured.declared_plans
+    if plan.tp_rules == "auto":
+        return dict(declared.base) or "infer"
+    if plan.tp_rules == "model":
+        if not declared.whole:
+            raise PlanError(
+                "plan tp_rules=model asks for the model's own tensor-parallel plan, and this "
+                "model declares none (no Hugging Face base_model_tp_plan or _tp_plan). Fix: "
+                "tp_rules=auto (Megatron's layout, inferred) or a mapping of module globs to styles",
+                field="tp_rules",
+                value="model",
+            )
+        return dict(declared.whole)
+    return plan.tp_rules
 
 
 def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:

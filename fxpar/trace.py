@@ -19,11 +19,8 @@ as formulas in batch and sequence for free.
   a tuple, or as the `loss` of a dict or a Hugging Face `ModelOutput`; what else it returns
   (logits) is dropped with the nodes only it needed.
 
-Example inputs are positional (`(tokens, labels)`, bound to forward's parameters in order) or
-keyword (`{"input_ids": ids, "labels": labels}`, what a Hugging Face model wants: its second
-positional parameter is not `labels`). Either way the graph's placeholders are the inputs in
-the order given, named after them, and `CapturedGraph.arrange` puts a step's batch in that
-order.
+Example inputs are positional or keyword (`fxpar.model_io`); either way the graph's
+placeholders are the inputs in the order given, named after them.
 
 The returned `GraphModule` shares its parameter tensors with the model: nothing is copied, so
 a model built on the meta device (no memory) is captured just as well, for planning.
@@ -40,9 +37,7 @@ a model built on the meta device (no memory) is captured just as well, for plann
 
 from __future__ import annotations
 
-import inspect
 import traceback
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -51,16 +46,15 @@ import torch
 import torch.fx as fx
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
 from fxpar import meta
 from fxpar.cost.symbols import dim_symbol
+from fxpar.declared_plans import DeclaredPlans, declared_plans
 from fxpar.errors import CaptureError
+from fxpar.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
 
 # Readable names of the dynamic dims, by position in an input tensor.
 _DIM_NAMES = {0: "batch", 1: "seq"}
-
-ExampleInputs = tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -73,6 +67,7 @@ class CapturedGraph:
     aliases: dict[str, str]  # tied alias name -> canonical parameter name
     input_names: tuple[str, ...]  # the graph's placeholders: the inputs in the order given
     keyword_inputs: bool  # captured from a dict of keyword inputs (a step takes the same form)
+    declared_plans: DeclaredPlans  # the tensor-parallel plans a Hugging Face model declares
     symbols: dict[str, sympy.Symbol]  # "batch", "seq", ... -> readable symbol
     example_sizes: dict[sympy.Symbol, int]  # readable symbol -> its size in the example inputs
     example_shapes: tuple[tuple[int, ...], ...]  # of the example inputs, as given
@@ -109,30 +104,9 @@ class CapturedGraph:
         return sum(p.numel() for p in self.parameters.values())
 
     def arrange(self, args: tuple, kwargs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """A step's batch in the graph's input order, given as the example was.
-
-        `arrange((tokens, labels), {})`, `arrange((), {"input_ids": ..., "labels": ...})` or
-        `arrange(({"input_ids": ..., "labels": ...},), {})`.
-        """
-        if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
-            args, kwargs = (), args[0]
-        if kwargs or args == () and self.keyword_inputs:
-            if args:
-                raise TypeError("pass a batch either positionally or by keyword, not both")
-            names, given = set(self.input_names), set(kwargs)
-            if names != given:
-                raise TypeError(
-                    f"this program takes the inputs {list(self.input_names)} (as captured); got "
-                    f"{sorted(given)}: missing {sorted(names - given)}, unknown {sorted(given - names)}"
-                )
-            return tuple(kwargs[name] for name in self.input_names)
-        if len(args) != len(self.input_names):
-            raise TypeError(
-                f"this program takes {len(self.input_names)} inputs {list(self.input_names)} "
-                f"(as captured), got {len(args)}"
-            )
-        return tuple(args)
-
+        """A step's batch in the graph's input order, given as the example was
+        (`model_io.arrange_inputs`)."""
+        return arrange_inputs(self.input_names, args, kwargs, keyword=self.keyword_inputs)
 
 def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGraph:
     """Capture `model(*inputs) -> loss` (or `model(**inputs)`) as one annotated aten graph.
@@ -143,7 +117,7 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
         raise CaptureError(f"fxpar.compile needs a torch.nn.Module, got {type(model).__name__}")
     keyword = isinstance(example_inputs, Mapping)
     if keyword:
-        _check_keywords(model, example_inputs)
+        check_keywords(model, example_inputs)
         names, values = list(example_inputs), list(example_inputs.values())
     else:
         values = list(example_inputs)
@@ -171,40 +145,6 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
     return _unlift(model, exported, values, keyword=keyword)
 
 
-def _check_keywords(model: torch.nn.Module, inputs: Mapping[str, object]) -> None:
-    """Every key must name a parameter of `model.forward` (or a key its `**kwargs` declares)."""
-    parameters = inspect.signature(model.forward).parameters
-    accepted = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    for p in parameters.values():
-        if p.kind is not p.VAR_KEYWORD:
-            continue
-        declared = typing.get_args(p.annotation)  # `**kwargs: Unpack[SomeTypedDict]`
-        if typing.get_origin(p.annotation) is typing.Unpack and hasattr(declared[0], "__required_keys__"):
-            accepted |= declared[0].__required_keys__ | declared[0].__optional_keys__
-        else:
-            return  # a plain **kwargs takes any key
-    unknown = [key for key in inputs if key not in accepted]
-    if unknown:
-        raise CaptureError(
-            f"example input {unknown[0]!r} is not a parameter of {type(model).__name__}.forward, "
-            f"which takes {', '.join(n for n in parameters if n not in ('self', 'kwargs'))}. Fix: "
-            "rename or drop the key"
-        )
-
-
-def _positional_hint(model: torch.nn.Module, count: int) -> str:
-    """For positional inputs: which forward parameters they bind to, when that looks wrong."""
-    names = [
-        n for n, p in inspect.signature(model.forward).parameters.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    bound = ", ".join(f"input {i} -> {n!r}" for i, n in enumerate(names[:count]))
-    return (
-        f"positional inputs bind to forward's parameters in order ({bound}); to pass labels to a "
-        "Hugging Face model use keyword inputs: example_inputs={'input_ids': ids, 'labels': labels}"
-    )
-
-
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
     # Dim.AUTO lets export decide which dims stay symbolic instead of failing on the first
     # specialisation; `_unlift` checks that the batch dim survived.
@@ -213,9 +153,12 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
 
     dynamic_shapes = {k: dynamic(x) for k, x in kwargs.items()} if kwargs else tuple(map(dynamic, args))
     try:
-        return torch.export.export(
-            model, args, kwargs or None, dynamic_shapes=dynamic_shapes, strict=False
-        )
+        # Fake-tensor caching costs more than it saves on one symbolic trace: caching every op
+        # of a Hugging Face decoder made capture 1.3-1.5x slower (benchmarks/bench_compile.py).
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+            return torch.export.export(
+                model, args, kwargs or None, dynamic_shapes=dynamic_shapes, strict=False
+            )
     except Exception as error:
         raise CaptureError(_explain_export_failure(model, error, positional=len(args))) from error
 
@@ -244,7 +187,7 @@ def _explain_export_failure(model: torch.nn.Module, error: Exception, *, positio
             "Face models need `use_cache=False`"
         )
     if positional > 1:  # e.g. labels bound to GPT-2's `past_key_values`
-        hint += f"; {_positional_hint(model, positional)}"
+        hint += f"; {positional_hint(model, positional)}"
     location = f"in module {module!r} ({where})" if module else "outside the model's modules"
     return f"could not capture the model: {first_lines}\n  where: {location}\n  hint: {hint}"
 
@@ -297,8 +240,6 @@ def _unlift(
         graph.erase_node(node)
 
     _return_the_loss(graph, exported, model, positional=0 if keyword else len(example_inputs))
-    read = {n.target for n in graph.nodes if n.op == "get_attr"}
-    attributes = {n: t for n, t in attributes.items() if n in read}  # not what only logits read
     for node in graph.nodes:
         node.meta[meta.MODULE_PATH] = _module_path(node)
         node.meta[meta.REQUIRES_GRAD] = _requires_grad(node, attributes)
@@ -324,6 +265,7 @@ def _unlift(
         aliases=aliases,
         input_names=tuple(input_names),
         keyword_inputs=keyword,
+        declared_plans=declared_plans(model),
         symbols=symbols,
         example_sizes=sizes,
         example_shapes=tuple(tuple(x.shape) for x in example_inputs),
@@ -370,11 +312,11 @@ def _return_the_loss(
         )
     (values,) = output.args
     spec = exported.call_spec.out_spec
-    index, found = _loss_leaf(spec)
+    index, found = loss_leaf(spec)
     loss = values[index] if index is not None else None
     value = loss.meta.get("val") if isinstance(loss, fx.Node) else None
     if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
-        hint = f" ({_positional_hint(model, positional)})" if positional > 1 else ""
+        hint = f" ({positional_hint(model, positional)})" if positional > 1 else ""
         raise CaptureError(
             f"fxpar.compile expects the model to return its scalar loss, found {found}. Fix: "
             "return the loss, a tuple whose first item is the loss, or an output with a `loss` "
@@ -382,34 +324,11 @@ def _return_the_loss(
         )
     output.args = (loss,)
     # Not graph.eliminate_dead_code(): it lints get_attr targets against export's module,
-    # which no longer owns the state.
+    # which no longer owns the state. Parameters stay, used or not: the state keeps the
+    # model's keys.
     for node in reversed(graph.nodes):
-        if node.op in ("call_function", "get_attr") and not node.users and not node.is_impure():
+        if node.op == "call_function" and not node.users and not node.is_impure():
             graph.erase_node(node)
-
-
-def _loss_leaf(spec: pytree.TreeSpec) -> tuple[int | None, str]:
-    """Where the loss is among the flat outputs, and what the output is (for errors).
-
-    A bare tensor; the first item of a tuple or list; the `loss` entry of a dict, a
-    `ModelOutput` or another registered container with named fields.
-    """
-    kind = getattr(spec.type, "__name__", "a tensor") if spec.type is not None else "a tensor"
-    if spec.is_leaf():
-        return 0, "a tensor that is not a scalar"
-    children = spec.children()
-    if spec.type in (tuple, list):
-        position = 0
-        found = f"a {kind} of {len(children)} items whose first is not the scalar loss"
-    else:
-        keys = [str(k) for k in spec.context] if isinstance(spec.context, (list, tuple)) else []
-        found = f"a {kind} with {keys or 'no fields'} and no scalar `loss`"
-        if "loss" not in keys:
-            return None, found
-        position = keys.index("loss")
-    if not children or not children[position].is_leaf():
-        return None, found
-    return sum(c.num_leaves for c in children[:position]), found
 
 
 def _module_path(node: fx.Node) -> str:
