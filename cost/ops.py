@@ -11,6 +11,8 @@ Conventions (they decide what an MFU figure means, so they are stated, not impli
   runs well below the matmul rate (`Hardware.attention_efficiency`);
 * elementwise, norm, softmax and loss ops cost a few FLOPs per element (`_PER_ELEMENT`);
 * views, shape queries and metadata ops are free;
+* copies and creations cost bytes, no FLOPs, and so do comparisons, logical ops, `diff` and
+  `cumsum` on integer and boolean tensors: the masks and position ids of Hugging Face models;
 * backward costs 2x forward for every op (Narayanan et al. 2021, appendix), so a training
   step is 3x the forward FLOPs;
 * bytes are the sizes of the op's tensor inputs and output: what it reads and writes once.
@@ -123,6 +125,35 @@ _MEMORY_ONLY = {
     aten.full_like, aten.empty_like, aten.copy, aten._to_copy, aten.to, aten.index_select,
     aten.gather, aten.repeat_interleave, aten.repeat, aten.tril, aten.triu, aten.scalar_tensor,
     aten.type_as,
+    aten.index,  # a gather; in transformers' mask functions, per-(batch, q, kv) lookups
+    aten.pad,  # ForCausalLMLoss shifts labels by padding one -100
+    aten.constant_pad_nd,
+    aten.new_ones,
+    aten.new_zeros,
+    aten.new_full,
+    aten.new_empty,
+}
+# Bytes only on integer and boolean tensors, where they build attention masks, position ids
+# and loss targets (transformers' `create_causal_mask`, `find_packed_sequence_indices`): no
+# FLOPs, as integer work is not floating-point work. On floating data they do arithmetic and
+# have no rule yet, so they are listed as uncosted.
+_INTEGER_MASKS = {
+    aten.eq,  # q_idx and kv_idx in the same packed sequence
+    aten.ne,  # where position ids jump: a packed sequence starts
+    aten.lt,
+    aten.le,  # causal: kv_idx <= q_idx
+    aten.gt,  # sliding window: kv_idx > q_idx - window
+    aten.ge,  # BERT's padding mask
+    aten.__and__,  # combine the causal, window, padding and packing masks
+    aten.__or__,
+    aten.bitwise_and,
+    aten.bitwise_or,
+    aten.bitwise_not,
+    aten.logical_and,
+    aten.logical_or,
+    aten.logical_not,
+    aten.diff,  # position ids: differences between neighbours
+    aten.cumsum,  # packed-sequence index of each token
 }
 
 
@@ -162,6 +193,11 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
         return OpCost(sympy.Integer(0), _PER_ELEMENT[packet] * _numel(counted), moved)
     if packet in _MEMORY_ONLY:
         return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
+    if packet in _INTEGER_MASKS:
+        tensors = [a.meta["val"] for a in inputs]
+        tensors += [value] if isinstance(value, torch.Tensor) else []
+        if not any(t.is_floating_point() for t in tensors):
+            return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
     return OpCost(sympy.Integer(0), sympy.Integer(0), moved, costed=False)
 
 

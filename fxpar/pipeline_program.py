@@ -243,12 +243,15 @@ def check_pipeline(world_size: int, schedule: Schedule, collectives_of) -> None:
 
 
 def describe_stages(stages: tuple[Stage, ...], schedule: Schedule, captured, cost) -> str:
-    """A table of the cut: each stage's rank, modules, parameters, share of the time, inputs."""
+    """A table of the cut: each stage's rank, modules, parameters, share of the time, inputs.
+
+    The modules column is as wide as its longest span, so whole module paths show.
+    """
     times = [
         sum(cost(n) for n in s.graph_module.graph.nodes if n.op == "call_function") for s in stages
     ]
     total = sum(times) or 1.0
-    lines = [f"{'stage':>5} {'rank':>4}  {'modules':<34} {'parameters':>12} {'time':>6}  receives"]
+    rows = []
     for stage, seconds in zip(stages, times):
         paths = [
             meta.module_path(n) for n in stage.graph_module.graph.nodes
@@ -261,8 +264,13 @@ def describe_stages(stages: tuple[Stage, ...], schedule: Schedule, captured, cos
         shapes = ", ".join(
             str(tuple(captured.readable(d) for d in b.shape)) for b in stage.inputs
         ) or "the step's inputs"
+        rows.append((stage.index, schedule.rank_of(stage.index), span, params, seconds, shapes))
+    width = max([len("modules"), *(len(row[2]) for row in rows)])
+    header = f"{'stage':>5} {'rank':>4}  {'modules':<{width}} {'parameters':>12} {'time':>6}"
+    lines = [f"{header}  receives"]
+    for index, rank, span, params, seconds, shapes in rows:
         lines.append(
-            f"{stage.index:>5} {schedule.rank_of(stage.index):>4}  {span:<34.34} {params:>12,} "
+            f"{index:>5} {rank:>4}  {span:<{width}} {params:>12,} "
             f"{100 * seconds / total:>5.1f}%  {shapes}"
         )
     return "\n".join(lines)
