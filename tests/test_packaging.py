@@ -2,9 +2,18 @@
 
 `passes/` and `cost/` sit at the top of the repository but are installed as `fxpar.passes`
 and `fxpar.cost` through setuptools' `package-dir` mapping (DESIGN.md, "Layout"). This test
-builds the wheel from the working tree, installs it into a fresh venv that sees the base
-environment's packages (torch, numpy, ... as a user with torch installed has them), and checks
-that the venv imports every module from the wheel, not from the repository's editable install.
+builds the wheel from the working tree, installs it into a fresh venv that sees the packages
+of the environment running the test (torch, numpy, ... as a user with torch installed has them),
+and checks that the venv imports every module from the wheel, not from the repository's
+editable install.
+
+[Note: the venv sees the running environment] `venv --system-site-packages` would show the
+*base interpreter's* site-packages, which is not where torch is when the tests run inside a
+venv (the README's setup) and which lacks it there. Instead a `.pth` file in the new venv lists
+the running interpreter's site directories (`_site_directories`), so venv, conda and plain
+system Python all work the same. The lines are plain paths: the running environment's own
+`.pth` files (its editable fxpar among them) are not processed, and they come after the venv's
+site-packages on sys.path, so the wheel is what `import fxpar` finds.
 """
 
 from __future__ import annotations
@@ -12,14 +21,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# In the venv's site-packages besides the wheel: the running environment's site directories.
+RUNNING_ENVIRONMENT_PTH = "_fxpar_running_environment.pth"
 
 # Junk that never belongs in the build's source copy (used when git is not available).
 _IGNORED = shutil.ignore_patterns(
@@ -55,6 +68,27 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE")}
     return env | {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+
+
+def _site_directories() -> list[str]:
+    """Where the running interpreter imports installed packages from, in sys.path order.
+
+    `site.getsitepackages()` covers venvs (with the base's when the venv includes system
+    site-packages), conda and distribution Pythons (`dist-packages`); sysconfig's purelib and
+    platlib cover a scheme `site` does not list; the user site counts when it is enabled.
+    Only directories on this interpreter's sys.path are kept: it uses exactly those.
+    """
+    candidates = [*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                  sysconfig.get_paths()["platlib"]]
+    if site.ENABLE_USER_SITE:
+        candidates.append(site.getusersitepackages())
+    wanted = {os.path.realpath(c) for c in candidates if os.path.isdir(c)}
+    ordered = []
+    for entry in sys.path:
+        real = os.path.realpath(entry or os.curdir)
+        if real in wanted and real not in ordered:
+            ordered.append(real)
+    return ordered
 
 
 def _run(command: list[str], what: str, cwd: Path, timeout: float = 300):
@@ -93,7 +127,7 @@ def _copy_source(dest: Path) -> None:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """Build the wheel, install it into a fresh --system-site-packages venv; describe both."""
+    """Build the wheel, install it into a fresh venv that sees the running environment."""
     root = tmp_path_factory.mktemp("packaging")
     source, wheels, venv = root / "source", root / "wheels", root / "venv"
     _copy_source(source)
@@ -104,10 +138,14 @@ def installed(tmp_path_factory):
     wheel = built[0]
 
     # --without-pip: the venv's site-packages starts empty, so afterwards it holds exactly what
-    # the wheel installed. pip itself comes from the base environment (system site-packages).
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-         "creating the venv", cwd=root)
+    # the wheel installed, and the .pth file. pip itself comes from the running environment.
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], "creating the venv", cwd=root)
     python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = _run([str(python), "-I", "-c", where], "asking the venv for its site-packages",
+                   cwd=root).stdout.strip()
+    # [Note: the venv sees the running environment]
+    (Path(purelib) / RUNNING_ENVIRONMENT_PTH).write_text("\n".join(_site_directories()) + "\n")
     # --ignore-installed: the base environment's editable fxpar is neither uninstalled nor
     # taken as already satisfying the requirement.
     _run([str(python), "-I", "-m", "pip", "install", "--no-deps", "--ignore-installed", str(wheel)],
@@ -118,7 +156,8 @@ def installed(tmp_path_factory):
     script.write_text(_IMPORT_ALL)
     # -I and cwd outside the repository: neither the repository nor PYTHONPATH is on sys.path.
     _run([str(python), "-I", str(script), str(report)], "importing fxpar in the venv", cwd=root)
-    return {"wheel": wheel, "python": python, "imports": json.loads(report.read_text())}
+    return {"wheel": wheel, "python": python, "source": source,
+            "imports": json.loads(report.read_text())}
 
 
 def _version(wheel: Path) -> str:
@@ -145,21 +184,23 @@ def test_wheel_holds_every_source_module(installed):
     """Each .py under a mapped folder (fxpar/, passes/, cost/) is in the wheel.
 
     The package list in pyproject.toml is explicit, so a new subpackage folder that is not
-    added to it would silently be left out of the wheel.
+    added to it would silently be left out of the wheel. The folders are read from the copy the
+    wheel was built from: a file someone adds to the working tree meanwhile is not a failure.
     """
     tomllib = pytest.importorskip("tomllib")
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    source = installed["source"]
+    config = tomllib.loads((source / "pyproject.toml").read_text())
     package_dir = config["tool"]["setuptools"]["package-dir"]
     with zipfile.ZipFile(installed["wheel"]) as archive:
         in_wheel = set(archive.namelist())
     missing = []
     for package, folder in package_dir.items():
-        for path in sorted((REPO / folder).rglob("*.py")):
+        for path in sorted((source / folder).rglob("*.py")):
             if "__pycache__" in path.parts:
                 continue
-            target = "/".join([*package.split("."), *path.relative_to(REPO / folder).parts])
+            target = "/".join([*package.split("."), *path.relative_to(source / folder).parts])
             if target not in in_wheel:
-                missing.append(f"{path.relative_to(REPO)} (as {target})")
+                missing.append(f"{path.relative_to(source)} (as {target})")
     assert not missing, (
         "in the repository but not in the wheel (add the package to [tool.setuptools] packages "
         "in pyproject.toml, with an __init__.py):\n  " + "\n  ".join(missing)
@@ -196,7 +237,7 @@ def test_venv_site_packages_holds_only_the_wheel(installed):
     purelib = Path(installed["imports"]["purelib"])
     version = _version(installed["wheel"])
     entries = {p.name for p in purelib.iterdir()}
-    expected = {"fxpar", f"fxpar-{version}.dist-info"}
+    expected = {"fxpar", f"fxpar-{version}.dist-info", RUNNING_ENVIRONMENT_PTH}
     assert entries == expected, (
         f"the venv's site-packages {purelib} holds {sorted(entries)}; expected only {sorted(expected)}"
     )
