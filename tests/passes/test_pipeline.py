@@ -17,10 +17,10 @@ TOKENS, LABELS = global_batches()[0]
 
 
 def run_stages(program: fxpar.Program, tokens, labels) -> torch.Tensor:
-    """Chain the stage graphs by hand, as the pipeline does over ranks."""
-    inputs, carried = {"idx": tokens, "targets": labels}, ()
-    names = program.captured.input_names
-    inputs = dict(zip(names, (tokens, labels)))
+    """Chain the stage graphs by hand, as the pipeline does over ranks; the last stage divides
+    the loss's sum by the batch's count of valid targets, as the runtime gives it."""
+    count = program.loss_reduction.count_module(tokens, labels).to(torch.float32)
+    inputs, carried = dict(zip(program.input_names, (tokens, labels, count))), ()
     for stage in program.stages:
         result = stage.graph_module(*carried, *(inputs[n] for n in stage.user_inputs))
         carried = result if isinstance(result, tuple) else (result,)

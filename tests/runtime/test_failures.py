@@ -8,7 +8,7 @@ pytestmark = pytest.mark.multirank
 @pytest.mark.parametrize(
     "plan, what",
     [
-        ("dp=2", "all_reduce of gradient bucket 0"),
+        ("dp=2", "all_reduce of valid targets"),  # the step's first collective
         # The first stage's first backward waits for gradients the stalled last stage never sends.
         ("pp=2 mb=2", "recv of stage 0 gradients"),
     ],

@@ -1,0 +1,118 @@
+"""Small random-weight Hugging Face models for tests and benchmarks; nothing is downloaded.
+
+`BUILDERS` maps a name to a builder `(attn_implementation) -> (model, inputs)`: the
+transformers model, built from a config, and one batch as the keyword arguments it takes,
+
+    model, inputs = BUILDERS["llama"]("sdpa")
+    loss = model(**inputs).loss                  # inputs: input_ids (8, 16), labels (8, 16)
+
+Every batch is 8 rows of 16 tokens. Row r's last r labels are -100 (ignored by the loss), so
+each row has a different number of counted tokens; BERT's inputs carry its pad token there.
+Dropout is off, so two forwards of one model give the same loss.
+
+fxpar takes `model(*inputs) -> loss`, so for now `build(name)` wraps the model in `LossOf`
+and returns positional inputs `(input_ids, labels)`:
+
+    model, example_inputs = build("llama")
+    program = fxpar.compile(model, "dp=2", example_inputs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+BATCH, SEQ, VOCAB = 8, 16, 256
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, use_cache=False)
+
+
+class LossOf(nn.Module):
+    """`forward(input_ids, labels) -> loss` around a transformers model that takes keywords."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def _batch(*, pad_token: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids and labels, (BATCH, SEQ); row r ends with r ignored labels (and pad tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = input_ids.clone()
+    for row in range(1, BATCH):
+        labels[row, SEQ - row:] = -100
+        if pad_token is not None:
+            input_ids[row, SEQ - row:] = pad_token
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _causal(config_class: str, **config) -> Callable[[str], tuple[nn.Module, dict]]:
+    def build(attn_implementation: str = "sdpa") -> tuple[nn.Module, dict]:
+        import transformers
+
+        torch.manual_seed(0)
+        settings = {**config, "attn_implementation": attn_implementation}
+        model = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, config_class)(**settings)
+        )
+        return model.train(), _batch()
+
+    return build
+
+
+def _bert(attn_implementation: str = "sdpa") -> tuple[nn.Module, dict]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        **{k: v for k, v in _SMALL.items() if k != "use_cache"}, max_position_embeddings=64,
+        pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation=attn_implementation,
+    )
+    model = transformers.BertForMaskedLM(config)
+    return model.train(), _batch(pad_token=config.pad_token_id)
+
+
+_DECODER = {**_SMALL, "num_key_value_heads": 2}  # grouped-query attention
+BUILDERS: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
+    "gpt2": _causal("GPT2Config", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                    bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1),  # 50256 is out of range
+    "llama": _causal("LlamaConfig", **_DECODER),
+    "mistral": _causal("MistralConfig", **_DECODER, sliding_window=8),  # window < seq: masked
+    "qwen2": _causal("Qwen2Config", **_DECODER),
+    "gpt_neox": _causal("GPTNeoXConfig", **_SMALL, hidden_dropout=0.0, attention_dropout=0.0),
+    "bert": _bert,
+}
+
+
+def build(
+    name: str, attn_implementation: str = "sdpa"
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """`BUILDERS[name]` as fxpar takes it today: `LossOf(model)` and `(input_ids, labels)`."""
+    model, inputs = BUILDERS[name](attn_implementation)
+    return LossOf(model), (inputs["input_ids"], inputs["labels"])
+
+
+# What the equivalence tests train: a few steps of AdamW on different batches. eps 1e-6, not
+# 1e-8, for the reason in workers/tiny_training.OPTIMIZER. lr 1e-3, not the tiny GPT's 1e-2:
+# Adam moves every element by about lr whatever its gradient's size, so an element whose
+# gradient is near float noise (Qwen2's key biases, tokens the batch barely uses) moves by up to
+# lr in a direction set by rounding; at 1e-2 that alone put tp=2 Qwen2 1.5e-5 (relative) from
+# one device after 3 steps, at 1e-3 it is 5e-7. A real error still moves whole tensors by ~lr
+# per element, orders of magnitude above the 1e-5 bound.
+STEPS = 3
+OPTIMIZER = dict(lr=1e-3, eps=1e-6, weight_decay=0.1)
+MODELS_WITH_TP_PLAN = ("llama", "mistral", "qwen2", "gpt_neox")  # they declare their own
+
+
+def batches(name: str, steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+    """`steps` batches for model `name`, as keyword inputs, padded as `_batch` describes."""
+    pad_token = 0 if name == "bert" else None
+    return [_batch(pad_token=pad_token, seed=step + 1) for step in range(steps)]

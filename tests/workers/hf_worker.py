@@ -1,0 +1,49 @@
+"""torchrun worker: trains Hugging Face models (tests/hf_models.py), as they are, under plans.
+
+    torchrun --standalone --nproc-per-node 2 hf_worker.py OUT_DIR "llama sdpa dp=2 mb=2" ...
+
+Each job is "MODEL ATTENTION PLAN". The model is passed to fxpar unwrapped, with keyword
+inputs ({"input_ids": ..., "labels": ...}), and built afresh for each job (the same seed, so
+the same weights): a runner trains the model's own tensors, and torch.distributed cannot be
+set up again after a runner's `close()`, so jobs never share parameters. Saved per job: the loss of every step, the whole
+gradients of the first step, the full state after the last, and the last step's collectives
+with what the compiler predicted.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import fxpar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_models import BUILDERS, STEPS, OPTIMIZER, batches  # noqa: E402
+
+out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
+torch.set_num_threads(1)
+results = {}
+for job in jobs:
+    name, attention, plan = job.split(" ", 2)
+    model, example = BUILDERS[name](attention)
+    program = fxpar.compile(model, plan, example_inputs=example)
+    program.check()
+    runner = program.bind(timeout=60)
+    optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    losses, first_grads = [], None
+    for batch in batches(name):
+        runner.reset_comm_stats()
+        losses.append(runner.step(runner.local_batch(batch)))
+        if first_grads is None:
+            first_grads = runner.full_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    results[job] = {
+        "losses": losses,
+        "grads": first_grads,
+        "state": runner.full_state_dict(),
+        "comm": runner.comm_log(),
+        "predicted": program.collectives(runner.rank, backend=runner.backend),
+    }
+torch.save(results, out_dir / f"rank{runner.rank}.pt")
+runner.close()
