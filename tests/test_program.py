@@ -106,3 +106,22 @@ def test_bind_refuses_plan_fields_only_the_cost_model_supports(plan, field):
     with pytest.raises(PlanError, match=f"plan {field}=.*program.estimate") as error:
         compile_gpt(plan).bind()
     assert error.value.field == field
+
+
+def test_plans_compiled_from_one_capture_share_its_single_export(monkeypatch):
+    exports = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
+    torch.manual_seed(0)
+    captured = fxpar.capture(GPT(CONFIG), (TOKENS, TOKENS))
+    plans = ["dp=2", "dp=4 mb=2", "tp=2", "tp=2 sp=true", "pp=2 mb=2", "dp=2 pp=2 tp=2 mb=2"]
+    for plan in plans:
+        program = fxpar.compile(captured, plan)
+        assert program.captured is captured and str(program.plan) == plan
+        program.check()
+    assert len(exports) == 1
+    # The capture is left as it was: a plan compiled from it equals one compiled afresh.
+    again = compile_gpt("tp=2")
+    assert fxpar.compile(captured, "tp=2").rank_module(1).code == again.rank_module(1).code
+    with pytest.raises(TypeError, match="takes no example_inputs"):
+        fxpar.compile(captured, "dp=2", (TOKENS, TOKENS))
