@@ -84,8 +84,9 @@ def compile(
     `example_inputs` is one *global* batch, what a single device would train on; each input's
     dim 0 is the batch. A tuple is passed positionally, a dict by keyword (a Hugging Face
     model: `{"input_ids": ids, "labels": labels}`); the model returns its loss, alone, first
-    in a tuple, or as the `loss` of its output (`trace.capture`). `hardware` names the cost profile that sizes gradient buckets
-    (default: "h100" when CUDA is available, else "cpu"); the plan's `bucket_mb` overrides it.
+    in a tuple, or as the `loss` of its output (`trace.capture`). `hardware` names the cost
+    profile that sizes gradient buckets and prices the pipeline cut (default: "h100" when CUDA
+    is available, else "cpu"); the plan's `bucket_mb` overrides the bucket size.
     Raises PlanError for a plan that does not fit the model or batch, CaptureError for a model
     that cannot be captured.
     """
@@ -142,7 +143,8 @@ def compile(
     graph_module = run_passes(captured.graph_module, passes)
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
     stages = build_stages(graph_module, bucket_bytes=bucket_bytes) if stages_count > 1 else None
-    return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module, stages=stages)
+    return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
+                   stages=stages, hardware=hardware)
 
 
 def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
@@ -199,8 +201,10 @@ class Program:
         captured: CapturedGraph,
         graph_module: fx.GraphModule,
         stages: tuple[Stage, ...] | None = None,
+        hardware: str = "h100",
     ):
         self.plan = plan
+        self.hardware = hardware  # the profile compile priced the cut and the buckets with
         self.mesh = mesh
         self.captured = captured
         self.graph_module = graph_module
@@ -320,10 +324,11 @@ class Program:
 
     def describe_stages(self) -> str:
         """The pipeline cut the compiler chose: per stage its modules, parameters, share of the
-        step's time and the shapes it receives (as formulas in batch and seq)."""
+        step's time (priced as the cut was, on `self.hardware`) and the shapes it receives (as
+        formulas in batch and seq)."""
         if self.stages is None:
             return "no pipeline (pp=1)"
-        cost = node_time(self.captured, hardware_profile("h100"))
+        cost = node_time(self.captured, hardware_profile(self.hardware, measured=False))
         return describe_stages(self.stages, self.schedule, self.captured, cost)
 
     def estimate(
