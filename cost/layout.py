@@ -4,7 +4,7 @@ The whole-step FLOPs come from the captured graph (`estimate.graph_compute`). Wh
 does comes from the graphs it runs: the tensor-parallel graph, or its pipeline stages. An op
 whose output is sharded or partial over the tp group does 1/tp of the op's work on each rank;
 a replicated op (a norm without sequence parallelism, the residual adds) is done whole by
-every rank. A stage counts only the ops it computes (`passes.pipeline.STAGE`), not the shape
+every rank. A stage counts only the ops it computes (`meta.STAGE`), not the shape
 arithmetic every stage recomputes.
 
 Weight gradients: in a schedule that splits each backward into B and W (`fxpar.schedules`,
@@ -38,7 +38,6 @@ from fxpar.placement import Partial, Shard
 if TYPE_CHECKING:
     from fxpar.program import Program
 
-STAGE = "fxpar.stage"
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def shares(program: Program) -> list[Share]:
         graphs = [(None, program.graph_module, lambda node: True)]
     else:
         graphs = [
-            (s.index, s.graph_module, lambda node, i=s.index: node.meta.get(STAGE) == i)
+            (s.index, s.graph_module, lambda node, i=s.index: node.meta.get(meta.STAGE) == i)
             for s in program.stages
         ]
     result = []

@@ -12,6 +12,7 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.placement           tensor_parallel   the value's Placement across the tp group
     fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
                                                 partial sum over the tp group
+    fxpar.stage               pipeline          the pipeline stage that computes the node
 
 Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
 """
@@ -26,12 +27,18 @@ BUCKET = "fxpar.bucket"
 PLACEMENT = "fxpar.placement"
 REQUIRES_GRAD = "fxpar.requires_grad"
 GRAD_PARTIAL = "fxpar.grad_partial"
+STAGE = "fxpar.stage"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
 GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter name
 GRAPH_NON_PERSISTENT = "fxpar.non_persistent"  # buffers kept out of the state dict
 GRAPH_LOSS = "fxpar.loss"  # passes.loss_normalisation.LossReduction: how pieces' losses combine
+GRAPH_TP = "fxpar.tp"  # the tensor-parallel degree the graph was sharded for
+GRAPH_STAGES = "fxpar.stages"  # passes.pipeline: each stage's nodes, before the split
+GRAPH_STAGE = "fxpar.stage"  # which stage a stage's own GraphModule is
+GRAPH_RANK = "fxpar.rank"  # the global rank a rank module was specialised for
+GRAPH_COORD = "fxpar.coord"  # that rank's mesh coordinate
 
 
 def module_path(node: fx.Node) -> str:

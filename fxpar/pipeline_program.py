@@ -27,7 +27,7 @@ from fxpar.collectives import (
 from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
-from fxpar.passes.pipeline import STAGE, Boundary, split_stages
+from fxpar.passes.pipeline import Boundary, split_stages
 from fxpar.placement import Shard
 from fxpar.schedules import Schedule
 from fxpar.simulation import DeadlockError, simulate
@@ -255,7 +255,7 @@ def describe_stages(stages: tuple[Stage, ...], schedule: Schedule, captured, cos
     for stage, seconds in zip(stages, times):
         paths = [
             meta.module_path(n) for n in stage.graph_module.graph.nodes
-            if n.meta.get(STAGE) == stage.index and meta.module_path(n)
+            if n.meta.get(meta.STAGE) == stage.index and meta.module_path(n)
         ]
         span = f"{paths[0]} .. {paths[-1]}" if paths else "-"
         params = sum(

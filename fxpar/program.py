@@ -270,8 +270,8 @@ class Program:
     def _specialise(self, graph_module: fx.GraphModule, rank: int) -> fx.GraphModule:
         coord = self.mesh.coord(rank)
         module = copy_graph_module(graph_module)
-        module.meta["fxpar.rank"] = rank
-        module.meta["fxpar.coord"] = coord
+        module.meta[meta.GRAPH_RANK] = rank
+        module.meta[meta.GRAPH_COORD] = coord
         if self.mesh.tp > 1:
             for name, node in meta.parameter_nodes(module.graph).items():
                 placement = meta.placement(node)

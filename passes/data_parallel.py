@@ -56,7 +56,7 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    tp = gm.meta.get("fxpar.tp", 1)  # a tensor-parallel shard holds 1/tp of a split parameter
+    tp = gm.meta.get(meta.GRAPH_TP, 1)  # a tensor-parallel shard holds 1/tp of a split parameter
     reaches_loss = _nodes_reaching_output(gm.graph)
     ready_order = []
     for name, node in meta.parameter_nodes(gm.graph).items():

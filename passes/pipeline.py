@@ -28,7 +28,6 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.errors import PlanError
 
-STAGE = "fxpar.stage"
 aten = torch.ops.aten
 
 
@@ -104,10 +103,10 @@ def assign_stages(
     stage = 0
     boundaries = set(cuts)
     for i, node in enumerate(nodes):
-        node.meta[STAGE] = stage
+        node.meta[meta.STAGE] = stage
         if i in boundaries:
             stage += 1
-    gm.meta["fxpar.stages"] = stages
+    gm.meta[meta.GRAPH_STAGES] = stages
     return gm
 
 
@@ -229,9 +228,9 @@ def split_stages(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, tuple[Boundar
     `(*boundaries, *user_inputs)` and returns a tuple of outgoing boundaries (the loss alone
     on the last stage).
     """
-    stages = gm.meta["fxpar.stages"]
+    stages = gm.meta[meta.GRAPH_STAGES]
     nodes = _compute_nodes(gm.graph)
-    stage_of = {n: n.meta[STAGE] for n in nodes}
+    stage_of = {n: n.meta[meta.STAGE] for n in nodes}
     output = gm.graph.output_node()
     needed_after: list[list[fx.Node]] = [[] for _ in range(stages)]
     for node in nodes:
@@ -277,7 +276,7 @@ def split_stages(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, tuple[Boundar
             n.target: _attribute(gm, n.target) for n in graph.nodes if n.op == "get_attr"
         }
         stage_gm = fx.GraphModule(attributes, graph, class_name=f"Stage{s}")
-        stage_gm.meta = {k: v for k, v in gm.meta.items()} | {"fxpar.stage": s}
+        stage_gm.meta = {k: v for k, v in gm.meta.items()} | {meta.GRAPH_STAGE: s}
         result.append((stage_gm, tuple(boundaries), tuple(p.name for p in used_inputs)))
     return result
 

@@ -86,7 +86,7 @@ def shard_tensor_parallel(
             loss = node.args[0]
             node.args = (walk.convert(loss, R, before=node),)
     walk.settle_parameters_feeding_shards()
-    gm.meta["fxpar.tp"] = tp
+    gm.meta[meta.GRAPH_TP] = tp
     # Stand-in until rank specialisation names this rank's group and bind() connects it.
     setattr(gm, GROUP_ATTRIBUTE, RankGroup(axis=Axis.TP, ranks=tuple(range(tp)), handle=None))
     return gm

@@ -147,7 +147,7 @@ class Runner:
             stages = self.program.stages
             for module in self.modules:
                 buckets = (
-                    stages[module.meta["fxpar.stage"]].buckets if stages else self.program.buckets
+                    stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
                 )
                 self._buckets.append(
                     GradientBuckets(

@@ -54,7 +54,7 @@ def test_split_names_where_stages_begin():
     program = fxpar.compile(build_model("gpt"), fxpar.Plan(pp=2, microbatches=2, split=("h.1",)), (TOKENS, LABELS))
     computed = [  # ops the stage computes (shape arithmetic is recomputed everywhere)
         meta.module_path(n) for n in program.stages[1].graph_module.graph.nodes
-        if n.meta.get("fxpar.stage") == 1
+        if n.meta.get(meta.STAGE) == 1
     ]
     assert computed[0].startswith("h.1") and all(not p.startswith("h.0") for p in computed)
     assert "h.1" in program.describe_stages()
@@ -78,8 +78,8 @@ def test_batch_not_divisible_by_microbatches_is_a_plan_error():
 def test_rank_modules_of_a_pipeline_are_its_stages():
     program = fxpar.compile(build_model("gpt"), "dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2", (TOKENS, LABELS))
     chunks = program.stage_modules(3)  # dp 1, pp 1: stages 1 and 3
-    assert [m.meta["fxpar.stage"] for m in chunks] == [1, 3]
-    assert program.rank_module(3).meta["fxpar.stage"] == 1
+    assert [m.meta[meta.GRAPH_STAGE] for m in chunks] == [1, 3]
+    assert program.rank_module(3).meta[meta.GRAPH_STAGE] == 1
     kinds = {c.kind for c in program.collectives(1)}
     assert {"send", "recv", "all_reduce"} <= kinds
 
@@ -87,7 +87,7 @@ def test_rank_modules_of_a_pipeline_are_its_stages():
 def test_a_stage_holding_more_microbatches_gets_fewer_layers():
     """1F1B's first stage keeps p microbatches of activations: memory balance moves its cut."""
     from fxpar.passes.infra import copy_graph_module
-    from fxpar.passes.pipeline import STAGE, assign_stages
+    from fxpar.passes.pipeline import assign_stages
     from fxpar.trace import capture
 
     graph = capture(build_model("gpt"), (TOKENS, LABELS)).graph_module
@@ -97,7 +97,7 @@ def test_a_stage_holding_more_microbatches_gets_fewer_layers():
             copy_graph_module(graph), stages=2, cost=lambda node: 0.0,
             memory=lambda node: (0.0, 1.0), in_flight=in_flight,
         )
-        return sum(1 for n in gm.graph.nodes if n.meta.get(STAGE) == 0)
+        return sum(1 for n in gm.graph.nodes if n.meta.get(meta.STAGE) == 0)
 
     assert first_stage_size((8.0, 1.0)) < first_stage_size((1.0, 1.0))
 
