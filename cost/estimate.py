@@ -53,6 +53,7 @@ from fxpar.cost.activations import backward_workspace_bytes, saved_activation_by
 from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.hardware import Hardware, hardware_profile
 from fxpar.cost.layout import shares
+from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
@@ -78,11 +79,12 @@ class GraphCompute:
 
 
 def graph_compute(program: Program) -> GraphCompute:
-    """Sum the per-op rules over the captured graph (cached on the program)."""
-    cached = getattr(program, "_graph_compute", None)
-    if cached is not None:
-        return cached
+    """Sum the per-op rules over the captured graph (memoised with it: `cost.memo`)."""
     captured = program.captured
+    return memoised(captured.graph_module, "graph_compute", lambda: _sum_rules(captured))
+
+
+def _sum_rules(captured) -> GraphCompute:
     matmul = attention = other = moved = sympy.Integer(0)
     uncosted: dict[str, int] = {}
     for node in captured.graph_module.graph.nodes:
@@ -97,19 +99,15 @@ def graph_compute(program: Program) -> GraphCompute:
         if not cost.costed:
             uncosted[str(node.target)] = uncosted.get(str(node.target), 0) + 1
     forward_ops, backward_nodes = op_counts(captured.graph_module)
-    result = GraphCompute(
+    return GraphCompute(
         sympy.expand(matmul), sympy.expand(attention), sympy.expand(other), sympy.expand(moved),
         uncosted, forward_ops, backward_nodes,
     )
-    program._graph_compute = result
-    return result
 
 
 def _activations(program: Program) -> sympy.Expr:
-    cached = getattr(program, "_activation_bytes", None)
-    if cached is None:
-        cached = program._activation_bytes = saved_activation_bytes(program.captured)
-    return cached
+    captured = program.captured
+    return memoised(captured.graph_module, "activations", lambda: saved_activation_bytes(captured))
 
 
 def _updated_tensors(program: Program) -> int:

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.passes.weight_gradients import LINEAR, deferrable
 from fxpar.placement import Partial, Shard
@@ -56,10 +57,12 @@ class Share:
 
 
 def shares(program: Program) -> list[Share]:
-    """One Share per pipeline stage, or one for a program without a pipeline."""
-    cached = getattr(program, "_layout_shares", None)
-    if cached is not None:
-        return cached
+    """One Share per pipeline stage, or one for a program without a pipeline (memoised with
+    the program's graph: `cost.memo`)."""
+    return memoised(program.graph_module, "shares", lambda: _shares(program))
+
+
+def _shares(program: Program) -> list[Share]:
     tp = program.plan.tp
     total_output = _output_bytes(program.captured.graph_module.graph.nodes, program, tp=1)
     if program.stages is None:
@@ -93,7 +96,6 @@ def shares(program: Program) -> list[Share]:
         result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
                             sympy.expand(moved), forward_ops, backward_nodes, parameters,
                             produced / total_output))
-    program._layout_shares = result
     return result
 
 
