@@ -344,3 +344,23 @@ class Plan:
             value=batch,
         )
 
+
+def check_runnable(plan: Plan) -> None:
+    """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
+    by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
+    if plan.zero != 0:
+        raise PlanError(
+            f"plan zero={plan.zero}: the runtime does not shard optimizer state, gradients or "
+            "parameters yet; program.estimate() already predicts ZeRO's memory. Fix: bind a "
+            "plan with zero=0 to train",
+            field="zero",
+            value=plan.zero,
+        )
+    if plan.precision != "fp32":
+        raise PlanError(
+            f"plan precision={plan.precision}: the runtime trains in fp32 only so far; "
+            "program.estimate() already predicts mixed-precision memory. Fix: bind a plan with "
+            "precision=fp32 to train",
+            field="precision",
+            value=plan.precision,
+        )

@@ -59,7 +59,7 @@ from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.placement import Shard, local_slice
-from fxpar.plan import Plan
+from fxpar.plan import Plan, check_runnable
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.model_io import ExampleInputs
 from fxpar.trace import CapturedGraph, capture, restore_state_layout
@@ -351,7 +351,10 @@ class Program:
 
     def check(self) -> None:
         """Prove that all ranks of every process group issue matching collectives, and, with a
-        pipeline, that every send has its receive and the schedule cannot deadlock."""
+        pipeline, that every send has its receive and the schedule cannot deadlock. A plan the
+        runtime cannot run yet (`plan.check_runnable`) is refused with bind's message;
+        `estimate()` prices it all the same."""
+        check_runnable(self.plan)
         check_collectives(self.world_size, self.collectives)
         if self.schedule is not None:
             check_pipeline(self.world_size, self.schedule, self.collectives)

@@ -102,10 +102,13 @@ def test_bind_with_the_wrong_world_size_is_a_plan_error(monkeypatch):
 
 
 @pytest.mark.parametrize("plan, field", [("dp=2 zero=1", "zero"), ("precision=bf16-mixed", "precision")])
-def test_bind_refuses_plan_fields_only_the_cost_model_supports(plan, field):
-    with pytest.raises(PlanError, match=f"plan {field}=.*program.estimate") as error:
-        compile_gpt(plan).bind()
-    assert error.value.field == field
+def test_check_and_bind_refuse_plan_fields_only_the_cost_model_supports(plan, field):
+    program = compile_gpt(plan)
+    for step in (program.check, program.bind):
+        with pytest.raises(PlanError, match=f"plan {field}=.*program.estimate") as error:
+            step()
+        assert error.value.field == field
+    assert program.estimate("h100").time["total"] > 0
 
 
 def test_plans_compiled_from_one_capture_share_its_single_export(monkeypatch):

@@ -33,6 +33,7 @@ from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.environment import TorchrunEnvironment
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.pipeline_program import receives_ahead
+from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 from fxpar.runtime.step_loss import StepLoss
@@ -92,7 +93,7 @@ class Runner:
         device: torch.device | str | None,
         backend: str | None,
     ) -> Runner:
-        _check_runtime_supports(program.plan)
+        check_runnable(program.plan)
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)
         device = torch.device(device) if device is not None else _default_device(env.local_rank)
@@ -406,26 +407,6 @@ def _place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -
             changed = True
     if changed:
         module.recompile()
-
-
-def _check_runtime_supports(plan) -> None:
-    """Plan fields the cost model estimates but the runtime cannot run yet fail here, clearly."""
-    if plan.zero != 0:
-        raise PlanError(
-            f"plan zero={plan.zero}: the runtime does not shard optimizer state, gradients or "
-            "parameters yet; program.estimate() already predicts ZeRO's memory. Fix: bind a "
-            "plan with zero=0 to train",
-            field="zero",
-            value=plan.zero,
-        )
-    if plan.precision != "fp32":
-        raise PlanError(
-            f"plan precision={plan.precision}: the runtime trains in fp32 only so far; "
-            "program.estimate() already predicts mixed-precision memory. Fix: bind a plan with "
-            "precision=fp32 to train",
-            field="precision",
-            value=plan.precision,
-        )
 
 
 def _default_device(local_rank: int) -> torch.device:
