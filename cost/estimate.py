@@ -202,7 +202,7 @@ def estimate(
     sizes.update({k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None})
     numbers = {s: sizes[s.name] for s in captured.example_sizes}
 
-    precision = "bf16" if plan.precision == "bf16-mixed" else "fp32"
+    precision = plan.compute_precision
     narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
     compute = graph_compute(program)
     params = captured.parameter_count()
@@ -288,14 +288,13 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     # Time: this rank's ops over its share of the batch. `weight` is the part of `backward`
     # that is weight gradients of linears (W in a split schedule; cost.layout).
     def seconds(piece):
-        rate = device.matmul_rate(precision)
-        dense = share * (piece.matmul_flops - piece.attention_flops) / rate
-        attention = share * piece.attention_flops / device.attention_rate(precision)
-        streamed = share * narrow * piece.other_bytes / device.elementwise_bandwidth()
+        kernels = share * device.kernel_seconds(
+            piece.matmul_flops, piece.attention_flops, narrow * piece.other_bytes, precision
+        )
         overhead = plan.microbatches * sympy.Float(device.op_overhead)
-        forward = dense + attention + streamed + piece.forward_ops * overhead
-        backward = 2 * (dense + attention + streamed) + piece.backward_nodes * overhead
-        weight = share * piece.weight_gradient_flops / rate
+        forward = kernels + piece.forward_ops * overhead
+        backward = 2 * kernels + piece.backward_nodes * overhead
+        weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
         return forward, backward, weight
 
     timed = {id(p): seconds(p) for p in all_shares}

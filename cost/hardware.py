@@ -77,6 +77,15 @@ class Hardware:
         """Bytes/s the non-matmul ops reach, forward and backward, bytes as `cost.ops` counts."""
         return self.memory_bandwidth * self.elementwise_efficiency
 
+    def kernel_seconds(self, matmul_flops, attention_flops, other_bytes, precision: str):
+        """One forward of ops with these totals, per-op overhead aside: dense matmul FLOPs at the
+        matmul rate, attention's at the attention rate, the other ops' bytes at the bandwidth
+        they reach (a backward takes twice this: Narayanan et al. 2021). The one pricing rule of
+        the estimate and the pipeline cut; numbers or sympy formulas alike."""
+        dense = (matmul_flops - attention_flops) / self.matmul_rate(precision)
+        attention = attention_flops / self.attention_rate(precision)
+        return dense + attention + other_bytes / self.elementwise_bandwidth()
+
     def link(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link a collective over `ranks` crosses."""
         nodes = {r // self.devices_per_node for r in ranks}

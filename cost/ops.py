@@ -33,6 +33,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxpar import meta
+
 aten = torch.ops.aten
 Shape = tuple[sympy.Expr, ...]
 
@@ -237,3 +239,20 @@ def op_name(node: fx.Node) -> str:
     return str(node.target)
 
 
+
+
+def node_seconds(node: fx.Node, shape_of: Callable[[fx.Node], Shape], device, *, precision: str) -> sympy.Expr:
+    """Forward + backward seconds of one node, priced as the estimate prices a whole graph:
+    3 x `Hardware.kernel_seconds` of its cost, plus `op_overhead` for its forward op and, when
+    its output needs a gradient, its backward node (`op_counts`' criteria). A formula in the
+    graph's symbols; the pipeline cut sums it per stage."""
+    cost = cost_of(node, shape_of)
+    if cost is None:
+        return sympy.Integer(0)
+    streamed = cost.bytes if cost.matmul_flops == 0 else 0
+    kernels = device.kernel_seconds(cost.matmul_flops, cost.attention_flops, streamed, precision)
+    value = node.meta.get("val")
+    ops = 0
+    if isinstance(node.target, torch._ops.OpOverload) and isinstance(value, torch.Tensor):
+        ops = 1 + bool(node.meta.get(meta.REQUIRES_GRAD, False))
+    return 3 * kernels + ops * device.op_overhead

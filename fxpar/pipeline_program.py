@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.cost.memory import model_state_bytes
+from fxpar.cost.ops import node_seconds
 from fxpar.collectives import (
     Collective,
     data_parallel_collectives,
@@ -276,13 +278,18 @@ def describe_stages(stages: tuple[Stage, ...], schedule: Schedule, captured, cos
     return "\n".join(lines)
 
 
-def node_memory(captured, *, microbatch: int) -> callable:
+def node_memory(captured, *, microbatch: int, plan) -> callable:
     """(model-state bytes, activation bytes) a compute node brings to its stage.
 
-    State: 16 bytes per parameter (fp32 weights, gradients and Adam's two moments), charged
-    to the parameter's first user. Activations: the node's output at one microbatch, a proxy
-    for what backward keeps (`cost.activations` has the exact whole-model figure).
+    State: what `cost.memory.model_state_bytes` says one parameter costs under the plan's
+    precision and ZeRO stage with AdamW (the estimate's default optimizer; 16 bytes in fp32
+    without ZeRO), charged to the parameter's first user. Activations: the node's output at
+    one microbatch, a proxy for what backward keeps (`cost.activations` has the exact
+    whole-model figure).
     """
+    per_parameter = float(sum(model_state_bytes(
+        1, precision=plan.precision, optimizer="adamw", zero=plan.zero, dp=plan.dp
+    ).values()))
     sizes = {s: (microbatch if s.name == "batch" else v) for s, v in captured.example_sizes.items()}
     first_users: dict[int, dict[fx.Node, float]] = {}  # per graph: node -> its parameters' bytes
 
@@ -294,7 +301,7 @@ def node_memory(captured, *, microbatch: int) -> callable:
                 users = [u for u in node.users if u.op == "call_function"]
                 if users:
                     first = min(users, key=order.__getitem__)
-                    state[first] = state.get(first, 0.0) + 16.0 * node.meta["val"].numel()
+                    state[first] = state.get(first, 0.0) + per_parameter * node.meta["val"].numel()
             first_users[id(graph)] = state
         return first_users[id(graph)]
 
@@ -315,19 +322,14 @@ def schedule_in_flight(schedule: Schedule) -> tuple[float, ...]:
     return tuple(peaks[schedule.rank_of(s)] / schedule.v for s in range(schedule.stages))
 
 
-def node_time(captured, hardware) -> callable:
-    """Forward + backward time of a node at the example's sizes, for balancing stages."""
-    from fxpar.cost.ops import cost_of
-
+def node_time(captured, hardware, *, precision: str = "fp32") -> callable:
+    """Forward + backward seconds of a node at the example's sizes, for balancing stages:
+    the estimate's own pricing (`cost.ops.node_seconds`)."""
     sizes = dict(captured.example_sizes)
-    rate, bandwidth = hardware.matmul_rate("fp32"), hardware.memory_bandwidth
 
     def cost(node: fx.Node) -> float:
-        op = cost_of(node, captured.shape)
-        if op is None:
-            return 0.0
-        seconds = op.matmul_flops / rate + (op.bytes / bandwidth if op.matmul_flops == 0 else 0)
-        return 3 * float(sympy.sympify(seconds).subs(sizes))
+        seconds = node_seconds(node, captured.shape, hardware, precision=precision)
+        return float(sympy.sympify(seconds).subs(sizes))
 
     return cost
 

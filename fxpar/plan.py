@@ -177,6 +177,11 @@ class Plan:
         """The number of ranks the plan needs: the product of its parallel degrees."""
         return math.prod(self.degrees.values())
 
+    @property
+    def compute_precision(self) -> str:
+        """What matmuls run in: "bf16" under bf16-mixed, else "fp32" (the cost model's key)."""
+        return "bf16" if self.precision == "bf16-mixed" else "fp32"
+
     # -- reading ---------------------------------------------------------------------------------
 
     @classmethod

@@ -130,9 +130,9 @@ def compile(
     # buckets hold only that stage's parameters.
     stages_count = plan.pp * plan.virtual_stages
     if stages_count > 1:
-        cost = node_time(captured, hardware_profile(hardware, measured=False))
+        cost = node_time(captured, hardware_profile(hardware, measured=False), precision=plan.compute_precision)
         microbatch = captured.example_batch // (plan.dp * plan.microbatches)
-        memory = node_memory(captured, microbatch=microbatch)
+        memory = node_memory(captured, microbatch=microbatch, plan=plan)
         pipeline_schedule = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
         passes.append(partial(
             assign_stages, stages=stages_count, split=plan.split, cost=cost, memory=memory,
@@ -328,7 +328,8 @@ class Program:
         formulas in batch and seq)."""
         if self.stages is None:
             return "no pipeline (pp=1)"
-        cost = node_time(self.captured, hardware_profile(self.hardware, measured=False))
+        cost = node_time(self.captured, hardware_profile(self.hardware, measured=False),
+                         precision=self.plan.compute_precision)
         return describe_stages(self.stages, self.schedule, self.captured, cost)
 
     def estimate(
