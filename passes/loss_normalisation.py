@@ -61,6 +61,7 @@ class LossReduction:
 
     sums: bool
     count_module: fx.GraphModule | None = None
+    count_dtype: torch.dtype = torch.float32  # of `valid_targets`: the loss's own dtype
     reason: str = ""  # why not `sums`, for the warning
 
 
@@ -87,7 +88,9 @@ def normalise_loss(gm: fx.GraphModule) -> fx.GraphModule:
         mean = gm.graph.call_function(aten.div.Tensor, (loss, count))
     mean.meta.update({k: v for k, v in loss.meta.items()})
     output.args = (mean,)
-    gm.meta[meta.GRAPH_LOSS] = LossReduction(sums=True, count_module=count_module)
+    gm.meta[meta.GRAPH_LOSS] = LossReduction(
+        sums=True, count_module=count_module, count_dtype=count.meta["val"].dtype
+    )
     return gm
 
 

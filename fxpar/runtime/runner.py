@@ -68,7 +68,6 @@ class Runner:
         self._tied = _tied_parameters(program, rank, tied_groups, self.modules)
         self.loss = StepLoss(
             program.loss_reduction,
-            count_dtype=program.captured.graph_module.graph.output_node().args[0].meta["val"].dtype,
             holds_loss=program.holds_loss(rank),
             data_parallel=self._dp,
             communicator=communicator,

@@ -28,13 +28,11 @@ class StepLoss:
         self,
         reduction: LossReduction,
         *,
-        count_dtype: torch.dtype,
         holds_loss: bool,
         data_parallel: RankGroup,
         communicator: Communicator,
     ):
         self.reduction = reduction
-        self.count_dtype = count_dtype  # the loss's dtype: the graph divides by the count
         self.holds_loss = holds_loss
         self.data_parallel = data_parallel
         self.communicator = communicator
@@ -55,7 +53,7 @@ class StepLoss:
             self.communicator.all_reduce_now(
                 count, self.data_parallel, tag="valid targets", phase="forward"
             )
-        count = count.to(self.count_dtype)
+        count = count.to(self.reduction.count_dtype)
         return [(*chunk, count) for chunk in chunks]
 
     def share(self, loss: torch.Tensor, microbatches: int) -> torch.Tensor:
