@@ -35,7 +35,7 @@ from fxpar.runtime import tensor_parallel_ops as ops
 from fxpar.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from hf_models import LossOf, build  # noqa: E402
+from hf_models import MODELS_WITH_TP_PLAN, LossOf, build  # noqa: E402
 
 MODELS = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox", "bert"]
 LAYERS = 2
@@ -267,6 +267,31 @@ def test_auto_styles_of_the_layers_equal_the_models_own_plan(name, attention):
 # -- 3. the residual stream stays replicated ---------------------------------------------------
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", MODELS)
+def test_auto_moves_exactly_the_collectives_of_the_models_plan_or_megatrons(name, attention):
+    """Per step at tp=2: with a plan of its own, `auto` is that plan, 2 all-reduces forward
+    and 2 backward per layer of the residual stream (B x T x hidden), and what the plan says of
+    the embedding; and on
+    every model, sdpa or eager, the inferred layout is Megatron's: those, plus the
+    vocabulary-parallel embedding's sum, the loss's two reductions (max; target logit and sum
+    of exponentials, per token) and the f before the vocabulary-parallel head."""
+    model, inputs, graph = captured(name, attention)
+    stream, tokens = inputs[0].numel() * 64, inputs[0].numel()
+    layers = [("all_reduce", "forward", stream)] * 2 * LAYERS, [("all_reduce", "backward", stream)] * 2 * LAYERS
+    megatron = (
+        [("all_reduce", "forward", stream)] + layers[0]
+        + [("all_reduce", "forward", tokens), ("all_reduce", "forward", 2 * tokens)]
+        + [("all_reduce", "backward", stream)] + layers[1]
+    )
+    calls = lambda plan: [(c.kind, c.phase, c.numel) for c in fxpar.compile(graph, plan).collectives(0)]  # noqa: E731
+    assert calls("tp=2 tp_rules=infer") == megatron
+    # GPT-NeoX's own base plan also splits its embedding (embed_in: embedding_rowwise).
+    embedding = [("all_reduce", "forward", stream)] if name == "gpt_neox" else []
+    own = embedding + layers[0] + layers[1]
+    assert calls("tp=2") == (own if name in MODELS_WITH_TP_PLAN else megatron)
+
+
 def test_llama_auto_plan_is_its_base_model_plan():
     """`auto` takes the model's own base_model_tp_plan: the layers split, embedding and head
     replicated; 2 all-reduces forward and 2 backward per layer, nothing else."""
@@ -375,8 +400,9 @@ def test_every_style_transformers_registers_has_a_meaning_or_a_plan_error():
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mistral", "qwen2", "gpt_neox", "bert"])
-def test_auto_plan_equals_one_device(name):
-    model, inputs, program = compiled(name, "tp=2")  # BERT's data holds its pad token
+def test_inferred_plan_equals_one_device(name):
+    """Megatron's layout, inferred (auto for GPT-2 and BERT), Llama's is tested above."""
+    model, inputs, program = compiled(name, "tp=2 tp_rules=infer")  # BERT's data: a pad token
     assert_equals_one_device(program, model, inputs)
 
 
