@@ -33,7 +33,9 @@ import sympy
 import torch
 import torch.fx as fx
 
+import fxpar.vocab_parallel_ops  # noqa: F401  (the torch.ops.fxpar lookups priced below)
 from fxpar import meta
+from fxpar.distributed_ops import distributed_op
 
 aten = torch.ops.aten
 Shape = tuple[sympy.Expr, ...]
@@ -129,6 +131,8 @@ _MEMORY_ONLY = {
     aten.type_as,
     aten.index,  # a gather; in transformers' mask functions, per-(batch, q, kv) lookups
     aten.pad,  # ForCausalLMLoss shifts labels by padding one -100
+    torch.ops.fxpar.vocab_parallel_embedding,  # an embedding on a vocabulary shard
+    torch.ops.fxpar.localize_indices,
     aten.constant_pad_nd,
     aten.new_ones,
     aten.new_zeros,
@@ -176,6 +180,8 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
     """The forward cost of a call_function node, or None for nodes that are not ops."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
+    if distributed_op(node) is not None:
+        return None  # communication: priced per collective (cost.collectives), not as compute
     packet = node.target.overloadpacket
     if packet in _FREE:
         return OpCost(sympy.Integer(0), sympy.Integer(0), sympy.Integer(0))

@@ -11,6 +11,8 @@ Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `f
 (formulas), `program` (the compiled job, pure data), `runtime` (one torchrun worker).
 """
 
+import fxpar.distributed_ops  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
+import fxpar.vocab_parallel_ops  # noqa: F401
 from fxpar.errors import BindError, CaptureError, CollectiveError, FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan

@@ -19,10 +19,10 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
 from fxpar.errors import PlanError
 from fxpar.passes.data_parallel import Bucket
-from fxpar.placement import Shard
-from fxpar.runtime import tensor_parallel_ops as ops
+from fxpar.placement import local_numel
 
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"]
 # When in the step a collective runs; the cost model overlaps forward and backward ones with
@@ -146,65 +146,42 @@ def valid_target_collectives(group: tuple[int, ...], *, counted: bool) -> tuple[
                        tag="valid targets", phase="forward"),)
 
 
-# Tensor-parallel op -> its forward and backward collectives: (kind, payload size, tag).
-# Payload size: "whole" is the global value's numel, "local" this rank's piece of it.
-_TP_CALLS = {
-    ops.all_reduce: ([("all_reduce", "local", "tp all_reduce (g)")], []),
-    ops.copy_to_region: ([], [("all_reduce", "local", "tp all_reduce (f backward)")]),
-    ops.split_to_shard: ([], [("all_gather", "whole", "tp all_gather (split backward)")]),
-    ops.all_gather: ([("all_gather", "whole", "tp all_gather")], []),
-    ops.gather_to_region: (
-        [("all_gather", "whole", "sp all_gather")],
-        [("reduce_scatter", "whole", "sp reduce_scatter (backward)")],
-    ),
-    ops.reduce_scatter: (
-        [("reduce_scatter", "whole", "sp reduce_scatter")],
-        [("all_gather", "whole", "sp all_gather (backward)")],
-    ),
-}
-
-
 def tensor_parallel_collectives(
-    gm: fx.GraphModule, group: tuple[int, ...], sizes: dict
+    gm: fx.GraphModule, group_of: Callable[[str], tuple[int, ...]], sizes: dict
 ) -> tuple[Collective, ...]:
-    """One microbatch's tensor-parallel collectives: forward in graph order, then backward.
+    """One microbatch's collectives of the graph's distributed ops: forward in graph order,
+    then backward, read off each op's own description (`fxpar.distributed_ops`).
 
-    `sizes` gives export's size symbols their values in one microbatch. Backward collectives
-    are listed in reverse graph order, the order autograd runs them in, and only where a
-    gradient flows.
+    `group_of` maps a mesh axis name to this rank's group on it; `sizes` gives export's size
+    symbols their values in one microbatch. Backward collectives are listed in reverse graph
+    order, the order autograd runs them in, and only where a gradient flows. Payloads: an
+    all-reduce's and a reduce-scatter's input, an all-gather's output, each this rank's piece
+    (`placement.local_numel`); backward swaps input and output.
     """
-    if len(group) == 1:
-        return ()
     forward: list[Collective] = []
     backward: list[Collective] = []
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        op = distributed_op(node)
+        if op is None:
             continue
-        source = node.args[0] if node.args else None
-        if node.target is ops.vocab_parallel_cross_entropy:
-            rows = _numel(source, sizes) // _numel_of_last(source, sizes)
-            for op, numel, tag in (
-                ("max", rows, "vocab-parallel max"),
-                ("sum", 2 * rows, "vocab-parallel target logit and sum of exponentials"),
-            ):
-                forward.append(Collective(kind="all_reduce", group=group, numel=numel,
-                                          dtype=source.meta["val"].dtype, op=op, tag=tag, phase="forward"))
+        axis = axis_of(node)
+        group = group_of(axis)
+        if len(group) == 1:
             continue
-        if node.target not in _TP_CALLS:
-            continue
-        whole = _numel(source, sizes)
-        local = whole // len(group) if isinstance(meta.placement(source), Shard) else whole
-        fwd, bwd = _TP_CALLS[node.target]
+        source = node.args[0]
+        ends = {"in": _local_numel(source, sizes, len(group)), "out": _local_numel(node, sizes, len(group))}
         dtype = source.meta["val"].dtype
-        for kind, size, tag in fwd:
-            numel = whole if size == "whole" else local
-            op = "none" if kind == "all_gather" else "sum"
-            forward.append(Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag, phase="forward"))
-        if meta.requires_grad(source):
-            for kind, size, tag in bwd:
-                numel = whole if size == "whole" else local
-                op = "none" if kind == "all_gather" else "sum"
-                backward.append(Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag, phase="backward"))
+        for phase, calls, (payload_in, payload_out) in (
+            ("forward", forward, ("in", "out")),
+            ("backward", backward, ("out", "in")),
+        ):
+            primitive = op.primitive(phase)
+            if primitive not in COMMUNICATING or (phase == "backward" and not meta.requires_grad(source)):
+                continue
+            numel = ends[payload_out] if primitive == "all_gather" else ends[payload_in]
+            reduce = "none" if primitive == "all_gather" else op.reduce
+            calls.append(Collective(kind=primitive, group=group, numel=numel, dtype=dtype, op=reduce,
+                                    tag=op.tag(axis, phase), phase=phase))
     return tuple(forward + backward[::-1])
 
 
@@ -220,13 +197,7 @@ def partial_gradient_collectives(gm: fx.GraphModule, group: tuple[int, ...]) -> 
                        tag="tp partial parameter gradients", phase="step"),)
 
 
-def _numel(node: fx.Node, sizes: dict) -> int:
-    total = 1
-    for d in node.meta["val"].shape:
-        total *= int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d)
-    return total
-
-
-def _numel_of_last(node: fx.Node, sizes: dict) -> int:
-    d = node.meta["val"].shape[-1]
-    return int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d)
+def _local_numel(node: fx.Node, sizes: dict, size: int) -> int:
+    """Elements of this rank's piece of `node`'s value at the microbatch's sizes."""
+    shape = [int(d.node.expr.subs(sizes)) if isinstance(d, torch.SymInt) else int(d) for d in node.meta["val"].shape]
+    return local_numel(shape, meta.placement(node), size)

@@ -8,11 +8,12 @@
 
 Placements are data on graph nodes (`fxpar.meta.placement`). The tensor-parallel pass derives
 them op by op (`passes.tp_propagation`) and, where an op needs its input laid out otherwise,
-inserts the collective that `REDISTRIBUTE` names for the (source, destination) pair.
+inserts the op that `fxpar.redistribution`'s table names for the move.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,19 @@ Placement = Replicate | Shard | Partial
 R, P = Replicate(), Partial()
 
 
+def local_shape(shape: tuple[int, ...] | list[int], placement: Placement, size: int) -> tuple[int, ...]:
+    """The shape of one rank's piece of a value of global `shape` under `placement` over `size`
+    ranks: a Shard's dim divided, anything else whole (a Partial's summand has the value's shape)."""
+    shape = tuple(shape)
+    if not isinstance(placement, Shard) or size == 1:
+        return shape
+    return (*shape[:placement.dim], shape[placement.dim] // size, *shape[placement.dim + 1:])
+
+
+def local_numel(shape: tuple[int, ...] | list[int], placement: Placement, size: int) -> int:
+    return math.prod(local_shape(shape, placement, size))
+
+
 def local_slice(tensor: torch.Tensor, placement: Placement, index: int, size: int) -> torch.Tensor:
     """Rank `index`'s piece of the global `tensor` under `placement` over `size` ranks."""
     if not isinstance(placement, Shard) or size == 1:
@@ -65,20 +79,3 @@ def global_tensor(pieces: list[torch.Tensor], placement: Placement) -> torch.Ten
     return torch.cat(
         [torch.cat([blocks[b] for blocks in per_rank_blocks], dim=dim) for b in range(parts)], dim=dim
     )
-
-
-# (source, destination) kinds -> the collective that converts, forward / backward (Megatron's
-# f and g operators fall out of this table; Shoeybi et al. 2019, Sec. 3; Korthikanti et al.
-# 2022, Sec. 4.2.2 for the sequence-parallel pair).
-REDISTRIBUTE: dict[tuple[str, str], tuple[str | None, str | None]] = {
-    ("P", "R"): ("all_reduce", None),  # g: sum the partials; gradients are already whole
-    ("P", "S"): ("reduce_scatter", "all_gather"),  # sequence parallelism's exit from a region
-    ("S", "R"): ("all_gather", None),  # gradient of the gathered copy is sliced locally
-    ("R", "S"): (None, "all_gather"),  # take the local slice; gradients are gathered back
-    ("R", "R*"): (None, "all_reduce"),  # f: a replicated input to sharded math
-    ("S", "R*"): ("all_gather", "reduce_scatter"),  # sequence parallelism's entry to a region
-}
-
-
-def kind(placement: Placement) -> str:
-    return str(placement)[0]

@@ -2,11 +2,11 @@
 
 `shard_tensor_parallel(gm, placements=..., tp=..., sequence_parallel=...)` walks the graph
 once, in order. For each op it asks `tp_propagation.RULES` where the op needs its inputs; where
-an input lies otherwise it inserts the converting collective of `placement.REDISTRIBUTE` (as a
-call of an autograd function from `runtime.tensor_parallel_ops`, on the rank module's
-`tp_group`), and it rewrites what must change for local shards: the constants of views (head
-counts, hidden sizes), the split sizes of a fused q|k|v projection, the bias of a row-parallel
-projection (added once, after the sum), a vocabulary-parallel embedding and cross entropy.
+an input lies otherwise it inserts the op that `fxpar.redistribution` names for the move (a
+`torch.ops.fxpar` op on mesh axis "tp", whose backward is the dual collective), and it
+rewrites what must change for local shards: the constants of views (head counts, hidden
+sizes), the split sizes of a fused q|k|v projection, the bias of a row-parallel projection
+(added once, after the sum), a vocabulary-parallel embedding and cross entropy.
 
 One rule needs no op in particular: a replicated input that requires grad and feeds math whose
 output is sharded or partial contributes only a partial gradient on each rank, so it passes
@@ -19,12 +19,14 @@ replicated and no norm sums them again), and the output of a module whose style 
 `colwise_gather_output` (all-gathered, so the rest of the model sees the whole value).
 
     before (colwise q, rowwise o):          after, on each of tp ranks:
-      linear = aten.linear(ln, q_w, q_b)      copy = copy_to_region(ln, tp_group)
+      linear = aten.linear(ln, q_w, q_b)      copy = fxpar.copy_to_region(ln, 'tp')
       view = aten.view(linear, [B, T, 4, 8])  linear = aten.linear(copy, q_w, q_b)   # q_w: S(0)
       ...                                     view = aten.view(linear, [B, T, 2, 8]) # 4 heads / 2
       out = aten.linear(y, o_w, o_b)          out = aten.linear(y, o_w)              # partial
-                                              all_reduce = all_reduce(out, tp_group) # g
+                                              all_reduce = fxpar.all_reduce(out, 'tp') # g
                                               add = aten.add(all_reduce, o_b)
+
+The graph holds no runtime object: the ops name the axis, and `Program.bind()` connects it.
 
 Requires: `fxpar.parameter` on parameter nodes; `placements` for every parameter.
 Ensures: `fxpar.placement` on every tensor node (its global value's layout across the tp
@@ -39,16 +41,17 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.distributed_ops import DistributedOp
 from fxpar.errors import PlanError
-from fxpar.placement import Partial, Placement, R, Replicate, Shard
-from fxpar.mesh import Axis
-from fxpar.runtime import tensor_parallel_ops as ops
-from fxpar.runtime.process_groups import RankGroup
+from fxpar.placement import Placement, R, Replicate, Shard
+from fxpar.redistribution import Via, conversion_dim, converted_placement, redistribution
+import fxpar.vocab_parallel_ops  # noqa: F401  (registers torch.ops.fxpar.vocab_parallel_embedding)
+from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.tp_projections import packet, projection_of
-from fxpar.passes.tp_propagation import Context, Decision, is_tensor, rule_for, shape_of
+from fxpar.passes.tp_propagation import Context, Decision, Rewrite, is_tensor, rule_for, shape_of
+from fxpar.passes.tp_vocab_loss import vocab_parallel_cross_entropy
 
-GROUP_ATTRIBUTE = "tp_group"
-_COPY = "R*"  # a replicated value on its way into sharded math (Megatron's f)
+AXIS = "tp"  # the mesh axis the inserted ops name
 
 
 def _order(graph: fx.Graph):
@@ -56,6 +59,15 @@ def _order(graph: fx.Graph):
     return positions.__getitem__
 
 
+def every_tensor_placed(gm: fx.GraphModule) -> None:
+    """Ensures: every tensor the graph computes, or reads as a parameter, has a placement."""
+    for node in gm.graph.nodes:
+        computed = node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
+        if (computed or meta.parameter_name(node) is not None) and meta.PLACEMENT not in node.meta:
+            raise broken("every tensor node has a placement (fxpar.placement)", node)
+
+
+@ensures(every_tensor_placed)
 def shard_tensor_parallel(
     gm: fx.GraphModule,
     *,
@@ -71,13 +83,8 @@ def shard_tensor_parallel(
     output whole (style colwise_gather_output), as `tp_rules.parameter_placements` records.
     """
     graph = gm.graph
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first):
-        group = graph.create_node("get_attr", GROUP_ATTRIBUTE)
-    walk = _Walk(graph, group, Context({}, tp, sequence_parallel, seq), gathered_outputs)
+    walk = _Walk(graph, Context({}, tp, sequence_parallel, seq), gathered_outputs)
     for node in list(graph.nodes):
-        if node is group:
-            continue
         if node.op == "get_attr" and (name := meta.parameter_name(node)) is not None:
             walk.set(node, placements.get(name, R))
         elif node.op == "call_function" and (is_tensor(node) or isinstance(node.meta.get("val"), (list, tuple))):
@@ -87,15 +94,14 @@ def shard_tensor_parallel(
             node.args = (walk.convert(loss, R, before=node),)
     walk.settle_parameters_feeding_shards()
     gm.meta[meta.GRAPH_TP] = tp
-    # Stand-in until rank specialisation names this rank's group and bind() connects it.
-    setattr(gm, GROUP_ATTRIBUTE, RankGroup(axis=Axis.TP, ranks=tuple(range(tp)), handle=None))
+    gm.recompile()
     return gm
 
 
 class _Walk:
-    def __init__(self, graph: fx.Graph, group: fx.Node, ctx: Context, gathered: frozenset[str]):
-        self.graph, self.group, self.ctx, self.gathered = graph, group, ctx, gathered
-        self.converted: dict[tuple[fx.Node, str], fx.Node] = {}
+    def __init__(self, graph: fx.Graph, ctx: Context, gathered: frozenset[str]):
+        self.graph, self.ctx, self.gathered = graph, ctx, gathered
+        self.converted: dict[tuple[fx.Node, Placement, bool], fx.Node] = {}
         self.sharded_uses: dict[fx.Node, list[fx.Node]] = {}  # parameter -> sharded consumers
 
     def set(self, node: fx.Node, placement) -> None:
@@ -128,12 +134,13 @@ class _Walk:
                 if meta.parameter_name(source) is not None:
                     self.sharded_uses.setdefault(source, []).append(node)  # see below
                     continue
-                wanted = _COPY
-            replacement = self.convert(source, wanted, before=node)
+                replacement = self.convert(source, wanted, before=node, into_sharded_math=True)
+            else:
+                replacement = self.convert(source, wanted, before=node)
             if replacement is not source:
                 node.replace_input_with(source, replacement)
         if decision.rewrite is not None:
-            getattr(self, "_" + decision.rewrite)(node, decision)
+            self.REWRITES[decision.rewrite](self, node, decision)
         self.set(node, decision.output)
         settle_to = decision.settle_to
         if settle_to is None and self._gathers(node, decision.output):
@@ -169,53 +176,45 @@ class _Walk:
             if len(set(consumers)) == len(tensor_users):
                 parameter.meta[meta.GRAD_PARTIAL] = True
                 continue
-            copy = self.convert(parameter, _COPY, before=min(consumers, key=_order(self.graph)))
+            first = min(consumers, key=_order(self.graph))
+            copy = self.convert(parameter, R, before=first, into_sharded_math=True)
             for consumer in consumers:
                 consumer.replace_input_with(parameter, copy)
 
     # -- redistribution ------------------------------------------------------------------------
 
-    def convert(self, source: fx.Node, wanted, *, before: fx.Node) -> fx.Node:
-        """`source` laid out as `wanted`, through the collectives of placement.REDISTRIBUTE."""
+    def convert(self, source: fx.Node, wanted: Placement, *, before: fx.Node,
+                into_sharded_math: bool = False) -> fx.Node:
+        """`source` laid out as `wanted`, through the ops of `fxpar.redistribution`'s table;
+        `into_sharded_math`: the consumer's gradient for it is a partial sum (Megatron's f)."""
         have = self.ctx.placement(source)
-        if have == wanted:
+        if have == wanted and not into_sharded_math:
             return source
-        key = (source, str(wanted))
+        key = (source, wanted, into_sharded_math)
         if key in self.converted:
             return self.converted[key]
-        if wanted == _COPY:
-            base = self.convert(source, R, before=before) if not isinstance(have, Shard) else source
-            if isinstance(have, Shard):
-                node = self._call(ops.gather_to_region, source, have.dim, before=before)
-            else:
-                node = self._call(ops.copy_to_region, base, before=before)
-            placement = R
-        elif isinstance(have, Partial) and isinstance(wanted, Replicate):
-            node, placement = self._call(ops.all_reduce, source, before=before), R
-        elif isinstance(have, Partial) and isinstance(wanted, Shard):
-            node, placement = self._call(ops.reduce_scatter, source, wanted.dim, before=before), wanted
-        elif isinstance(have, Shard) and isinstance(wanted, Replicate) and have.parts == 1:
-            node, placement = self._call(ops.all_gather, source, have.dim, before=before), R
-        elif isinstance(have, Replicate) and isinstance(wanted, Shard) and wanted.parts == 1:
-            node, placement = self._call(ops.split_to_shard, source, wanted.dim, before=before), wanted
-        elif isinstance(have, Shard) and isinstance(wanted, Shard) and have.parts == wanted.parts == 1:
-            whole = self.convert(source, R, before=before)
-            return self.convert(whole, wanted, before=before)
-        else:
+        row = redistribution(have, wanted, into_sharded_math)
+        if row is None:
             raise PlanError(
                 f"tensor parallelism cannot turn {source.name} ({meta.describe(source)}) from {have} "
                 f"into {wanted} for {before.format_node()}. Fix: replicate the module that "
                 "produces it (tp_rules={'<module>': 'replicate'})",
                 field="tp",
             )
-        self.set(node, placement)
+        if isinstance(row, Via):
+            step = self.convert(source, row.placement, before=before)
+            node = self.convert(step, wanted, before=before, into_sharded_math=into_sharded_math)
+        else:
+            node = self._insert(row.op, source, conversion_dim(row, have, wanted), before=before)
+            self.set(node, converted_placement(row, have, wanted))
         self.converted[key] = node
         return node
 
-    def _call(self, function, source: fx.Node, *extra, before: fx.Node) -> fx.Node:
+    def _insert(self, op: DistributedOp, source: fx.Node, dim: int | None, *, before: fx.Node) -> fx.Node:
+        args = (source, AXIS, self.ctx.tp, dim) if op.takes_dim else (source, AXIS)
         with self.graph.inserting_before(before):
-            node = self.graph.call_function(function, (source, self.group, *extra))
-        node.meta["val"] = source.meta["val"]
+            node = self.graph.call_function(op.overload, args)
+        node.meta["val"] = source.meta["val"]  # the global value is the same; its layout moved
         node.meta[meta.MODULE_PATH] = meta.module_path(before)
         node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
         return node
@@ -277,7 +276,7 @@ class _Walk:
         self.visit(add)
 
     def _vocab_parallel_embedding(self, node: fx.Node, decision: Decision) -> None:
-        """embedding(w, ids, padding_idx) on a vocabulary shard (see ops.vocab_parallel_embedding).
+        """embedding(w, ids, padding_idx) on a vocabulary shard (see fxpar.vocab_parallel_ops).
 
         The padding row keeps a zero gradient, as on one device: the rank holding it skips it.
         Frequency-scaled and sparse gradients are refused: each rank would count only the
@@ -294,24 +293,19 @@ class _Walk:
                     field="tp_rules",
                 )
         weight, indices = node.args[0], node.args[1]
-        node.target = ops.vocab_parallel_embedding
-        node.args, node.kwargs = (weight, indices, self.group, options.get("padding_idx", -1)), {}
+        node.target = torch.ops.fxpar.vocab_parallel_embedding.default
+        node.args, node.kwargs = (weight, indices, AXIS, options.get("padding_idx", -1)), {}
 
     def _vocab_parallel_cross_entropy(self, node: fx.Node, decision: Decision) -> None:
-        logits, target, *rest = node.args
-        options = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), rest)) | node.kwargs
-        if options.get("weight") is not None or options.get("label_smoothing", 0.0) != 0.0:
-            raise PlanError(
-                f"vocabulary-parallel cross entropy supports no class weights and no label "
-                f"smoothing ({meta.describe(node)}). Fix: replicate the output projection",
-                field="tp",
-            )
-        reduction = {0: "none", 1: "mean", 2: "sum"}[options.get("reduction", 1)]
-        if reduction == "none":
-            raise PlanError(f"{meta.describe(node)}: reduction='none' is not supported under tp", field="tp")
-        node.target = ops.vocab_parallel_cross_entropy
-        node.args = (logits, target, self.group, options.get("ignore_index", -100), reduction)
-        node.kwargs = {}
+        vocab_parallel_cross_entropy(self.graph, node, axis=AXIS, size=self.ctx.tp, set_placement=self.set)
+
+    REWRITES = {
+        Rewrite.LOCAL_SIZES: _local_sizes,
+        Rewrite.LOCAL_SPLIT: _local_split,
+        Rewrite.BIAS_AFTER_REDUCTION: _bias_after_reduction,
+        Rewrite.VOCAB_PARALLEL_EMBEDDING: _vocab_parallel_embedding,
+        Rewrite.VOCAB_PARALLEL_CROSS_ENTROPY: _vocab_parallel_cross_entropy,
+    }
 
 
 def _module_of(parameter: fx.Node) -> str:

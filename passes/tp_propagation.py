@@ -2,7 +2,7 @@
 
 A rule sees the node and the placements of its tensor inputs, and returns a `Decision`: the
 placement every tensor input must have (the pass inserts the collective that gets it there,
-from `fxpar.placement.REDISTRIBUTE`) and the placement of the output, plus an optional rewrite
+from `fxpar.redistribution`) and the placement of the output, plus an optional rewrite
 of the node itself (local constants in a view, a vocabulary-parallel kernel). Adding an op is
 adding a line to `RULES`.
 
@@ -13,6 +13,7 @@ the op, the input placements and the rule to add.
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,11 +30,21 @@ from fxpar.placement import P, Partial, Placement, R, Replicate, Shard
 aten = torch.ops.aten
 
 
+class Rewrite(enum.Enum):
+    """What `passes.tensor_parallel` changes in the op itself for local shards."""
+
+    LOCAL_SIZES = "a view's size constants"
+    LOCAL_SPLIT = "a fused projection's split sizes"
+    BIAS_AFTER_REDUCTION = "a row-parallel bias, added after the sum"
+    VOCAB_PARALLEL_EMBEDDING = "a lookup in a vocabulary shard"
+    VOCAB_PARALLEL_CROSS_ENTROPY = "cross entropy over vocabulary-sharded logits"
+
+
 @dataclass
 class Decision:
     output: Placement | list[Placement]
     inputs: dict[fx.Node, Placement] = field(default_factory=dict)
-    rewrite: str | None = None  # the name of a rewrite in passes.tensor_parallel
+    rewrite: Rewrite | None = None
     # Where the output goes right where it is produced, for every use (None: it stays `output`).
     settle_to: Placement | None = None
 
@@ -191,7 +202,7 @@ def view(node: fx.Node, ctx: Context) -> Decision:
                     field="tp",
                     value=ctx.tp,
                 )
-            return Decision(Shard(target, p.parts), {source: p}, rewrite="local_sizes")
+            return Decision(Shard(target, p.parts), {source: p}, rewrite=Rewrite.LOCAL_SIZES)
     return Decision(R, {source: R})
 
 
@@ -200,7 +211,7 @@ def expand(node: fx.Node, ctx: Context) -> Decision:
     if not isinstance(p, Shard):
         return Decision(p, {source: p})
     target = p.dim + len(shape_of(node)) - len(shape_of(source))
-    return Decision(Shard(target, p.parts), {source: p}, rewrite="local_sizes")
+    return Decision(Shard(target, p.parts), {source: p}, rewrite=Rewrite.LOCAL_SIZES)
 
 
 def transpose(node: fx.Node, ctx: Context) -> Decision:
@@ -250,7 +261,7 @@ def split(node: fx.Node, ctx: Context) -> Decision:
     if d != p.dim:
         return Decision([p] * count, {source: p})
     if p.parts == count:  # a fused projection's blocks come apart: each rank its own slices
-        return Decision([Shard(d)] * count, {source: p}, rewrite="local_split")
+        return Decision([Shard(d)] * count, {source: p}, rewrite=Rewrite.LOCAL_SPLIT)
     return Decision([R] * count, {source: R})
 
 
@@ -334,7 +345,7 @@ def projection(node: fx.Node, ctx: Context) -> Decision:
         return Decision(Shard(out_rank - 1, wp.parts), inputs)
     if isinstance(wp, Shard) and wp.dim == proj.in_dim:  # row-parallel: partial sums
         inputs = {x: Shard(rank - 1, wp.parts), weight: wp}
-        return Decision(P, inputs, rewrite="bias_after_reduction" if bias is not None else None)
+        return Decision(P, inputs, rewrite=Rewrite.BIAS_AFTER_REDUCTION if bias is not None else None)
     if isinstance(xp, Shard) and xp.dim < rank - 1:  # a replicated weight on a batch/seq shard
         return Decision(xp, {x: xp, weight: R} | ({bias: R} if bias is not None else {}))
     if isinstance(xp, Partial) and bias is None:
@@ -390,7 +401,7 @@ def embedding(node: fx.Node, ctx: Context) -> Decision:
     weight, indices = node.args[0], node.args[1]
     wp, ip = ctx.placement(weight), ctx.placement(indices)
     if isinstance(wp, Shard) and wp.dim == 0:
-        return Decision(P, {weight: wp, indices: R}, rewrite="vocab_parallel_embedding",
+        return Decision(P, {weight: wp, indices: R}, rewrite=Rewrite.VOCAB_PARALLEL_EMBEDDING,
                         settle_to=ctx.partial_target(node))
     if isinstance(wp, Shard) and wp.dim == 1:
         return Decision(Shard(len(shape_of(node)) - 1), {weight: wp, indices: R})
@@ -401,7 +412,7 @@ def cross_entropy(node: fx.Node, ctx: Context) -> Decision:
     logits, target = node.args[0], node.args[1]
     p = ctx.placement(logits)
     if isinstance(p, Shard) and p.dim == len(shape_of(logits)) - 1 and len(shape_of(logits)) == 2:
-        return Decision(R, {logits: p, target: R}, rewrite="vocab_parallel_cross_entropy")
+        return Decision(R, {logits: p, target: R}, rewrite=Rewrite.VOCAB_PARALLEL_CROSS_ENTROPY)
     return Decision(R, {n: R for n in tensor_inputs(node)})
 
 

@@ -13,9 +13,14 @@ import fxpar
 from fxpar import PlanError, meta
 from fxpar.passes.tp_rules import infer_styles, placement_for
 from fxpar.placement import R, Shard, global_tensor, local_slice
-from fxpar.runtime import tensor_parallel_ops as ops
+from fxpar.axes import bind_axes, unbind_axes
+from fxpar.mesh import Axis
 from fxpar.trace import capture
 
+ops = SimpleNamespace(**{  # the ops the passes insert, as graph targets
+    name: getattr(torch.ops.fxpar, name).default
+    for name in ("all_reduce", "all_gather", "vocab_parallel_embedding")
+})
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402
 
@@ -65,11 +70,13 @@ def test_a_hugging_face_tp_plan_is_accepted_as_is():
 def test_rank_module_holds_local_shards_and_local_head_counts():
     program = fxpar.compile(build_model("gpt"), "dp=2 tp=2", (TOKENS, LABELS))
     module = program.rank_module(3)
-    assert module.tp_group.ranks == (2, 3) and module.tp_group.index == 1
+    assert not hasattr(module, "tp_group")  # no runtime object: the ops name their axis
+    assert program.mesh.group(3, Axis.TP) == (2, 3) and program.mesh.coord(3).tp == 1
     assert module.get_parameter("h.0.attn.q.weight").shape == (16, 32)
     assert module.get_parameter("h.0.attn.o.weight").shape == (32, 16)
     assert "[sym_size_int_4, sym_size_int_5, 2, 8]" in module.code  # 4 heads -> 2 per rank
-    assert "copy_to_region" in module.code and "vocab_parallel_cross_entropy" in module.code
+    assert "fxpar.copy_to_region.default(" in module.code and "'tp')" in module.code
+    assert "fxpar.all_reduce_max.default(" in module.code  # the vocabulary-parallel loss
     program.check()
 
 
@@ -163,8 +170,12 @@ def test_vocab_parallel_embedding_keeps_the_padding_row_gradient_zero():
     pieces, grads = [], []
     for index in range(2):  # rank 1 holds rows 4..7, the padding row among them as its row 2
         shard = whole.chunk(2)[index].clone().requires_grad_()
-        out = ops.vocab_parallel_embedding(shard, ids, SimpleNamespace(index=index), 6)
-        out.sum().backward()
+        bind_axes({"tp": SimpleNamespace(index=index, size=2)})
+        try:
+            out = torch.ops.fxpar.vocab_parallel_embedding(shard, ids, "tp", 6)
+            out.sum().backward()
+        finally:
+            unbind_axes()
         pieces.append(out.detach())
         grads.append(shard.grad)
     assert torch.equal(pieces[0] + pieces[1], expected)
@@ -187,8 +198,8 @@ def test_the_padding_index_reaches_the_vocabulary_parallel_embedding():
     program = fxpar.compile(_Lookup(padding_idx=3), "tp=2", (TOKENS, LABELS))
     graph = program.rank_module(1).graph
     lookup = next(n for n in graph.nodes if n.target is ops.vocab_parallel_embedding)
-    weight, ids, group, padding_idx = lookup.args
-    assert group.target == "tp_group" and padding_idx == 3
+    weight, ids, axis, padding_idx = lookup.args
+    assert axis == "tp" and padding_idx == 3
 
 
 @pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
@@ -222,7 +233,7 @@ def test_gathering_styles_gather_right_where_the_output_is_produced():
         node = next(n for n in graph.nodes if meta.module_path(n) == module and n.target is op)
         assert node.next.target is ops.all_gather and [u.target for u in node.users] == [ops.all_gather]
     assert placements(program)["embed_tokens.weight"] == Shard(1)  # the embedding dim is split
-    assert "vocab_parallel_cross_entropy" not in program.rank_module(0).code  # the logits are whole
+    assert "all_reduce_max" not in program.rank_module(0).code  # the logits are whole: no vocab-parallel loss
 
 
 class _PackedMLP(nn.Module):

@@ -14,7 +14,6 @@ query_key_value, BERT's pad token), with sdpa and eager attention. Three kinds o
   sharding sums the same products in another order, nothing more.
 """
 
-import dataclasses
 import functools
 import sys
 import threading
@@ -31,7 +30,7 @@ from fxpar import PlanError, meta
 from fxpar.declared_plans import declared_plans
 from fxpar.passes.tp_rules import HF_STYLES, UNSUPPORTED_HF_STYLES, infer_styles
 from fxpar.placement import R, Shard, global_tensor
-from fxpar.runtime import tensor_parallel_ops as ops
+from fxpar.axes import bind_axes, unbind_axes
 from fxpar.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -53,33 +52,43 @@ MEGATRON = {
 
 
 class ThreadedCollectives:
-    """The communicator of tp ranks that are threads of one process: each collective is a
-    meeting at a barrier where every rank posts its tensor and reads all the others'."""
+    """Mesh axis "tp" for tp ranks that are threads of one process (`fxpar.axes.AxisBinding`):
+    each collective is a meeting at a barrier where every rank posts its tensor and reads all
+    the others'. A thread's rank is its index on the axis."""
 
     def __init__(self, size: int):
         self.size = size
         self.barrier = threading.Barrier(size, timeout=120)
         self.posted: list[torch.Tensor | None] = [None] * size
         self.log: list[list[tuple[str, str]]] = [[] for _ in range(size)]
+        self._thread = threading.local()
 
-    def _meet(self, tensor, group, kind: str, phase: str) -> list[torch.Tensor]:
-        self.log[group.index].append((kind, phase))
-        self.posted[group.index] = tensor.detach().clone()
+    @property
+    def index(self) -> int:
+        return self._thread.rank
+
+    def run_as(self, rank: int, work):
+        self._thread.rank = rank
+        return work()
+
+    def _meet(self, tensor, kind: str, phase: str) -> list[torch.Tensor]:
+        self.log[self.index].append((kind, phase))
+        self.posted[self.index] = tensor.detach().clone()
         self.barrier.wait()
         pieces = list(self.posted)
         self.barrier.wait()  # nobody posts the next tensor before all have read this one
         return pieces
 
-    def all_reduce_now(self, tensor, group, *, tag, op="sum", phase):
-        pieces = torch.stack(self._meet(tensor, group, "all_reduce", phase))
+    def all_reduce(self, tensor, *, op, tag, phase):
+        pieces = torch.stack(self._meet(tensor, "all_reduce", phase))
         tensor.copy_(pieces.amax(0) if op == "max" else pieces.sum(0))
 
-    def all_gather_now(self, output, tensor, group, *, tag, phase):
-        output.copy_(torch.cat(self._meet(tensor, group, "all_gather", phase)))
+    def all_gather(self, output, tensor, *, tag, phase):
+        output.copy_(torch.cat(self._meet(tensor, "all_gather", phase)))
 
-    def reduce_scatter_now(self, output, tensor, group, *, tag, phase):
-        total = torch.stack(self._meet(tensor, group, "reduce_scatter", phase)).sum(0)
-        output.copy_(total.chunk(self.size)[group.index])
+    def reduce_scatter(self, output, tensor, *, tag, phase):
+        total = torch.stack(self._meet(tensor, "reduce_scatter", phase)).sum(0)
+        output.copy_(total.chunk(self.size)[self.index])
 
 
 def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, ThreadedCollectives]:
@@ -92,7 +101,6 @@ def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, T
     def rank(r: int) -> None:
         try:
             module = program.rank_module(r)
-            module.tp_group = dataclasses.replace(module.tp_group, communicator=collectives)
             names, parameters = zip(*module.named_parameters())
             loss = module(*inputs)
             # autograd.grad, not backward: replicated parameters are shared by the rank modules
@@ -102,11 +110,16 @@ def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, T
             errors.append(error)
             collectives.barrier.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(program.mesh.tp)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    threads = [threading.Thread(target=collectives.run_as, args=(r, lambda r=r: rank(r)))
+               for r in range(program.mesh.tp)]
+    bind_axes({"tp": collectives})
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        unbind_axes()
     if errors:
         raise errors[0]
     return results, collectives
@@ -320,7 +333,7 @@ def test_llama_inferred_plan_runs_megatrons_collectives_exactly():
     assert [(c.kind, c.phase, c.numel) for c in calls] == expected
     assert sum(c.payload_bytes for c in calls) == 329_216 == 4 * (10 * stream + 3 * tokens)
     code = program.rank_module(0).code
-    assert "vocab_parallel_embedding" in code and "vocab_parallel_cross_entropy" in code
+    assert "fxpar.vocab_parallel_embedding" in code and "fxpar.all_reduce_max" in code  # the vocab-parallel loss
     program.check()
     assert_equals_one_device(program, model, inputs)
 
@@ -328,8 +341,8 @@ def test_llama_inferred_plan_runs_megatrons_collectives_exactly():
 def test_under_sequence_parallelism_the_embedding_is_reduce_scattered_and_exact():
     model, inputs, program = compiled("llama", "tp=2 sp=true tp_rules=infer")
     graph = program.rank_module(0).graph
-    lookup = next(n for n in graph.nodes if n.target is ops.vocab_parallel_embedding)
-    assert [u.target for u in lookup.users] == [ops.reduce_scatter]  # onto sequence shards
+    lookup = next(n for n in graph.nodes if n.target is torch.ops.fxpar.vocab_parallel_embedding.default)
+    assert [u.target for u in lookup.users] == [torch.ops.fxpar.reduce_scatter.default]  # onto sequence shards
     assert_equals_one_device(program, model, inputs)
 
 
