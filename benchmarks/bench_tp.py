@@ -243,6 +243,8 @@ def bench_model(name: str, args: argparse.Namespace, mesh_box: list) -> tuple[di
         side: max(abs(a - b) / max(abs(a), abs(b)) for a, b in zip(dt_losses, runs[side].losses))
         for side in ("fxpar", "fxpar-auto")
     }
+    # Read before gathering the state below, whose all-gathers comm_stats also counts.
+    fx_stats, auto_stats = runner.comm_stats(), auto_runner.comm_stats()
     # Trained weights: DTensor's full parameters against fxpar's gathered state.
     dt_state = full_parameters(dt_model)
     weight_diff = {}
@@ -261,8 +263,8 @@ def bench_model(name: str, args: argparse.Namespace, mesh_box: list) -> tuple[di
         "model": name,
         "config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")},
         "parameters": count_parameters(model),
-        "fxpar_collectives_per_step": per_step(runner.comm_stats()),
-        "auto_collectives_per_step": per_step(auto_runner.comm_stats()),
+        "fxpar_collectives_per_step": per_step(fx_stats),
+        "auto_collectives_per_step": per_step(auto_stats),
         "dtensor_collectives_per_step": dt_comm,
         "losses_match": all(m is None for m in mismatches.values()),
         "max_loss_relative_difference": max_rel,

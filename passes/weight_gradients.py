@@ -3,54 +3,61 @@
 Zero-bubble schedules (`schedules.zero_bubble_h1`) run a stage's backward as two actions: B
 (input gradients, which the previous stage waits for) and, later, W (weight gradients). This
 pass makes that split possible on a stage graph by routing its linear layers through
-`fxpar.runtime.weight_gradients.linear`, whose backward records the weight-gradient matmul for
-the W action instead of running it (see that module for why only linear layers).
+`fxpar.runtime.deferred_linear.linear`, whose backward records the weight-gradient matmul for
+the W action instead of running it (see that module for why only linear layers). Where to
+record it is an input of the stage, `weight_gradients`: the pipeline executor passes its
+`WeightGradientStore` there; left at its default, None, every linear is an ordinary one.
 
-    before: %linear = call_function[target=torch.ops.aten.linear.default](args = (%x, %w, %b))
-    after:  %linear = call_function[target=fxpar.runtime.weight_gradients.linear](args = (%x, %w, %b))
+    before: def forward(self, x):
+                %linear = call_function[target=torch.ops.aten.linear.default](args = (%x, %w, %b))
+    after:  def forward(self, x, weight_gradients = None):
+                %linear = call_function[target=fxpar.runtime.deferred_linear.linear](
+                    args = (%x, %w, %b, %weight_gradients))
 
 Contract.
 Requires: parameters read through get_attr nodes carrying `fxpar.parameter` (trace.capture).
 Ensures: every `aten.linear` whose weight is a parameter read *only* by such linears in this
-graph calls the deferred op, with the same arguments and the same forward value. A parameter
-also read by anything else (a tied embedding in the same stage) keeps autograd's ordinary
-gradient, so each parameter gets its gradient in exactly one action per microbatch, B or W.
+graph calls the deferred op, with the same first three arguments and the same forward value,
+and the store input as its fourth. A parameter also read by anything else (a tied embedding in
+the same stage) keeps autograd's ordinary gradient, so each parameter gets its gradient in
+exactly one action per microbatch, B or W. A graph with such a linear has one more input, the
+last, `weight_gradients` (default None: `takes_weight_gradients`); one without is unchanged.
+The graph module holds no runtime object: the store comes in with each call.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from fxpar import meta
-from fxpar.runtime import weight_gradients
+from fxpar import deferred_linear, meta
+from fxpar.deferred_linear import deferrable
 
-LINEAR = torch.ops.aten.linear.default
+STORE_INPUT = "weight_gradients"  # the deferring stage's input that receives the store
 
 
 def defer_weight_gradients(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite `gm` in place (contract in the module doc); returns it, recompiled."""
-    for weight in meta.parameter_nodes(gm.graph).values():
-        if deferrable(weight):
-            for node in weight.users:
-                node.target = weight_gradients.linear
+    linears = [
+        node
+        for weight in meta.parameter_nodes(gm.graph).values() if deferrable(weight)
+        for node in weight.users
+    ]
+    if not linears:
+        return gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before()
+    with where:  # the last input: its default must not precede inputs without one
+        store = gm.graph.placeholder(STORE_INPUT, default_value=None)
+    for node in linears:
+        x, weight, bias = (*node.args, None)[:3]
+        node.target, node.args = deferred_linear.linear, (x, weight, bias, store)
     gm.recompile()
     return gm
 
 
-def deferrable(weight: fx.Node) -> bool:
-    """Whether the gradient of the parameter `weight` reads can wait for W: every reader is an
-    `aten.linear` that reads it as its weight, and only there (the cost model's criterion too)."""
-    readers = list(weight.users)
-    return bool(readers) and all(_reads_as_weight(node, weight) for node in readers)
-
-
-def _reads_as_weight(node: fx.Node, weight: fx.Node) -> bool:
-    return (
-        node.op == "call_function" and node.target is LINEAR
-        and len(node.args) >= 2 and node.args[1] is weight and weight not in (node.args[0], *node.args[2:])
-        and not node.kwargs
-    )
+def takes_weight_gradients(gm: fx.GraphModule) -> bool:
+    """Whether `gm` defers weight gradients, so its last input is the `WeightGradientStore`."""
+    return any(node.target is deferred_linear.linear for node in gm.graph.nodes)
 
 
 def deferred_weights(gm: fx.GraphModule) -> list[str]:
@@ -58,6 +65,6 @@ def deferred_weights(gm: fx.GraphModule) -> list[str]:
     return [
         name for name, node in meta.parameter_nodes(gm.graph).items()
         if node.users and all(
-            user.target is weight_gradients.linear and user.args[1] is node for user in node.users
+            user.target is deferred_linear.linear and user.args[1] is node for user in node.users
         )
     ]

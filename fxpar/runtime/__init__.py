@@ -4,5 +4,11 @@
     process_groups.py    the default group and one group per mesh axis, all with a timeout
     communicator.py      every collective fxpar issues, counted and with errors that name the group
     gradient_buckets.py  data parallelism's hooks: bucketed all-reduce overlapping backward
+    step_loss.py         valid-target counts and each microbatch's share of the step's loss
+    step_context.py      StepContext: everything of the bound rank an executor reads
+    module_executor.py   a step without a pipeline: each microbatch on the rank's one module
+    pipeline_executor.py a step with a pipeline: the schedule's F, B and W actions
+    weight_gradients.py  zero-bubble W actions: linear weight gradients deferred to a store
+    full_state.py        full_state_dict / full_gradients: shards and stages gathered
     runner.py            Runner: step, optimizer, comm_stats, full_state_dict
 """

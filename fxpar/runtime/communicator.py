@@ -4,7 +4,8 @@
 bytes per collective kind (all_reduce: its tensor; all_gather: its output; reduce_scatter: its
 input; broadcast: its tensor), the quantities the cost model predicts. `log` keeps the current
 step's calls as `Collective`s, the same record `Program.collectives(rank)` predicts, so tests
-compare them call for call.
+compare them call for call. Gathering the full state (`runtime.full_state`) happens outside any
+step: its all-gathers count in the stats and stay out of the step's log.
 """
 
 from __future__ import annotations
@@ -54,6 +55,32 @@ class Transfer:
     tag: str  # what the tensors are, for logs and errors: "stage 1 activations"
     phase: str  # "forward" or "backward"
     key: int  # unique per stage, microbatch and direction within a step: the wire tags
+
+
+@dataclass(frozen=True)
+class AxisOnGroup:
+    """A mesh axis bound to this rank's process group on it (`fxpar.axes.AxisBinding`): what a
+    rank module's `torch.ops.fxpar` ops resolve their axis name to, through the communicator."""
+
+    group: RankGroup
+    communicator: Communicator
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str, tag: str, phase: str) -> None:
+        self.communicator.all_reduce_now(tensor, self.group, tag=tag, op=op, phase=phase)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> None:
+        self.communicator.all_gather_now(output, tensor, self.group, tag=tag, phase=phase)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> None:
+        self.communicator.reduce_scatter_now(output, tensor, self.group, tag=tag, phase=phase)
 
 
 class Communicator:
@@ -116,6 +143,40 @@ class Communicator:
         return [[PendingCollective(next(works), call, pair, self.timeout) for call in calls]
                 for calls, pair in pending]
 
+    def all_gather_pieces(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> list[torch.Tensor]:
+        """Every rank's `tensor` (one shape on all ranks), in group order, and wait. Outside a
+        step: counted in `stats()` (as an all_gather of its output), not in the step's `log`."""
+        pieces = [torch.empty_like(tensor) for _ in range(group.size)]
+        call = self._count(Collective(
+            kind="all_gather", group=group.ranks, numel=tensor.numel() * group.size,
+            dtype=tensor.dtype, op="none", tag=tag, phase="step",
+        ))
+        work = dist.all_gather(pieces, tensor.contiguous(), group=group.handle, async_op=True)
+        PendingCollective(work, call, group, self.timeout).wait()
+        return pieces
+
+    def all_gather_dicts(
+        self, tensors: dict[str, torch.Tensor], group: RankGroup, *, tag: str
+    ) -> list[dict[str, torch.Tensor]]:
+        """Every rank's dict of tensors (its own keys and shapes), in group order, and wait:
+        `torch.distributed.all_gather_object`, which pickles them. Outside a step: counted in
+        `stats()` as an all_gather of the bytes of all the tensors gathered, not in `log`."""
+        gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size)]
+        try:
+            dist.all_gather_object(gathered, tensors, group=group.handle)
+        except Exception as error:
+            raise CollectiveError(
+                f"all_gather of {tag} on the {group.name} failed: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}\n"
+                "A peer rank probably died or stopped issuing collectives; its own log says why."
+            ) from error
+        size = sum(t.numel() * t.element_size() for piece in gathered for t in piece.values())
+        self._count(Collective(
+            kind="all_gather", group=group.ranks, numel=size, dtype=torch.uint8, op="none",
+            tag=tag, phase="step",
+        ))
+        return gathered
+
     def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
         """Broadcast `tensor` in place from the group's first rank, and wait for it."""
         call = self._record("broadcast", tensor, group, tag, op="none")
@@ -149,7 +210,10 @@ class Communicator:
             tag=tag, phase=phase,
         )
         self.log.append(call)
-        entry = self._stats.setdefault(kind, {"count": 0, "bytes": 0})
+        return self._count(call)
+
+    def _count(self, call: Collective) -> Collective:
+        entry = self._stats.setdefault(call.kind, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += call.payload_bytes
         return call

@@ -11,6 +11,12 @@ For each action of `program.schedule.actions[pp_rank]`, in order:
               layers' weight gradients are left for W (`runtime.weight_gradients`).
     W(s, mb)  compute those weight gradients (zero-bubble schedules only).
 
+The executor reads the bound rank through its `StepContext` (modules, buckets, loss,
+communicator, groups, settings) and the compiled program (schedule, stages, mesh), nothing
+else. Under a zero-bubble schedule its F actions pass its `WeightGradientStore` to the stage
+module as the module's last input (`passes.weight_gradients`), and its B actions collect into
+that store: the deferral is data flow, with no state outside the executor.
+
 Between two actions a rank starts one batch of transfers (`torch.distributed.
 batch_isend_irecv`, one NCCL group): the sends of the action that just ran and the receives due
 next, which it waits for when their action runs. On gloo those are the receives one action
@@ -38,39 +44,44 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpar.mesh import Axis
-from fxpar.pipeline_program import issue_order, local_shape
+from fxpar.passes.weight_gradients import takes_weight_gradients
+from fxpar.pipeline_program import boundary_shape, issue_order
 from fxpar.runtime.communicator import Transfer
-from fxpar.runtime.weight_gradients import WeightGradientStore, deferring
+from fxpar.runtime.weight_gradients import WeightGradientStore
 
 if TYPE_CHECKING:
-    from fxpar.program import Program
     from fxpar.runtime.communicator import PendingCollective
-    from fxpar.runtime.runner import Runner
+    from fxpar.runtime.compiled_program import CompiledProgram
+    from fxpar.runtime.step_context import StepContext
 
 
 class PipelineExecutor:
-    def __init__(self, runner: Runner, program: Program):
-        self.runner = runner
+    def __init__(self, context: StepContext, program: CompiledProgram):
+        self.context = context
         self.program = program
         self.schedule = program.schedule
-        coord = program.mesh.coord(runner.rank)
+        coord = program.mesh.coord(context.rank)
         self.coord = coord
         self.actions = self.schedule.actions[coord.pp]
         self.timeline: list[tuple[str, float, float]] = []
         self.weights = WeightGradientStore()  # B's deferred weight gradients, until their W
+        # What each F passes its module after the inputs: the store, to a module that defers.
+        self._store_input = [
+            (self.weights,) if takes_weight_gradients(m) else () for m in context.modules
+        ]
         self._shapes: dict[tuple, tuple[int, ...]] = {}
 
     def _peer(self, stage: int) -> int:
         return self.program.mesh.rank_of(dp=self.coord.dp, pp=self.schedule.rank_of(stage), tp=self.coord.tp)
 
     def _module(self, stage: int):
-        return self.runner.modules[stage // self.schedule.p]
+        return self.context.modules[stage // self.schedule.p]
 
     def _shape(self, boundary, sizes: dict, key: tuple) -> tuple[int, ...]:
         """A boundary's local shape at this step's sizes (cached: sympy is slow per call)."""
         cache_key = (boundary.name, id(boundary), key)
         if cache_key not in self._shapes:
-            self._shapes[cache_key] = local_shape(boundary, sizes, self.program.mesh.tp)
+            self._shapes[cache_key] = boundary_shape(boundary, sizes, self.program.mesh.tp)
         return self._shapes[cache_key]
 
     def _step_sizes(self, microbatch: tuple[torch.Tensor, ...]) -> tuple[dict, tuple]:
@@ -93,7 +104,7 @@ class PipelineExecutor:
     def _receives(self, action, sizes: dict, size_key: tuple) -> Transfer | None:
         """What `action` receives, into fresh buffers: its inputs (F) or its outputs' gradients
         (B); None for a first stage's F, a last stage's B and every W."""
-        stage, runner = self.program.stages[action.stage], self.runner
+        stage = self.program.stages[action.stage]
         last = len(self.program.stages) - 1
         if action.kind == "F" and stage.index > 0:
             boundaries, source = stage.inputs, stage.index - 1
@@ -104,7 +115,7 @@ class PipelineExecutor:
         else:
             return None
         buffers = [
-            torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=runner.device)
+            torch.empty(self._shape(b, sizes, size_key), dtype=b.dtype, device=self.context.device)
             for b in boundaries
         ]
         key = self._key(stage.index, action.microbatch, action.kind == "B")
@@ -115,16 +126,16 @@ class PipelineExecutor:
 
         Transfers go out in one batch per gap between actions: the sends of the action that
         just ran with the receives due next (`issue_order`; see `Communicator.exchange`)."""
-        runner = self.runner
+        context = self.context
         sizes, size_key = self._step_sizes(chunks[0])
-        step = _Step(chunks, torch.zeros((), device=runner.device))
+        step = _Step(chunks, torch.zeros((), device=context.device))
         receiving: dict[int, tuple[list[torch.Tensor], list[PendingCollective]]] = {}
         sends: list[Transfer] = []  # of the action that just ran, not yet posted
         due: list[int] = []  # actions whose receives go out with them
-        for buckets in runner._buckets:
+        for buckets in context.buckets:
             buckets.start_step(len(chunks))
         self.timeline = []
-        for event, index in issue_order(len(self.actions), runner.receives_ahead):
+        for event, index in issue_order(len(self.actions), context.receives_ahead):
             if event == "receive":
                 due.append(index)
                 continue
@@ -141,18 +152,18 @@ class PipelineExecutor:
                 sends = self._backward(action, received, step)
             else:
                 self.weights.run((action.stage, action.microbatch))
-            if runner.record_timeline:
+            if context.record_timeline:
                 self.timeline.append((str(action), start, time.perf_counter()))
         self._post(sends, due, receiving, step, sizes, size_key)
         for send in step.sends:
             send.wait()
-        runner.complete_gradients()
+        context.complete_gradients()
         # Only the last stage knows the loss: sum it over the pipeline, then average over dp.
-        groups, total = runner.groups, step.loss
-        runner.communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
+        groups, total = context.groups, step.loss
+        context.communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
         if groups[Axis.DP].size > 1:
-            total /= runner.loss.data_parallel_divisor()
-            runner.communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
+            total /= context.loss.data_parallel_divisor()
+            context.communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
         return float(total)
 
     def _post(self, sends: list[Transfer], due: list[int], receiving: dict, step: _Step,
@@ -161,7 +172,7 @@ class PipelineExecutor:
         receives = {i: r for i in due if (r := self._receives(self.actions[i], sizes, size_key))}
         if not sends and not receives:
             return
-        pending = self.runner.communicator.exchange(self.runner.rank, [*sends, *receives.values()])
+        pending = self.context.communicator.exchange(self.context.rank, [*sends, *receives.values()])
         for waits in pending[:len(sends)]:
             step.sends += waits
         for (index, transfer), waits in zip(receives.items(), pending[len(sends):]):
@@ -175,11 +186,11 @@ class PipelineExecutor:
         for boundary, buffer in zip(stage.inputs, received):
             buffer.requires_grad_(boundary.requires_grad)
         user = dict(zip(self.program.input_names, step.chunks[mb]))
-        with deferring() if self.schedule.splits_backward else nullcontext():
-            result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs))
+        store = self._store_input[stage.index // self.schedule.p]  # (), or (its store,)
+        result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs), *store)
         step.inputs[(stage.index, mb)] = received
         if stage.index == len(self.program.stages) - 1:
-            loss = self.runner.loss.share(result, len(step.chunks))
+            loss = self.context.loss.share(result, len(step.chunks))
             step.loss += loss.detach()
             step.outputs[(stage.index, mb)] = (loss,)
             return []

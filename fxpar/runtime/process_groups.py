@@ -17,17 +17,12 @@ from fxpar.mesh import Axis, Mesh
 
 @dataclass(frozen=True)
 class RankGroup:
-    """One process group seen from one rank: its global ranks, the handle, and who counts calls.
-
-    Rank modules hold one per mesh axis they communicate on (`self.tp_group`): compiled, it has
-    no handle yet and only says which ranks it means; `bind()` swaps in the bound one.
-    """
+    """One process group seen from one rank: its global ranks and the handle."""
 
     axis: Axis | None  # None for a pair of pipeline peers or a tied-parameter group
     ranks: tuple[int, ...]
     handle: dist.ProcessGroup | None  # None when unbound, or when the group has this rank alone
     rank: int = 0  # the global rank that holds this view
-    communicator: object = None  # fxpar.runtime.communicator.Communicator once bound
 
     @property
     def size(self) -> int:

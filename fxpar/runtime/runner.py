@@ -19,33 +19,35 @@ import gc
 from dataclasses import replace
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar import meta
+from fxpar.axes import bind_axes, unbind_axes
+from fxpar.distributed_ops import lower_for_eager
 from fxpar.errors import BindError, PlanError
 from fxpar.mesh import Axis
-from fxpar.placement import Shard, global_tensor
-from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.compiled_program import CompiledProgram
+from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime.environment import TorchrunEnvironment
+from fxpar.runtime.full_state import gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.module_executor import ModuleExecutor
 from fxpar.pipeline_program import receives_ahead
 from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
+from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_loss import StepLoss
-
-if TYPE_CHECKING:
-    from fxpar.program import Program
 
 
 class Runner:
     def __init__(
         self,
-        program: Program,
+        program: CompiledProgram,
         *,
         rank: int,
         device: torch.device,
@@ -58,9 +60,6 @@ class Runner:
         self.rank = rank
         self.device = device
         self.backend = backend  # "gloo", "nccl", ...
-        # How many actions ahead the pipeline executor posts receives: the backend's choice
-        # (pipeline_program.receives_ahead); the tests set it to run NCCL's order on gloo.
-        self.receives_ahead = receives_ahead(backend)
         self.groups = groups
         self.communicator = communicator
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
@@ -72,21 +71,37 @@ class Runner:
             data_parallel=self._dp,
             communicator=communicator,
         )
-        self._buckets: list[GradientBuckets] = []
-        self._pipeline = (
-            PipelineExecutor(self, program) if program.stages is not None else None
-        )
-        self.record_timeline = False  # set True to keep each action's start and end
+        self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
+        self._executor: ModuleExecutor | PipelineExecutor | None = None
 
     @property
     def module(self) -> torch.fx.GraphModule:
         """The rank's module (its first pipeline chunk with virtual stages)."""
         return self.modules[0]
 
+    @property
+    def receives_ahead(self) -> int:
+        """How many actions ahead the pipeline executor posts receives: the backend's choice
+        (`pipeline_program.receives_ahead`); the tests set it to run NCCL's order on gloo."""
+        return self._context.receives_ahead
+
+    @receives_ahead.setter
+    def receives_ahead(self, actions: int) -> None:
+        self._context.receives_ahead = actions
+
+    @property
+    def record_timeline(self) -> bool:
+        """Set True to keep each pipeline action's start and end (`timeline()`)."""
+        return self._context.record_timeline
+
+    @record_timeline.setter
+    def record_timeline(self, record: bool) -> None:
+        self._context.record_timeline = record
+
     @classmethod
     def create(
         cls,
-        program: Program,
+        program: CompiledProgram,
         *,
         timeout: timedelta,
         device: torch.device | str | None,
@@ -115,6 +130,7 @@ class Runner:
             communicator=Communicator(timeout), backend=backend,
         )
         runner._place_state()
+        runner._bind_step()
         return runner
 
     # -- binding ------------------------------------------------------------------------
@@ -132,30 +148,36 @@ class Runner:
             for tensor in state:
                 if tensor.device != self.device:
                     tensor.data = tensor.data.to(self.device)
-        tp = self.groups.get(Axis.TP)
         for module in (*self.modules, *filter(None, [self.loss.reduction.count_module])):
             _place_graph_constants(module, self.device)
-            if tp is not None and tp.size > 1:
-                module.tp_group = replace(tp, communicator=self.communicator)
+            lower_for_eager(module)
+        bind_axes({axis.value: AxisOnGroup(group, self.communicator) for axis, group in self.groups.items()})
         if self._dp.size > 1:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
             self._broadcast(state, self._dp)
         for parameter, group in self._tied:
             self._broadcast([parameter], group)
-        if self._dp.size > 1:
-            stages = self.program.stages
-            for module in self.modules:
-                buckets = (
-                    stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
-                )
-                self._buckets.append(
-                    GradientBuckets(
-                        buckets, _parameters(module), self._dp, self.communicator, self.device,
-                        carry_loss=self._pipeline is None, average=not self.loss.sums,
-                    )
-                )
         self.communicator.reset()
+
+    def _bind_step(self) -> None:
+        """The gradient buckets (with data parallelism) and the executors' `StepContext`."""
+        stages, buckets = self.program.stages, []
+        for module in self.modules if self._dp.size > 1 else ():
+            assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
+            buckets.append(GradientBuckets(
+                assignment, _parameters(module), self._dp, self.communicator, self.device,
+                carry_loss=stages is None, average=not self.loss.sums,
+            ))
+        self._context = StepContext(
+            rank=self.rank, device=self.device, modules=tuple(self.modules), buckets=tuple(buckets),
+            loss=self.loss, communicator=self.communicator, groups=self.groups,
+            complete_gradients=self.complete_gradients, receives_ahead=receives_ahead(self.backend),
+        )
+        self._executor = (
+            ModuleExecutor(self._context) if stages is None
+            else PipelineExecutor(self._context, self.program)
+        )
 
     def _broadcast(self, tensors: list[torch.Tensor], group: RankGroup) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -221,26 +243,12 @@ class Runner:
         chunks = list(zip(*(t.tensor_split(microbatches) for t in inputs)))
         self.communicator.start_step()
         chunks = self.loss.with_counts(chunks)
-        if self._pipeline is not None:
-            return self._pipeline.run(chunks)
-        total = torch.zeros((), device=self.device)
-        for buckets in self._buckets:
-            buckets.start_step(microbatches)
-        for i, chunk in enumerate(chunks):
-            loss = self.loss.share(self.module(*chunk), microbatches)
-            total += loss.detach()
-            if i == microbatches - 1:
-                for buckets in self._buckets:
-                    buckets.carry(total)
-            loss.backward()
-        loss = self._buckets[0].finish() if self._buckets else float(total)
-        self.complete_gradients()
-        return loss
+        return self._executor.run(chunks)
 
     def complete_gradients(self) -> None:
         """After the last backward: finish bucket all-reduces, sum partial tensor-parallel
         gradients over tp, and sum tied parameters' gradients over the stages that share them."""
-        for buckets in self._buckets[1:] if self._pipeline is None else self._buckets:
+        for buckets in self._context.buckets:
             buckets.finish()
         tp = self.groups.get(Axis.TP)
         if tp is not None and tp.size > 1:
@@ -283,57 +291,30 @@ class Runner:
     def timeline(self) -> list[tuple[str, float, float]]:
         """With `record_timeline = True`: (action, start, end) of every pipeline action of the
         last step, in seconds of `time.perf_counter`."""
-        return list(self._pipeline.timeline) if self._pipeline is not None else []
+        return list(self._executor.timeline) if self._executor is not None else []
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank.
 
         Tensor-parallel shards are gathered over the tp group and pipeline stages over the pp
-        group: every rank must call it.
+        group (`runtime.full_state`): every rank must call it.
         """
-        state = {}
-        for module in self.modules:
-            state.update(self._consolidate(module, module.state_dict()))
-        return self._across_pipeline(state)
+        return self._gather_full([(m, m.state_dict()) for m in self.modules])
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each parameter's whole gradient (canonical names, tied weights once), on every rank."""
-        grads = {}
-        for module in self.modules:
-            local = {n: p.grad for n, p in _parameters(module).items() if p.grad is not None}
-            grads.update(self._consolidate(module, local))
-        return self._across_pipeline(grads)
+        return self._gather_full([
+            (m, {n: p.grad for n, p in _parameters(m).items() if p.grad is not None})
+            for m in self.modules
+        ])
 
-    def _consolidate(self, module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole CPU copies of `tensors`, gathering tensor-parallel shards over the tp group."""
-        nodes = meta.parameter_nodes(module.graph)
-        aliases = module.meta.get(meta.GRAPH_ALIASES, {})
-        tp = self.groups.get(Axis.TP)
-        whole = {}
-        for key, value in tensors.items():
-            node = nodes.get(aliases.get(key, key))
-            placement = meta.placement(node) if node is not None else None
-            value = value.detach()
-            if isinstance(placement, Shard) and tp is not None and tp.size > 1:
-                pieces = [torch.empty_like(value) for _ in range(tp.size)]
-                dist.all_gather(pieces, value.contiguous(), group=tp.handle)
-                value = global_tensor(pieces, placement)
-            whole[key] = value.to("cpu", copy=True)
-        return whole
-
-    def _across_pipeline(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        pp = self.groups.get(Axis.PP)
-        if pp is None or pp.size == 1:
-            return tensors
-        pieces: list[dict] = [None] * pp.size  # type: ignore[list-item]
-        dist.all_gather_object(pieces, tensors, group=pp.handle)
-        merged = {}
-        for piece in pieces:
-            for key, value in piece.items():
-                merged.setdefault(key, value)
-        keys = self.program.captured.graph_module.state_dict().keys()
-        ordered = {k: merged[k] for k in keys if k in merged}
-        return ordered | {k: v for k, v in merged.items() if k not in ordered}
+    def _gather_full(
+        self, local: list[tuple[torch.fx.GraphModule, dict[str, torch.Tensor]]]
+    ) -> dict[str, torch.Tensor]:
+        return gather_full_tensors(
+            local, groups=self.groups, communicator=self.communicator,
+            key_order=self.program.captured.graph_module.state_dict().keys(),
+        )
 
     def close(self) -> None:
         """Remove hooks and destroy the process groups (all ranks must call it).
@@ -341,13 +322,11 @@ class Runner:
         Every reference to a group goes first: a gloo group that outlives
         `destroy_process_group` until interpreter exit can abort the process there.
         """
-        for buckets in self._buckets:
+        for buckets in self._context.buckets:
             buckets.remove()
-        self._buckets.clear()
-        for module in self.modules:
-            if hasattr(module, "tp_group"):
-                module.tp_group = replace(module.tp_group, handle=None, communicator=None)
-        self.groups, self._tied, self._pipeline = {}, [], None
+        unbind_axes()
+        self.groups, self._tied = {}, []
+        self._context, self._executor = replace(self._context, buckets=(), groups={}), None
         self._dp = replace(self._dp, handle=None)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -368,7 +347,7 @@ def _parameters_of(modules) -> list[tuple[str, torch.nn.Parameter]]:
     return result
 
 
-def _all_tied_groups(program: Program) -> tuple[tuple[int, ...], ...]:
+def _all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:
     if program.stages is None:
         return ()
     from fxpar.pipeline_program import tied_parameter_groups
@@ -378,7 +357,7 @@ def _all_tied_groups(program: Program) -> tuple[tuple[int, ...], ...]:
 
 
 def _tied_parameters(
-    program: Program, rank: int, tied_groups: dict[tuple[int, ...], RankGroup], modules
+    program: CompiledProgram, rank: int, tied_groups: dict[tuple[int, ...], RankGroup], modules
 ) -> list[tuple[torch.nn.Parameter, RankGroup]]:
     """(this rank's copy, the group of its owners) for each parameter shared across stages."""
     if program.stages is None:

@@ -7,13 +7,15 @@ the linear layers' `grad_output^T @ input` matmuls, so only those are deferred (
 paper's and Megatron-LM's implementations); norms, embeddings and biases keep their gradients
 in B, where they cost little.
 
-`linear(x, weight, bias)` is the op `passes.weight_gradients` puts in place of a stage's
-`aten.linear`. Inside `deferring()` (the executor's F actions of a
-zero-bubble schedule) it hides the weight from autograd and its backward returns only the input
-and bias gradients, recording (weight, input, grad_output) in the store's collection of the B
-action running at the time; `WeightGradientStore.run` computes the weight gradient when the
-schedule's W action comes. Anywhere else it is `F.linear`, so a stage module run by hand (or
-under another schedule) is an ordinary differentiable function.
+`fxpar.deferred_linear.linear(x, weight, bias, store)` is the op `passes.weight_gradients` puts
+in place of a stage's `aten.linear`; `store` is the stage module's last input,
+`weight_gradients`, which the pipeline executor fills with its `WeightGradientStore` in the F
+actions of a zero-bubble schedule. Given a store, the op hides the weight from autograd and
+its backward returns only the input and bias gradients, recording (weight, input,
+grad_output) in the store's collection of the B action running at the time
+(`WeightGradientStore.collect`); `WeightGradientStore.run` computes the weight gradient when
+the schedule's W action comes. Which B is collecting is state of the store, passed down the
+graph like any input: nothing here is global.
 
 Hiding the weight matters: autograd calls a parameter's AccumulateGrad, and its
 post-accumulate hooks, even when a backward returns no gradient for it. `run` hands the summed
@@ -25,93 +27,51 @@ other parameter.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeAlias
 
 import torch
-import torch.nn.functional as F
 
-_deferring = False  # inside WeightGradientStore.deferring(): linear() defers its weight gradient
-# The (weight, input, grad_output) triples of the B action running now, or None.
-_collecting: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+from fxpar.deferred_linear import weight_gradient
 
-
-def _weight_gradient(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """d(x @ W^T)/dW contracted with grad_output: grad_output^T @ x over all leading dims."""
-    return grad_output.reshape(-1, grad_output.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-
-
-class _Weight:
-    """The parameter behind a detached weight; not a tensor, so autograd draws no edge to it."""
-
-    def __init__(self, parameter: torch.Tensor):
-        self.parameter = parameter
-
-
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: _Weight):
-        ctx.save_for_backward(x, weight)
-        ctx.owner = owner
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        needs_x, _, needs_bias, _ = ctx.needs_input_grad
-        grad_x = grad_output.matmul(weight) if needs_x else None
-        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if needs_bias else None
-        if ctx.owner.parameter.requires_grad:
-            if _collecting is None:
-                raise RuntimeError(
-                    "the backward of a zero-bubble forward ran outside a B action, so its weight "
-                    "gradients have no W to go to; run backward inside WeightGradientStore.collect"
-                )
-            _collecting.append((ctx.owner.parameter, x, grad_output))
-        return grad_x, None, grad_bias, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`; inside `deferring()` its weight gradient waits for a W action (module doc)."""
-    if not _deferring:
-        return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight.detach(), bias, _Weight(weight))
-
-
-@contextmanager
-def deferring():
-    """Forwards run inside this block leave their linear weights' gradients to a W action."""
-    global _deferring
-    outer, _deferring = _deferring, True
-    try:
-        yield
-    finally:
-        _deferring = outer
+# What a B action leaves for its W: (weight, input, grad_output) per deferred linear.
+_Deferred: TypeAlias = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class WeightGradientStore:
     """The deferred weight gradients of each (stage, microbatch) between its B and its W."""
 
     def __init__(self):
-        self._deferred: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._deferred: dict[tuple[int, int], _Deferred] = {}
+        self._collecting: _Deferred | None = None  # of the B action running now, or None
 
     @contextmanager
-    def collect(self, key: tuple[int, int]):
+    def collect(self, key: tuple[int, int]) -> Iterator[None]:
         """Record the weight gradients of the backward run inside this block under `key`."""
-        global _collecting
         if key in self._deferred:
             raise RuntimeError(f"weight gradients of {key} are already waiting for their W")
-        outer, _collecting = _collecting, []
+        outer, self._collecting = self._collecting, []
         try:
             yield
-            self._deferred[key] = _collecting
+            self._deferred[key] = self._collecting
         finally:
-            _collecting = outer
+            self._collecting = outer
+
+    def record(self, weight: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """A deferred linear's backward: keep what its weight gradient needs for the W action."""
+        if self._collecting is None:
+            raise RuntimeError(
+                "the backward of a zero-bubble forward ran outside a B action, so its weight "
+                "gradients have no W to go to; run backward inside WeightGradientStore.collect"
+            )
+        self._collecting.append((weight, x, grad_output))
 
     def run(self, key: tuple[int, int]) -> None:
         """Compute and accumulate the weight gradients recorded under `key` (the W action)."""
         summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for weight, x, grad_output in self._deferred.pop(key):
-            grad = _weight_gradient(x, grad_output)
+            grad = weight_gradient(x, grad_output)
             if id(weight) in summed:
                 grad = summed[id(weight)][1] + grad
             summed[id(weight)] = (weight, grad)
