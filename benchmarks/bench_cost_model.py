@@ -138,7 +138,7 @@ def autograd_nodes(loss: torch.Tensor) -> int:
 def measure(name: str, args: argparse.Namespace, batch: int):
     import fxpar
     from fxpar.cost.collectives import collective_time
-    from fxpar.cost.hardware import hardware_profile
+    from fxpar.cost.profiles import hardware_profile
     from fxpar.cost.ops import cost_of
 
     model, x, y = build(name, args, batch)

@@ -45,23 +45,21 @@ flight under the schedule (`cost.layout`). The worst rank by peak memory is repo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import sympy
 
 from fxpar.cost.activations import backward_workspace_bytes, saved_activation_bytes
 from fxpar.cost.collectives import collective_time, wire_bytes
-from fxpar.cost.hardware import Hardware, hardware_profile
+from fxpar.cost.hardware import Hardware
+from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.layout import shares
 from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
-from fxpar.cost.symbols import BATCH
+from fxpar.cost.program_view import ProgramView
+from fxpar.symbols import BATCH
 from fxpar.simulation import Simulation, simulate
-
-if TYPE_CHECKING:
-    from fxpar.program import Program
 
 
 
@@ -78,7 +76,7 @@ class GraphCompute:
     backward_nodes: int  # nodes of its backward graph
 
 
-def graph_compute(program: Program) -> GraphCompute:
+def graph_compute(program: ProgramView) -> GraphCompute:
     """Sum the per-op rules over the captured graph (memoised with it: `cost.memo`)."""
     captured = program.captured
     return memoised(captured.graph_module, "graph_compute", lambda: _sum_rules(captured))
@@ -105,12 +103,12 @@ def _sum_rules(captured) -> GraphCompute:
     )
 
 
-def _activations(program: Program) -> sympy.Expr:
+def _activations(program: ProgramView) -> sympy.Expr:
     captured = program.captured
     return memoised(captured.graph_module, "activations", lambda: saved_activation_bytes(captured))
 
 
-def _updated_tensors(program: Program) -> int:
+def _updated_tensors(program: ProgramView) -> int:
     """Tensors one rank's optimizer updates: every parameter, or under ZeRO its flat shards.
 
     fxpar's ZeRO shards each flat gradient bucket (`fxpar.collectives`), so a rank updates one
@@ -188,7 +186,7 @@ def mfu(flops: float, seconds: float, n_devices: int, peak: float) -> float:
 
 
 def estimate(
-    program: Program,
+    program: ProgramView,
     *,
     hardware: str | Hardware = "h100",
     optimizer: str = "adamw",

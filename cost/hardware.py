@@ -136,23 +136,3 @@ NOMINAL_CPU = Hardware(
     optimizer_tensor_overhead=20e-6,  # torch's for-loop AdamW, measured 17-29 us
     comm_overlap=0.0,
 )
-
-KNOWN = ("cpu", *PROFILES)
-
-
-def hardware_profile(name: str, *, measured: bool = True) -> Hardware:
-    """The profile called `name`; a ValueError lists the known ones.
-
-    "cpu" is measured on this machine (a few seconds once, then cached on disk) unless
-    `measured=False`, which returns nominal constants.
-    """
-    if name == "cpu":
-        if not measured:
-            return NOMINAL_CPU
-        from fxpar.cost.calibrate import measure_cpu
-
-        return measure_cpu()
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown hardware {name!r}; known profiles: {', '.join(KNOWN)}") from None

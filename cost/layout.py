@@ -24,20 +24,18 @@ output of the same layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import sympy
 import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.distributed_ops import distributed_op
 from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
-from fxpar.passes.weight_gradients import LINEAR, deferrable
-from fxpar.placement import Partial, Shard
-
-if TYPE_CHECKING:
-    from fxpar.program import Program
+from fxpar.cost.program_view import ProgramView
+from fxpar.deferred_linear import LINEAR, deferrable
+from fxpar.placement import Partial, Shard, local_numel
 
 
 
@@ -56,13 +54,13 @@ class Share:
     activation_share: float  # of the whole model's saved activations
 
 
-def shares(program: Program) -> list[Share]:
+def shares(program: ProgramView) -> list[Share]:
     """One Share per pipeline stage, or one for a program without a pipeline (memoised with
     the program's graph: `cost.memo`)."""
     return memoised(program.graph_module, "shares", lambda: _shares(program))
 
 
-def _shares(program: Program) -> list[Share]:
+def _shares(program: ProgramView) -> list[Share]:
     tp = program.plan.tp
     total_output = _output_bytes(program.captured.graph_module.graph.nodes, program, tp=1)
     if program.stages is None:
@@ -89,7 +87,7 @@ def _shares(program: Program) -> list[Share]:
                 moved += cost.bytes / split
         forward_ops, backward_nodes = op_counts(gm)
         parameters = {
-            name: node.meta["val"].numel() // (tp if isinstance(meta.placement(node), Shard) else 1)
+            name: local_numel(node.meta["val"].shape, meta.placement(node), tp)
             for name, node in meta.parameter_nodes(gm.graph).items()
         }
         produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)
@@ -113,7 +111,7 @@ def has_weight_gradient(node: fx.Node) -> bool:
     )
 
 
-def _output_bytes(nodes, program: Program, *, tp: int) -> float:
+def _output_bytes(nodes, program: ProgramView, *, tp: int) -> float:
     """Bytes of the tensors these ops produce, at the example's sizes; sharded ones / tp."""
     sizes = dict(program.captured.example_sizes)
     total = 0.0
@@ -121,7 +119,7 @@ def _output_bytes(nodes, program: Program, *, tp: int) -> float:
         value = node.meta.get("val")
         if node.op != "call_function" or not isinstance(value, torch.Tensor):
             continue
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if not isinstance(node.target, torch._ops.OpOverload) or distributed_op(node) is not None:
             continue  # collectives move data; they do not produce new activations
         numel = sympy.Mul(*(program.captured.readable(d) for d in value.shape))
         split = tp if isinstance(meta.placement(node), (Shard, Partial)) else 1

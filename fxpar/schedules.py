@@ -55,32 +55,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
-ActionKind = Literal["F", "B", "W"]
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step: `stage` runs the forward ("F"), backward ("B") or, in a split schedule, the
-    weight gradient ("W", [Note: B and W]) of `microbatch`; str "1F0"."""
-
-    stage: int
-    kind: ActionKind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """`Action.parse("1F0") == Action(1, "F", 0)`, "0W3" too; the inverse of `str`."""
-        found = _ACTION.fullmatch(text.strip())
-        if found is None:
-            raise ValueError(
-                f"cannot read action {text!r}: expected <stage><F|B|W><microbatch>, e.g. '1F0'"
-            )
-        return cls(int(found[1]), found[2], int(found[3]))  # type: ignore[arg-type]
-
+from fxpar.actions import Action
+from fxpar.simulation import DeadlockError, simulate
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
@@ -107,13 +83,9 @@ class Schedule:
 
     def grid(self) -> str:
         """The grid of a unit-cost simulation (F = B = W = 1, no comm): one column per time step."""
-        from fxpar.simulation import simulate  # the simulator imports this module
-
         return simulate(self, 1, 1, weight_cost=1 if self.splits_backward else 0).grid()
 
     def __str__(self) -> str:
-        from fxpar.simulation import DeadlockError
-
         try:
             return self.grid()
         except DeadlockError as error:  # print what ran and where it stuck, never raise

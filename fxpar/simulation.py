@@ -15,11 +15,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from fractions import Fraction
 from itertools import accumulate
 from numbers import Rational
 
-from fxpar.schedules import Action, Schedule
+from fxpar.actions import Action
+
+
+class ScheduleLike(Protocol):
+    """What the simulator reads of a `fxpar.schedules.Schedule` (which prints itself through
+    the simulator, so this module cannot import it)."""
+
+    name: str
+    p: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def stages(self) -> int: ...
+
+    @property
+    def splits_backward(self) -> bool: ...
+
+    def rank_of(self, stage: int) -> int: ...
 
 
 class DeadlockError(ValueError):
@@ -40,7 +58,7 @@ class Simulation:
     the whole rank's activations.
     """
 
-    schedule: Schedule
+    schedule: ScheduleLike
     timeline: Timeline
     total: float
     busy: tuple[float, ...]
@@ -61,7 +79,7 @@ def _per_stage(cost: float | Sequence[float], stages: int, what: str) -> list[fl
 
 
 def simulate(
-    schedule: Schedule,
+    schedule: ScheduleLike,
     forward_cost: float | Sequence[float],
     backward_cost: float | Sequence[float],
     *,
@@ -150,7 +168,7 @@ def _ratio(part: float, whole: float) -> float:
 
 
 def _deadlock_message(
-    s: Schedule, timeline: list, end: dict[Action, float], needs: Callable[[Action], list[Action]]
+    s: ScheduleLike, timeline: list, end: dict[Action, float], needs: Callable[[Action], list[Action]]
 ) -> str:
     lines = [f"{s.name}: deadlock, no rank can start its next action:"]
     blocked: dict[int, Action] = {}

@@ -48,7 +48,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from fxpar import meta
-from fxpar.cost.symbols import dim_symbol
+from fxpar.symbols import dim_symbol
 from fxpar.declared_plans import DeclaredPlans, declared_plans
 from fxpar.errors import CaptureError
 from fxpar.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint

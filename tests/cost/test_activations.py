@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxpar.cost.activations import saved_activation_bytes
-from fxpar.cost.symbols import BATCH, SEQ
+from fxpar.symbols import BATCH, SEQ
 from fxpar.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))

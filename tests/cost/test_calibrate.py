@@ -10,7 +10,8 @@ import pytest
 
 from fxpar.cost import calibrate
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
-from fxpar.cost.hardware import NOMINAL_CPU, PROFILES, hardware_profile
+from fxpar.cost.hardware import NOMINAL_CPU, PROFILES
+from fxpar.cost.profiles import hardware_profile
 
 # Readings as `calibrate_cpu` returns them, for the tests of the caching policy.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,

@@ -17,7 +17,7 @@ from fxpar.cost.estimate import graph_compute, mfu
 from fxpar.cost.hardware import PROFILES
 from fxpar.cost.layout import shares
 from fxpar.cost.ops import cost_of, op_counts
-from fxpar.cost.symbols import BATCH, SEQ
+from fxpar.symbols import BATCH, SEQ
 from fxpar.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
