@@ -10,8 +10,9 @@ step in the order the rank issues them (`issue_order`, shared with the executor)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import sympy
 import torch
@@ -28,39 +29,20 @@ from fxpar.collectives import (
 )
 from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
-from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
-from fxpar.passes.pipeline import Boundary, split_stages
-from fxpar.placement import Shard
+from fxpar.passes.infra import GraphPass, run_passes
+from fxpar.passes.pipeline import Boundary, Stage, split_stages
+from fxpar.placement import local_numel, local_shape
 from fxpar.schedules import Schedule
 from fxpar.simulation import DeadlockError, simulate
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage: its graph, what crosses into and out of it, and its buckets."""
-
-    index: int
-    graph_module: fx.GraphModule
-    inputs: tuple[Boundary, ...]  # tensors received from the previous stage
-    outputs: tuple[Boundary, ...]  # tensors sent to the next stage (the next stage's inputs)
-    user_inputs: tuple[str, ...]  # names of the step's inputs this stage reads
-
-    @property
-    def buckets(self) -> tuple[Bucket, ...]:
-        return self.graph_module.meta[meta.GRAPH_BUCKETS]
-
-    def parameter_names(self) -> list[str]:
-        return list(meta.parameter_nodes(self.graph_module.graph))
-
-
-def build_stages(graph_module: fx.GraphModule, *, bucket_bytes: int) -> tuple[Stage, ...]:
-    pieces = split_stages(graph_module)
-    stages = []
-    for index, (stage_gm, incoming, user_inputs) in enumerate(pieces):
-        assign_gradient_buckets(stage_gm, bucket_bytes=bucket_bytes)
-        outgoing = pieces[index + 1][1] if index + 1 < len(pieces) else ()
-        stages.append(Stage(index, stage_gm, incoming, outgoing, user_inputs))
-    return tuple(stages)
+def build_stages(graph_module: fx.GraphModule, *, stage_passes: Sequence[GraphPass]) -> tuple[Stage, ...]:
+    """Cut the annotated graph into its stages (`passes.pipeline.split_stages`) and run
+    `stage_passes` on each (its gradient buckets: each stage reduces its own parameters)."""
+    return tuple(
+        replace(stage, graph_module=run_passes(stage.graph_module, stage_passes))
+        for stage in split_stages(graph_module)
+    )
 
 
 def shared_parameters(stages: tuple[Stage, ...]) -> dict[str, tuple[int, ...]]:
@@ -111,17 +93,9 @@ def issue_order(actions: int, ahead: int) -> Iterator[tuple[str, int]]:
         yield "run", i
 
 
-def local_numel(boundary: Boundary, sizes: dict, tp: int) -> int:
-    """Elements of this rank's piece of a boundary tensor, at one microbatch's sizes."""
-    numel = int(sympy.Mul(*boundary.shape).subs(sizes)) if boundary.shape else 1
-    return numel // tp if isinstance(boundary.placement, Shard) else numel
-
-
-def local_shape(boundary: Boundary, sizes: dict, tp: int) -> tuple[int, ...]:
-    shape = [int(sympy.sympify(d).subs(sizes)) for d in boundary.shape]
-    if isinstance(boundary.placement, Shard):
-        shape[boundary.placement.dim] //= tp
-    return tuple(shape)
+def boundary_shape(boundary: Boundary, sizes: dict, tp: int) -> tuple[int, ...]:
+    """This rank's piece of a boundary tensor, at one microbatch's sizes."""
+    return local_shape([int(sympy.sympify(d).subs(sizes)) for d in boundary.shape], boundary.placement, tp)
 
 
 def pipeline_collectives(
@@ -155,10 +129,10 @@ def pipeline_collectives(
         for b in boundaries:
             if phase == "backward" and not b.requires_grad:
                 continue
-            calls.append(Collective(kind=kind, group=tuple(sorted((rank, other))), numel=local_numel(b, sizes, mesh.tp),
+            calls.append(Collective(kind=kind, group=tuple(sorted((rank, other))), numel=math.prod(boundary_shape(b, sizes, mesh.tp)),
                                     dtype=b.dtype, op="none", tag=tag, phase=phase))
 
-    tp_calls = {s.index: tensor_parallel_collectives(s.graph_module, tp_group, sizes) for s in stages}
+    tp_calls = {s.index: tensor_parallel_collectives(s.graph_module, mesh.axis_groups(rank), sizes) for s in stages}
     actions = schedule.actions[coord.pp]
     for event, i in issue_order(len(actions), ahead):
         action = actions[i]
@@ -213,7 +187,7 @@ def tied_parameter_collectives(*, rank, mesh, schedule, stages) -> list[Collecti
         for group in groups:
             if rank in group:
                 node = meta.parameter_nodes(stages[shared_parameters(stages)[name][0]].graph_module.graph)[name]
-                numel = node.meta["val"].numel() // (mesh.tp if isinstance(meta.placement(node), Shard) else 1)
+                numel = local_numel(node.meta["val"].shape, meta.placement(node), mesh.tp)
                 calls.append(Collective(kind="all_reduce", group=group, numel=numel, dtype=node.meta["val"].dtype,
                                         tag=f"tied {name} gradient", phase="step"))
     return calls

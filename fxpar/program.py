@@ -36,7 +36,7 @@ from fxpar.collectives import (
     valid_target_collectives,
 )
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
-from fxpar.cost.hardware import hardware_profile
+from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
@@ -60,7 +60,6 @@ from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.placement import Shard, local_slice
 from fxpar.plan import Plan, check_runnable
-from fxpar.runtime.process_groups import RankGroup
 from fxpar.model_io import ExampleInputs
 from fxpar.trace import CapturedGraph, capture, restore_state_layout
 
@@ -142,7 +141,9 @@ def compile(
         passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
     graph_module = run_passes(captured.graph_module, passes)
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
-    stages = build_stages(graph_module, bucket_bytes=bucket_bytes) if stages_count > 1 else None
+    stages = None
+    if stages_count > 1:
+        stages = build_stages(graph_module, stage_passes=[partial(assign_gradient_buckets, bucket_bytes=bucket_bytes)])
     return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
                    stages=stages, hardware=hardware)
 
@@ -280,9 +281,6 @@ class Program:
                     piece = local_slice(whole.detach(), placement, coord.tp, self.mesh.tp).clone()
                     _replace_parameter(module, name, torch.nn.Parameter(piece, whole.requires_grad))
             restore_state_layout(module)
-            module.tp_group = RankGroup(
-                axis=Axis.TP, ranks=self.mesh.group(rank, Axis.TP), handle=None, rank=rank
-            )
         return module
 
     def collectives(
@@ -306,7 +304,7 @@ class Program:
                 ahead=pipeline_receives_ahead(backend) if receives_ahead is None else receives_ahead,
             )
         tp_group = self.mesh.group(rank, Axis.TP)
-        tensor_parallel = tensor_parallel_collectives(self.graph_module, tp_group, sizes)
+        tensor_parallel = tensor_parallel_collectives(self.graph_module, self.mesh.axis_groups(rank), sizes)
         data_parallel = data_parallel_collectives(
             self.buckets, self.mesh.group(rank, Axis.DP), zero=self.plan.zero
         )

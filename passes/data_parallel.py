@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.placement import Shard
+from fxpar.passes.contracts import broken, ensures
+from fxpar.placement import local_numel
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,23 @@ class Bucket:
         return self.numel * self.dtype.itemsize
 
 
+def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
+    """Ensures: each trained parameter that reaches the loss is in exactly one bucket, and its
+    node names that bucket."""
+    nodes = meta.parameter_nodes(gm.graph)
+    seen: set[str] = set()
+    for bucket in gm.meta[meta.GRAPH_BUCKETS]:
+        for name in bucket.parameters:
+            if name in seen or nodes[name].meta.get(meta.BUCKET) != bucket.index:
+                raise broken(f"parameter {name} is in one bucket, {bucket.index}, and says so", nodes[name])
+            seen.add(name)
+    reaching = _nodes_reaching_output(gm.graph)
+    for name, node in nodes.items():
+        if name not in seen and node in reaching and gm.get_parameter(name).requires_grad:
+            raise broken(f"trained parameter {name} is in a bucket", node)
+
+
+@ensures(every_parameter_in_one_bucket)
 def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.GraphModule:
     """Put every parameter that receives a gradient into a bucket of about `bucket_bytes`.
 
@@ -85,7 +103,7 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
             close()
         dtype = value.dtype
         names.append(name)
-        numel += value.numel() // (tp if isinstance(meta.placement(node), Shard) else 1)
+        numel += local_numel(value.shape, meta.placement(node), tp)
         node.meta[meta.BUCKET] = len(buckets)
         if numel * dtype.itemsize >= bucket_bytes:
             close()

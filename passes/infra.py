@@ -22,6 +22,7 @@ from functools import partial
 
 import torch.fx as fx
 
+from fxpar.passes.contracts import checking
 from fxpar.trace import restore_state_layout
 
 log = logging.getLogger("fxpar.passes")
@@ -35,6 +36,10 @@ def pass_name(graph_pass: GraphPass) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in graph_pass.keywords.items())
         return f"{pass_name(graph_pass.func)}({options})"
     return getattr(graph_pass, "__name__", repr(graph_pass))
+
+
+def _function(graph_pass: GraphPass):
+    return _function(graph_pass.func) if isinstance(graph_pass, partial) else graph_pass
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -59,6 +64,9 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[GraphPass]) -> fx.GraphModul
         try:
             gm = graph_pass(gm)
             gm.graph.lint()
+            if checking():
+                for check in getattr(_function(graph_pass), "ensures", ()):
+                    check(gm)
         except Exception as error:
             after = f"after {', '.join(done)}" if done else "as the first pass"
             error.add_note(f"fxpar: pass {name} failed ({after})")

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten
 COUNT_INPUT = "valid_targets"
@@ -65,6 +66,17 @@ class LossReduction:
     reason: str = ""  # why not `sums`, for the warning
 
 
+def loss_reduction_recorded(gm: fx.GraphModule) -> None:
+    """Ensures: `fxpar.loss` on the graph; a sum over valid targets takes their count."""
+    reduction = gm.meta.get(meta.GRAPH_LOSS)
+    if reduction is None:
+        raise broken("the graph records how its loss combines (fxpar.loss)")
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    if reduction.sums and COUNT_INPUT not in names:
+        raise broken(f"a loss summed over valid targets takes their count (placeholder {COUNT_INPUT})")
+
+
+@ensures(loss_reduction_recorded)
 def normalise_loss(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite a mean cross entropy / NLL loss into sum / `valid_targets` (see module doc)."""
     output = gm.graph.output_node()

@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from fxpar import meta
 from fxpar.errors import PlanError
+from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten
 
@@ -40,6 +41,25 @@ class Boundary:
     dtype: torch.dtype
     requires_grad: bool
     placement: object
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its graph, what crosses into and out of it, the inputs it reads."""
+
+    index: int
+    graph_module: fx.GraphModule
+    inputs: tuple[Boundary, ...]  # tensors received from the previous stage
+    outputs: tuple[Boundary, ...]  # tensors sent to the next stage (the next stage's inputs)
+    user_inputs: tuple[str, ...]  # names of the step's inputs this stage reads
+
+    @property
+    def buckets(self) -> tuple:
+        """Its gradient buckets (passes.data_parallel.Bucket), once that pass ran on it."""
+        return self.graph_module.meta[meta.GRAPH_BUCKETS]
+
+    def parameter_names(self) -> list[str]:
+        return list(meta.parameter_nodes(self.graph_module.graph))
 
 
 def _replicable(node: fx.Node) -> bool:
@@ -63,6 +83,21 @@ def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and not _replicable(n)]
 
 
+def every_compute_node_staged(gm: fx.GraphModule) -> None:
+    """Ensures: every compute node has a stage, non-decreasing in graph order, and each of
+    the `fxpar.stages` stages holds at least one."""
+    last, seen = 0, set()
+    for node in _compute_nodes(gm.graph):
+        stage = node.meta.get(meta.STAGE)
+        if stage is None or stage < last:
+            raise broken("every compute node has a stage, never lower than the one before", node)
+        last = stage
+        seen.add(stage)
+    if seen != set(range(gm.meta.get(meta.GRAPH_STAGES, 0))):
+        raise broken(f"each of the {gm.meta.get(meta.GRAPH_STAGES)} stages holds ops; found {sorted(seen)}")
+
+
+@ensures(every_compute_node_staged)
 def assign_stages(
     gm: fx.GraphModule,
     *,
@@ -221,12 +256,12 @@ def _cuts_from_split(nodes: list[fx.Node], split: tuple[str, ...], stages: int) 
     return cuts
 
 
-def split_stages(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, tuple[Boundary, ...], tuple[str, ...]]]:
-    """One GraphModule per stage, with its incoming boundaries and the user inputs it reads.
+def split_stages(gm: fx.GraphModule) -> tuple[Stage, ...]:
+    """One Stage per stage: its GraphModule, incoming and outgoing boundaries, user inputs.
 
     Requires: `fxpar.stage` on compute nodes (assign_stages). Each stage's forward takes
     `(*boundaries, *user_inputs)` and returns a tuple of outgoing boundaries (the loss alone
-    on the last stage).
+    on the last stage); a stage's outputs are the next stage's inputs.
     """
     stages = gm.meta[meta.GRAPH_STAGES]
     nodes = _compute_nodes(gm.graph)
@@ -278,7 +313,10 @@ def split_stages(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, tuple[Boundar
         stage_gm = fx.GraphModule(attributes, graph, class_name=f"Stage{s}")
         stage_gm.meta = {k: v for k, v in gm.meta.items()} | {meta.GRAPH_STAGE: s}
         result.append((stage_gm, tuple(boundaries), tuple(p.name for p in used_inputs)))
-    return result
+    return tuple(
+        Stage(s, stage_gm, incoming, result[s + 1][1] if s + 1 < stages else (), user_inputs)
+        for s, (stage_gm, incoming, user_inputs) in enumerate(result)
+    )
 
 
 def _reaches_stage(placeholder: fx.Node, stage: int, stage_of: dict[fx.Node, int]) -> bool:

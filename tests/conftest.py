@@ -11,6 +11,9 @@ import pytest
 import torch
 
 WORKERS = Path(__file__).parent / "workers"
+# Every pass checks its written contract after it runs (passes.contracts), here and in the
+# torchrun workers the tests launch, which inherit the environment.
+os.environ["FXPAR_CHECK_PASSES"] = "1"
 
 
 @pytest.fixture
