@@ -48,7 +48,8 @@ from fxpar.redistribution import Via, conversion_dim, converted_placement, redis
 import fxpar.vocab_parallel_ops  # noqa: F401  (registers torch.ops.fxpar.vocab_parallel_embedding)
 from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.tp_projections import packet, projection_of
-from fxpar.passes.tp_propagation import Context, Decision, Rewrite, is_tensor, rule_for, shape_of
+from fxpar.passes.tp_decision import Context, Decision, Rewrite, is_tensor, shape_of
+from fxpar.passes.tp_propagation import rule_for
 from fxpar.passes.tp_vocab_loss import vocab_parallel_cross_entropy
 
 AXIS = "tp"  # the mesh axis the inserted ops name

@@ -13,88 +13,22 @@ the op, the input placements and the rule to add.
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import sympy
 import torch
 import torch.fx as fx
 
-from fxpar import meta
-from fxpar.errors import PlanError
+from fxpar.passes.tp_decision import (
+    Context, Decision, Rewrite, _dim, _resolve_partials, shape_of, tensor_inputs,
+)
 from fxpar.passes.tp_projections import projection_of
-from fxpar.placement import P, Partial, Placement, R, Replicate, Shard
+from fxpar.passes.tp_view_rules import (
+    concatenate, expand, getitem, repeat_interleave, slicing, split, transpose, unsqueeze, view,
+)
+from fxpar.placement import P, Partial, R, Replicate, Shard
 
 aten = torch.ops.aten
-
-
-class Rewrite(enum.Enum):
-    """What `passes.tensor_parallel` changes in the op itself for local shards."""
-
-    LOCAL_SIZES = "a view's size constants"
-    LOCAL_SPLIT = "a fused projection's split sizes"
-    BIAS_AFTER_REDUCTION = "a row-parallel bias, added after the sum"
-    VOCAB_PARALLEL_EMBEDDING = "a lookup in a vocabulary shard"
-    VOCAB_PARALLEL_CROSS_ENTROPY = "cross entropy over vocabulary-sharded logits"
-
-
-@dataclass
-class Decision:
-    output: Placement | list[Placement]
-    inputs: dict[fx.Node, Placement] = field(default_factory=dict)
-    rewrite: Rewrite | None = None
-    # Where the output goes right where it is produced, for every use (None: it stays `output`).
-    settle_to: Placement | None = None
-
-
-class Context:
-    """What rules may ask: placements so far, global shapes, the degree, sequence parallelism."""
-
-    def __init__(self, placements: dict[fx.Node, Placement], tp: int, sequence_parallel: bool, seq):
-        self.placements, self.tp, self.sequence_parallel, self.seq = placements, tp, sequence_parallel, seq
-
-    def placement(self, node: fx.Node) -> Placement:
-        return self.placements.get(node, R)
-
-    def has_seq_dim(self, node: fx.Node) -> bool:
-        shape = shape_of(node)
-        return len(shape) >= 3 and shape[1] in self.seq
-
-    def sequence_shard(self, node: fx.Node, inputs: dict[fx.Node, Placement]) -> fx.Node | None:
-        """Under sequence parallelism, the one replicated stream input a norm or dropout should
-        take on sequence shards (Korthikanti et al. 2022, Sec. 4.2.2), if there is one."""
-        if not self.sequence_parallel or any(not isinstance(p, Replicate) for p in inputs.values()):
-            return None
-        streams = [n for n in inputs if self.has_seq_dim(n)]
-        return streams[0] if len(streams) == 1 and self.has_seq_dim(node) else None
-
-    def partial_target(self, node: fx.Node) -> Placement:
-        """Where a partial sum goes before non-linear math: whole, or sequence-sharded under SP."""
-        if self.sequence_parallel and self.has_seq_dim(node):
-            return Shard(1)
-        return R
-
-
-def is_tensor(node: object) -> bool:
-    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def shape_of(node: fx.Node) -> tuple:
-    return tuple(d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in node.meta["val"].shape)
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [n for n in node.all_input_nodes if is_tensor(n)]
-
-
-def _dim(d: int, rank: int) -> int:
-    return d % rank if rank else 0
-
-
-def _resolve_partials(node, ctx, inputs) -> dict:
-    return {n: (ctx.partial_target(n) if isinstance(p, Partial) else p) for n, p in inputs.items()}
 
 
 # -- elementwise ops with broadcasting -------------------------------------------------------
@@ -139,154 +73,6 @@ def elementwise(node: fx.Node, ctx: Context) -> Decision:
         broadcast = local_dim < 0 or shape[local_dim] == 1 and out_shape[out_dim] != 1
         wanted[n] = R if broadcast else Shard(local_dim, parts)
     return Decision(Shard(out_dim, parts), wanted)
-
-
-# -- views and layout ops --------------------------------------------------------------------
-
-
-def _groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int]]]:
-    """Pair runs of input and output dims with equal products: how a reshape regroups dims."""
-    groups, i, j = [], 0, 0
-    while i < len(in_shape) or j < len(out_shape):
-        gi, gj = [i] if i < len(in_shape) else [], [j] if j < len(out_shape) else []
-        pi = in_shape[i] if gi else sympy.Integer(1)
-        pj = out_shape[j] if gj else sympy.Integer(1)
-        i, j = i + bool(gi), j + bool(gj)
-        while sympy.simplify(pi - pj) != 0:
-            if (i < len(in_shape)) and (j >= len(out_shape) or _smaller(pi, pj)):
-                pi *= in_shape[i]
-                gi.append(i)
-                i += 1
-            elif j < len(out_shape):
-                pj *= out_shape[j]
-                gj.append(j)
-                j += 1
-            else:
-                break
-        groups.append((gi, gj))
-    return groups
-
-
-def _smaller(a, b) -> bool:
-    """Whether product `a` must grow to reach `b`: b = 4a, or b = seq * a for symbolic sizes
-    (and not a = batch * seq against b = batch, where `b` must grow: (B*T, C) -> (B, T, C))."""
-    ratio = sympy.simplify(b / a)
-    if ratio.is_number:
-        return ratio > 1
-    _, denominator = sympy.fraction(sympy.together(ratio))
-    return denominator.is_number
-
-
-def view(node: fx.Node, ctx: Context) -> Decision:
-    source = node.args[0]
-    p = ctx.placement(source)
-    if not isinstance(p, Shard):
-        return Decision(p, {source: p})
-    in_shape, out_shape = shape_of(source), shape_of(node)
-    for gi, gj in _groups(in_shape, out_shape):
-        if p.dim in gi:
-            if gi[0] != p.dim or not gj:  # only the outermost dim of a merge stays contiguous
-                return Decision(R, {source: R})
-            target = gj[0]
-            if p.parts > 1 and len(gj) > 1 and out_shape[target] % p.parts == 0 and len(gi) == 1:
-                return Decision(R, {source: R})  # a fused q|k|v viewed before its split
-            size = out_shape[target]
-            if not size.is_number:
-                return Decision(R, {source: R})
-            if int(size) % (ctx.tp * p.parts):
-                raise PlanError(
-                    f"{meta.describe(node)} splits a tensor-parallel dim into {int(size)} parts "
-                    f"(heads), not divisible by tp={ctx.tp} (for grouped-query attention: the "
-                    "number of key/value heads). Fix: choose tp dividing it, or replicate the "
-                    "projections (tp_rules)",
-                    field="tp",
-                    value=ctx.tp,
-                )
-            return Decision(Shard(target, p.parts), {source: p}, rewrite=Rewrite.LOCAL_SIZES)
-    return Decision(R, {source: R})
-
-
-def expand(node: fx.Node, ctx: Context) -> Decision:
-    source, p = node.args[0], ctx.placement(node.args[0])
-    if not isinstance(p, Shard):
-        return Decision(p, {source: p})
-    target = p.dim + len(shape_of(node)) - len(shape_of(source))
-    return Decision(Shard(target, p.parts), {source: p}, rewrite=Rewrite.LOCAL_SIZES)
-
-
-def transpose(node: fx.Node, ctx: Context) -> Decision:
-    source, p = node.args[0], ctx.placement(node.args[0])
-    if not isinstance(p, Shard):
-        return Decision(p, {source: p})
-    rank = len(shape_of(source))
-    packet = node.target.overloadpacket
-    if packet is aten.t:
-        order = [1, 0] if rank == 2 else [0]
-    elif packet is aten.permute:
-        order = [_dim(d, rank) for d in node.args[1]]
-    else:
-        a, b = _dim(node.args[1], rank), _dim(node.args[2], rank)
-        order = list(range(rank))
-        order[a], order[b] = order[b], order[a]
-    return Decision(Shard(order.index(p.dim), p.parts), {source: p})
-
-
-def unsqueeze(node: fx.Node, ctx: Context) -> Decision:
-    source, p = node.args[0], ctx.placement(node.args[0])
-    if not isinstance(p, Shard):
-        return Decision(p, {source: p})
-    d = _dim(node.args[1], len(shape_of(node)))
-    return Decision(Shard(p.dim + (d <= p.dim), p.parts), {source: p})
-
-
-def slicing(node: fx.Node, ctx: Context) -> Decision:
-    """slice / select / narrow along a dim: fine unless it is the sharded one."""
-    source, p = node.args[0], ctx.placement(node.args[0])
-    if not isinstance(p, Shard):
-        return Decision(p, {source: p})
-    rank = len(shape_of(source))
-    d = _dim(node.args[1] if len(node.args) > 1 else 0, rank)
-    if d == p.dim:
-        return Decision(R, {source: R})
-    dropped = node.target.overloadpacket is aten.select and d < p.dim
-    return Decision(Shard(p.dim - dropped, p.parts), {source: p})
-
-
-def split(node: fx.Node, ctx: Context) -> Decision:
-    source, p = node.args[0], ctx.placement(node.args[0])
-    count = len(node.meta["val"])
-    if not isinstance(p, Shard):
-        return Decision([p] * count, {source: p})
-    d = _dim(node.args[2] if len(node.args) > 2 else 0, len(shape_of(source)))
-    if d != p.dim:
-        return Decision([p] * count, {source: p})
-    if p.parts == count:  # a fused projection's blocks come apart: each rank its own slices
-        return Decision([Shard(d)] * count, {source: p}, rewrite=Rewrite.LOCAL_SPLIT)
-    return Decision([R] * count, {source: R})
-
-
-def getitem(node: fx.Node, ctx: Context) -> Decision:
-    source, index = node.args
-    outputs = ctx.placements.get(source)
-    return Decision(outputs[index] if isinstance(outputs, list) else R)
-
-
-def concatenate(node: fx.Node, ctx: Context) -> Decision:
-    pieces = [n for n in node.args[0]]
-    rank = len(shape_of(node))
-    d = _dim(node.args[1] if len(node.args) > 1 else 0, rank)
-    placements = {n: ctx.placement(n) for n in pieces}
-    first = next(iter(placements.values()))
-    if isinstance(first, Shard) and first.dim != d and all(p == first for p in placements.values()):
-        return Decision(first, placements)
-    return Decision(R, {n: R for n in pieces})
-
-
-def repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
-    source, p = node.args[0], ctx.placement(node.args[0])
-    if isinstance(p, Partial):
-        return Decision(P, {source: p})
-    return Decision(p, {source: p})  # whole blocks repeat locally, sharded dim included
 
 
 # -- reductions and normalisations -----------------------------------------------------------
