@@ -65,6 +65,12 @@ class Runner:
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
         self._dp = groups[Axis.DP]
         self._tied = _tied_parameters(program, rank, tied_groups, self.modules)
+        # Per stage module, the replicated parameters whose gradient each tp rank holds a
+        # summand of: read off the graphs once, summed once per step and module (as predicted).
+        self._partial_gradients = [
+            [module.get_parameter(name) for name in meta.partial_gradient_parameters(module.graph)]
+            for module in self.modules
+        ]
         self.loss = StepLoss(
             program.loss_reduction,
             holds_loss=program.holds_loss(rank),
@@ -156,7 +162,7 @@ class Runner:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
             self._broadcast(state, self._dp)
-        for parameter, group in self._tied:
+        for _, parameter, group in self._tied:
             self._broadcast([parameter], group)
         self.communicator.reset()
 
@@ -252,14 +258,11 @@ class Runner:
             buckets.finish()
         tp = self.groups.get(Axis.TP)
         if tp is not None and tp.size > 1:
-            for module in self.modules:
-                names = meta.partial_gradient_parameters(module.graph)
-                grads = [module.get_parameter(n).grad for n in names]
-                self._sum_into(grads, tp, "tp partial parameter gradients")
-        for parameter, group in self._tied:
+            for parameters in self._partial_gradients:
+                self._sum_into([p.grad for p in parameters], tp, "tp partial parameter gradients")
+        for name, parameter, group in self._tied:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            name = next(n for n, p in _parameters_of(self.modules) if p is parameter)
             self._sum_into([parameter.grad], group, f"tied {name} gradient")
 
     def _sum_into(self, grads: list[torch.Tensor], group: RankGroup, tag: str) -> None:
@@ -358,8 +361,8 @@ def _all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:
 
 def _tied_parameters(
     program: CompiledProgram, rank: int, tied_groups: dict[tuple[int, ...], RankGroup], modules
-) -> list[tuple[torch.nn.Parameter, RankGroup]]:
-    """(this rank's copy, the group of its owners) for each parameter shared across stages."""
+) -> list[tuple[str, torch.nn.Parameter, RankGroup]]:
+    """(name, this rank's copy, the group of its owners) for each parameter shared across stages."""
     if program.stages is None:
         return []
     from fxpar.pipeline_program import tied_parameter_groups
@@ -369,7 +372,7 @@ def _tied_parameters(
     for name, groups in sorted(tied_parameter_groups(program.mesh, program.schedule, program.stages).items()):
         for group in groups:
             if rank in group and name in mine:
-                tied.append((mine[name], tied_groups[group]))
+                tied.append((name, mine[name], tied_groups[group]))
     return tied
 
 
