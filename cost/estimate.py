@@ -57,7 +57,7 @@ from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
-from fxpar.cost.program_view import ProgramView
+from fxpar.compiled_program import CompiledProgram
 from fxpar.symbols import BATCH
 from fxpar.simulation import Simulation, simulate
 
@@ -76,7 +76,7 @@ class GraphCompute:
     backward_nodes: int  # nodes of its backward graph
 
 
-def graph_compute(program: ProgramView) -> GraphCompute:
+def graph_compute(program: CompiledProgram) -> GraphCompute:
     """Sum the per-op rules over the captured graph (memoised with it: `cost.memo`)."""
     captured = program.captured
     return memoised(captured.graph_module, "graph_compute", lambda: _sum_rules(captured))
@@ -103,12 +103,12 @@ def _sum_rules(captured) -> GraphCompute:
     )
 
 
-def _activations(program: ProgramView) -> sympy.Expr:
+def _activations(program: CompiledProgram) -> sympy.Expr:
     captured = program.captured
     return memoised(captured.graph_module, "activations", lambda: saved_activation_bytes(captured))
 
 
-def _updated_tensors(program: ProgramView) -> int:
+def _updated_tensors(program: CompiledProgram) -> int:
     """Tensors one rank's optimizer updates: every parameter, or under ZeRO its flat shards.
 
     fxpar's ZeRO shards each flat gradient bucket (`fxpar.collectives`), so a rank updates one
@@ -186,7 +186,7 @@ def mfu(flops: float, seconds: float, n_devices: int, peak: float) -> float:
 
 
 def estimate(
-    program: ProgramView,
+    program: CompiledProgram,
     *,
     hardware: str | Hardware = "h100",
     optimizer: str = "adamw",

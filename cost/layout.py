@@ -33,7 +33,7 @@ from fxpar import meta
 from fxpar.distributed_ops import distributed_op
 from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
-from fxpar.cost.program_view import ProgramView
+from fxpar.compiled_program import CompiledProgram
 from fxpar.deferred_linear import LINEAR, deferrable
 from fxpar.placement import Partial, Shard, local_numel
 
@@ -54,13 +54,13 @@ class Share:
     activation_share: float  # of the whole model's saved activations
 
 
-def shares(program: ProgramView) -> list[Share]:
+def shares(program: CompiledProgram) -> list[Share]:
     """One Share per pipeline stage, or one for a program without a pipeline (memoised with
     the program's graph: `cost.memo`)."""
     return memoised(program.graph_module, "shares", lambda: _shares(program))
 
 
-def _shares(program: ProgramView) -> list[Share]:
+def _shares(program: CompiledProgram) -> list[Share]:
     tp = program.plan.tp
     total_output = _output_bytes(program.captured.graph_module.graph.nodes, program, tp=1)
     if program.stages is None:
@@ -111,7 +111,7 @@ def has_weight_gradient(node: fx.Node) -> bool:
     )
 
 
-def _output_bytes(nodes, program: ProgramView, *, tp: int) -> float:
+def _output_bytes(nodes, program: CompiledProgram, *, tp: int) -> float:
     """Bytes of the tensors these ops produce, at the example's sizes; sharded ones / tp."""
     sizes = dict(program.captured.example_sizes)
     total = 0.0

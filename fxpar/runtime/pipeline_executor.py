@@ -51,7 +51,7 @@ from fxpar.runtime.weight_gradients import WeightGradientStore
 
 if TYPE_CHECKING:
     from fxpar.runtime.communicator import PendingCollective
-    from fxpar.runtime.compiled_program import CompiledProgram
+    from fxpar.compiled_program import CompiledProgram
     from fxpar.runtime.step_context import StepContext
 
 

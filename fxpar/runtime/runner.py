@@ -30,7 +30,7 @@ from fxpar.axes import bind_axes, unbind_axes
 from fxpar.distributed_ops import lower_for_eager
 from fxpar.errors import BindError, PlanError
 from fxpar.mesh import Axis
-from fxpar.runtime.compiled_program import CompiledProgram
+from fxpar.compiled_program import CompiledProgram
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime.environment import TorchrunEnvironment
 from fxpar.runtime.full_state import gather_full_tensors

@@ -1,9 +1,9 @@
-"""What the runtime reads of a compiled program, named rather than imported.
+"""What a compiled program offers the layers that read it, named in the core layer.
 
-`Program.bind()` imports the runtime to create this rank's Runner, so the runtime does not
-import the program back (tests/test_layers.py holds the package free of import cycles): it
-takes the program as data, and this Protocol lists what it reads. `fxpar.program.Program` is
-the one implementation.
+`fxpar.program` builds the program and prices it with cost/, and `Program.bind()` imports the
+runtime; so neither cost/ nor the runtime imports the program module back
+(tests/test_layers.py holds the package free of import cycles). They take the program as
+data, and this Protocol lists that data. `fxpar.program.Program` is the one implementation.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class CompiledProgram(Protocol):
     plan: Plan
     mesh: Mesh
     captured: CapturedGraph
+    graph_module: fx.GraphModule  # the global graph after every pass
     stages: tuple | None  # passes.pipeline.Stage per pipeline stage, or None
     schedule: Schedule | None
 
@@ -40,3 +41,6 @@ class CompiledProgram(Protocol):
     def holds_loss(self, rank: int) -> bool: ...
 
     def stage_modules(self, rank: int) -> list[fx.GraphModule]: ...
+
+    def collectives(self, rank: int) -> tuple:
+        """Every collective `rank` issues in one step (fxpar.collectives.Collective)."""
