@@ -132,7 +132,10 @@ def pipeline_collectives(
             calls.append(Collective(kind=kind, group=tuple(sorted((rank, other))), numel=math.prod(boundary_shape(b, sizes, mesh.tp)),
                                     dtype=b.dtype, op="none", tag=tag, phase=phase))
 
-    tp_calls = {s.index: tensor_parallel_collectives(s.graph_module, mesh.axis_groups(rank), sizes) for s in stages}
+    tp_calls = {  # this rank's stages only: at pp=16 the others cost 15x the time for nothing
+        s.index: tensor_parallel_collectives(s.graph_module, mesh.axis_groups(rank), sizes)
+        for s in stages if schedule.rank_of(s.index) == coord.pp
+    }
     actions = schedule.actions[coord.pp]
     for event, i in issue_order(len(actions), ahead):
         action = actions[i]
