@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fxpar
 from harness import (
     GPT_SIZES, SEQ, comparison, write_json,
-    Side, first_mismatch, format_table, mean_over_ranks, run_interleaved,
+    Side, first_mismatch, format_table, mean_over_ranks, module_step, run_interleaved, runner_step,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -107,18 +107,8 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
     )
     ddp_optimizer = torch.optim.AdamW(ddp.parameters(), **OPTIMIZER)
 
-    def ddp_step(i: int) -> torch.Tensor:
-        loss = ddp(*local[i])
-        loss.backward()
-        ddp_optimizer.step()
-        ddp_optimizer.zero_grad()
-        return loss.detach()
-
-    def fxpar_step(i: int) -> float:
-        loss = runner.step(*local[i])
-        fx_optimizer.step()
-        fx_optimizer.zero_grad()
-        return loss
+    ddp_step = module_step(ddp, ddp_optimizer, local)
+    fxpar_step = runner_step(runner, fx_optimizer, local)
 
     runner.reset_comm_stats()
     runs = run_interleaved(

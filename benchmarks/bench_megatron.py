@@ -56,7 +56,8 @@ import torch.nn.functional as F
 import fxpar
 from bench_tp import BATCH, RULES, LocalHeadAttention, count_parameters, global_batches
 from harness import (
-    GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, run_interleaved, write_json,
+    GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, module_step, run_interleaved,
+    runner_step, write_json,
 )
 from tp_profile import breakdown
 
@@ -214,18 +215,8 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
     hand, split = megatron_model(model, dist.get_rank(), tp)
     hand_optimizer = torch.optim.AdamW(hand.parameters(), **OPTIMIZER)
 
-    def hand_step(i: int) -> torch.Tensor:
-        loss = hand(*batches[i])
-        loss.backward()
-        hand_optimizer.step()
-        hand_optimizer.zero_grad()
-        return loss.detach()
-
-    def fx_step(i: int) -> float:
-        loss = runner.step(*batches[i])
-        fx_optimizer.step()
-        fx_optimizer.zero_grad()
-        return loss
+    hand_step = module_step(hand, hand_optimizer, batches)
+    fx_step = runner_step(runner, fx_optimizer, batches)
 
     runs = run_interleaved([Side("megatron", hand_step), Side("fxpar", fx_step)],
                            warmup=args.warmup, steps=args.steps, block=args.block)

@@ -63,7 +63,7 @@ import fxpar
 from tp_profile import breakdown, profile_sides
 from harness import (
     GPT_SIZES, SEQ, write_json,
-    Side, first_mismatch, format_table, paired_ratio, run_interleaved,
+    Side, first_mismatch, format_table, module_step, paired_ratio, run_interleaved, runner_step,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -208,24 +208,9 @@ def bench_model(name: str, args: argparse.Namespace, mesh_box: list) -> tuple[di
     auto_optimizer = auto_runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
     local = [runner.local_batch(*b) for b in batches]  # unchanged for dp=1: the whole batch
 
-    def dt_step(i: int) -> torch.Tensor:
-        loss = dt_model(*local[i])
-        loss.backward()
-        dt_optimizer.step()
-        dt_optimizer.zero_grad()
-        return loss.detach()
-
-    def fx_step(i: int) -> float:
-        loss = runner.step(*local[i])
-        fx_optimizer.step()
-        fx_optimizer.zero_grad()
-        return loss
-
-    def auto_step(i: int) -> float:
-        loss = auto_runner.step(*local[i])
-        auto_optimizer.step()
-        auto_optimizer.zero_grad()
-        return loss
+    dt_step = module_step(dt_model, dt_optimizer, local)
+    fx_step = runner_step(runner, fx_optimizer, local)
+    auto_step = runner_step(auto_runner, auto_optimizer, local)
 
     runner.reset_comm_stats()
     auto_runner.reset_comm_stats()

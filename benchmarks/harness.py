@@ -75,6 +75,31 @@ class Side:
     step: Callable[[int], float | torch.Tensor]
 
 
+def module_step(model, optimizer, batches: list) -> Callable[[int], torch.Tensor]:
+    """Step `i` of an eager model that returns its loss: forward, backward, optimizer step."""
+
+    def step(i: int) -> torch.Tensor:
+        loss = model(*batches[i])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def runner_step(runner, optimizer, batches: list) -> Callable[[int], float]:
+    """Step `i` of an fxpar runner on this rank's batch `batches[i]`, then the optimizer step."""
+
+    def step(i: int) -> float:
+        loss = runner.step(*batches[i])
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per step over the timed steps of one side (max over ranks)."""
