@@ -56,8 +56,11 @@ def bind_axes(bindings: Mapping[str, AxisBinding]) -> None:
     _bindings.update(bindings)
 
 
-def unbind_axes() -> None:
-    _bindings.clear()
+def unbind_axes(bindings: Mapping[str, AxisBinding] | None = None) -> None:
+    """Forget the bindings; given `bindings`, only while they are the ones bound (a runner
+    closing must not unbind another's)."""
+    if bindings is None or all(_bindings.get(axis) is b for axis, b in bindings.items()):
+        _bindings.clear()
 
 
 def bound(axis: str) -> AxisBinding:

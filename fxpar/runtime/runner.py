@@ -157,7 +157,10 @@ class Runner:
         for module in (*self.modules, *filter(None, [self.loss.reduction.count_module])):
             _place_graph_constants(module, self.device)
             lower_for_eager(module)
-        bind_axes({axis.value: AxisOnGroup(group, self.communicator) for axis, group in self.groups.items()})
+        # Bound again at every step: another program bound in this process (a benchmark's
+        # second runner) must not leave this one's ops counted by its communicator.
+        self._axes = {axis.value: AxisOnGroup(group, self.communicator) for axis, group in self.groups.items()}
+        bind_axes(self._axes)
         if self._dp.size > 1:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
@@ -249,6 +252,7 @@ class Runner:
         chunks = list(zip(*(t.tensor_split(microbatches) for t in inputs)))
         self.communicator.start_step()
         chunks = self.loss.with_counts(chunks)
+        bind_axes(self._axes)
         return self._executor.run(chunks)
 
     def complete_gradients(self) -> None:
@@ -327,7 +331,7 @@ class Runner:
         """
         for buckets in self._context.buckets:
             buckets.remove()
-        unbind_axes()
+        unbind_axes(self._axes)
         self.groups, self._tied = {}, []
         self._context, self._executor = replace(self._context, buckets=(), groups={}), None
         self._dp = replace(self._dp, handle=None)
