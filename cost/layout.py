@@ -34,7 +34,7 @@ from fxpar.distributed_ops import distributed_op
 from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.compiled_program import CompiledProgram
-from fxpar.deferred_linear import LINEAR, deferrable
+from fxpar.deferred_linear import LINEAR, deferrable, linear as deferred_linear, stands_for
 from fxpar.placement import Partial, Shard, local_numel
 
 
@@ -78,7 +78,7 @@ def _shares(program: CompiledProgram) -> list[Share]:
             cost = cost_of(node, program.captured.shape)
             if cost is None:
                 continue
-            split = tp if isinstance(meta.placement(node), (Shard, Partial)) else 1
+            split = tp if isinstance(meta.placement(node, "tp"), (Shard, Partial)) else 1
             matmul += cost.matmul_flops / split
             attention += cost.attention_flops / split
             if has_weight_gradient(node):
@@ -87,7 +87,7 @@ def _shares(program: CompiledProgram) -> list[Share]:
                 moved += cost.bytes / split
         forward_ops, backward_nodes = op_counts(gm)
         parameters = {
-            name: local_numel(node.meta["val"].shape, meta.placement(node), tp)
+            name: local_numel(node.meta["val"].shape, meta.placements(node), program.mesh.sizes)
             for name, node in meta.parameter_nodes(gm.graph).items()
         }
         produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)
@@ -98,12 +98,14 @@ def _shares(program: CompiledProgram) -> list[Share]:
 
 
 def has_weight_gradient(node: fx.Node) -> bool:
-    """Whether a split schedule runs `node`'s weight gradient as W: `node` is `linear(x, w, b)`
-    with w a trainable parameter whose gradient `passes.weight_gradients` defers (a parameter
-    also read by another op, an embedding tied to the head in the same stage, gets its whole
-    gradient in B)."""
-    if node.op != "call_function" or node.target is not LINEAR or len(node.args) < 2:
+    """Whether a split schedule runs `node`'s weight gradient as W: `node` is a linear that
+    `passes.weight_gradients` deferred, or would (a trainable weight only linears read; a
+    parameter also read by another op, an embedding tied to the head in the same stage, gets
+    its whole gradient in B)."""
+    if node.op != "call_function" or stands_for(node) is not LINEAR or len(node.args) < 2:
         return False
+    if node.target is deferred_linear:
+        return True
     weight = node.args[1]
     return (
         isinstance(weight, fx.Node) and meta.parameter_name(weight) is not None
@@ -119,10 +121,10 @@ def _output_bytes(nodes, program: CompiledProgram, *, tp: int) -> float:
         value = node.meta.get("val")
         if node.op != "call_function" or not isinstance(value, torch.Tensor):
             continue
-        if not isinstance(node.target, torch._ops.OpOverload) or distributed_op(node) is not None:
+        if not isinstance(stands_for(node), torch._ops.OpOverload) or distributed_op(node) is not None:
             continue  # collectives move data; they do not produce new activations
         numel = sympy.Mul(*(program.captured.readable(d) for d in value.shape))
-        split = tp if isinstance(meta.placement(node), (Shard, Partial)) else 1
+        split = tp if isinstance(meta.placement(node, "tp"), (Shard, Partial)) else 1
         total += float(numel.subs(sizes)) * value.dtype.itemsize / split
     return total or 1.0
 

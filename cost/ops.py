@@ -35,6 +35,7 @@ import torch.fx as fx
 
 import fxpar.vocab_parallel_ops  # noqa: F401  (the torch.ops.fxpar lookups priced below)
 from fxpar import meta
+from fxpar.deferred_linear import stands_for
 from fxpar.distributed_ops import distributed_op
 
 aten = torch.ops.aten
@@ -178,11 +179,12 @@ def _nbytes(node: fx.Node, shape: Shape) -> sympy.Expr:
 
 def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | None:
     """The forward cost of a call_function node, or None for nodes that are not ops."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    target = stands_for(node)
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
     if distributed_op(node) is not None:
         return None  # communication: priced per collective (cost.collectives), not as compute
-    packet = node.target.overloadpacket
+    packet = target.overloadpacket
     if packet in _FREE:
         return OpCost(sympy.Integer(0), sympy.Integer(0), sympy.Integer(0))
     inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
@@ -234,7 +236,7 @@ def op_counts(gm: fx.GraphModule) -> tuple[int, int]:
         differentiable = not isinstance(value, torch.Tensor) or value.is_floating_point()
         if differentiable and any(a in needs_grad for a in node.all_input_nodes):
             needs_grad.add(node)  # also tuples and their getitems: the grad flows through
-        if isinstance(node.target, torch._ops.OpOverload) and isinstance(value, torch.Tensor):
+        if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
             forward += 1
             backward += node in needs_grad
     return forward, backward + len(accumulated)
@@ -259,6 +261,6 @@ def node_seconds(node: fx.Node, shape_of: Callable[[fx.Node], Shape], device, *,
     kernels = device.kernel_seconds(cost.matmul_flops, cost.attention_flops, streamed, precision)
     value = node.meta.get("val")
     ops = 0
-    if isinstance(node.target, torch._ops.OpOverload) and isinstance(value, torch.Tensor):
+    if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
         ops = 1 + bool(node.meta.get(meta.REQUIRES_GRAD, False))
     return 3 * kernels + ops * device.op_overhead

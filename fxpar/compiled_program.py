@@ -15,6 +15,7 @@ import torch.fx as fx
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.schedules import Schedule
+from fxpar.step_program import StepProgram
 from fxpar.trace import CapturedGraph
 
 
@@ -44,3 +45,9 @@ class CompiledProgram(Protocol):
 
     def collectives(self, rank: int) -> tuple:
         """Every collective `rank` issues in one step (fxpar.collectives.Collective)."""
+
+    def step_program(self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None) -> StepProgram:
+        """Everything `rank` does in one step, in order (fxpar.step_program)."""
+
+    def microbatch_sizes(self, microbatch: tuple) -> dict:
+        """Export's size symbols at a step's microbatch of the global batch, from this rank's."""

@@ -63,6 +63,12 @@ def linear(
     return _Linear.apply(x, weight.detach(), bias, _Weight(weight), store)
 
 
+def stands_for(node: fx.Node):
+    """The aten op a node computes: `aten.linear` for a deferred linear (the cost model prices
+    it as one), the node's own target otherwise."""
+    return LINEAR if node.target is linear else node.target
+
+
 def deferrable(weight: fx.Node) -> bool:
     """Whether the gradient of the parameter `weight` reads can wait for W: every reader is an
     `aten.linear` that reads it as its weight, and only there (the cost model's criterion too)."""

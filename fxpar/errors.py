@@ -35,3 +35,8 @@ class BindError(FxparError, RuntimeError):
 
 class CollectiveError(FxparError, RuntimeError):
     """A collective failed or did not complete within its process group's timeout."""
+
+
+class StepProgramError(CollectiveError):
+    """A rank was about to issue a collective its step program does not list (or left one of
+    its listed calls out): raised before the call is made, so no peer is paired with it."""

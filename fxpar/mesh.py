@@ -92,6 +92,11 @@ class Mesh:
         """The number of ranks: `dp * pp * tp`."""
         return math.prod(self.size(axis) for axis in Axis)
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Axis name -> degree, `{"dp": 2, "pp": 1, "tp": 2}`: what `placement.local_shape` reads."""
+        return {axis.value: getattr(self, axis.value) for axis in Axis}
+
     def size(self, axis: Axis) -> int:
         """The number of ranks along `axis` (its degree)."""
         return getattr(self, Axis(axis).value)

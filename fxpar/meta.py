@@ -9,7 +9,8 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.parameter           trace.capture     state_dict name of a get_attr'd parameter
     fxpar.requires_grad       trace.capture     whether autograd computes this value's gradient
     fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
-    fxpar.placement           tensor_parallel   the value's Placement across the tp group
+    fxpar.placement           tensor_parallel,  the value's Placements: one Placement per mesh
+                              data_parallel     axis (dp, tp), each pass setting its own axis
     fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
                                                 partial sum over the tp group
     fxpar.stage               pipeline          the pipeline stage that computes the node
@@ -20,6 +21,8 @@ Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*`
 from __future__ import annotations
 
 import torch.fx as fx
+
+from fxpar.placement import REPLICATED, Axis, Placement, Placements
 
 MODULE_PATH = "fxpar.module_path"
 PARAMETER = "fxpar.parameter"
@@ -34,7 +37,7 @@ GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
 GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter name
 GRAPH_NON_PERSISTENT = "fxpar.non_persistent"  # buffers kept out of the state dict
 GRAPH_LOSS = "fxpar.loss"  # passes.loss_normalisation.LossReduction: how pieces' losses combine
-GRAPH_TP = "fxpar.tp"  # the tensor-parallel degree the graph was sharded for
+GRAPH_BATCH = "fxpar.dp_batch"  # export's batch-size symbols, which the dp axis splits
 GRAPH_STAGES = "fxpar.stages"  # passes.pipeline: each stage's nodes, before the split
 GRAPH_STAGE = "fxpar.stage"  # which stage a stage's own GraphModule is
 GRAPH_RANK = "fxpar.rank"  # the global rank a rank module was specialised for
@@ -62,11 +65,19 @@ def describe(node: fx.Node) -> str:
     return f"{node.format_node()}  (module {path!r})"
 
 
-def placement(node: fx.Node):
-    """The node's tensor-parallel Placement (Replicate when the graph has no tp)."""
-    from fxpar.placement import R
+def placements(node: fx.Node) -> Placements:
+    """The node's placement on every mesh axis (Replicate on an axis no pass placed)."""
+    return node.meta.get(PLACEMENT, REPLICATED)
 
-    return node.meta.get(PLACEMENT, R)
+
+def placement(node: fx.Node, axis: Axis) -> Placement:
+    """The node's placement on mesh axis `axis` ("dp" or "tp")."""
+    return placements(node)[axis]
+
+
+def set_placement(node: fx.Node, axis: Axis, value: Placement) -> None:
+    """Set the node's placement on `axis`, keeping the other axes'."""
+    node.meta[PLACEMENT] = placements(node).on(axis, value)
 
 
 def requires_grad(node: fx.Node) -> bool:

@@ -3,14 +3,13 @@
 `build_stages` cuts the (tensor-parallel) global graph into `pp x virtual_stages` stage
 graphs (`passes.pipeline`), sizes each stage's gradient buckets, and records which parameters
 several stages read (a tied embedding and head), whose copies must stay identical.
-`pipeline_collectives` lists, for one rank, every point-to-point transfer and collective of a
-step in the order the rank issues them (`issue_order`, shared with the executor);
-`check_pipeline` proves that every send has its receive and that the schedule cannot deadlock.
+The order a rank posts its transfers in (`issue_order`) is what lowering writes into its step
+program (`fxpar.lowering`); `check_pipeline` proves that every send has its receive and that
+the schedule cannot deadlock.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -21,17 +20,11 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.ops import node_seconds
-from fxpar.collectives import (
-    Collective,
-    data_parallel_collectives,
-    partial_gradient_collectives,
-    tensor_parallel_collectives,
-)
 from fxpar.errors import PlanError
-from fxpar.mesh import Axis, Mesh
+from fxpar.mesh import Mesh
 from fxpar.passes.infra import GraphPass, run_passes
 from fxpar.passes.pipeline import Boundary, Stage, split_stages
-from fxpar.placement import local_numel, local_shape
+from fxpar.placement import local_shape
 from fxpar.schedules import Schedule
 from fxpar.simulation import DeadlockError, simulate
 
@@ -93,107 +86,9 @@ def issue_order(actions: int, ahead: int) -> Iterator[tuple[str, int]]:
         yield "run", i
 
 
-def boundary_shape(boundary: Boundary, sizes: dict, tp: int) -> tuple[int, ...]:
-    """This rank's piece of a boundary tensor, at one microbatch's sizes."""
-    return local_shape([int(sympy.sympify(d).subs(sizes)) for d in boundary.shape], boundary.placement, tp)
-
-
-def pipeline_collectives(
-    *,
-    rank: int,
-    mesh: Mesh,
-    schedule: Schedule,
-    stages: tuple[Stage, ...],
-    sizes: dict,
-    zero: int = 0,
-    ahead: int = 0,
-) -> tuple[Collective, ...]:
-    """Every transfer and collective of one step on `rank`, in the order the rank issues them.
-
-    Forward of stage s: receive its inputs from stage s-1's rank, its tensor-parallel calls,
-    send its outputs to stage s+1's rank. Backward: receive the outputs' gradients, the
-    tensor-parallel backward calls, send the inputs' gradients. Receives are posted `ahead`
-    actions early (`receives_ahead`: 1 on gloo). Then, once per step: each
-    local stage's gradient buckets, partial-gradient sums, tied-parameter sums between the
-    stages that share them, and the loss (summed over the pipeline, averaged over dp).
-    """
-    coord = mesh.coord(rank)
-    tp_group = mesh.group(rank, Axis.TP)
-
-    def peer(stage: int) -> int:
-        return mesh.rank_of(dp=coord.dp, pp=schedule.rank_of(stage), tp=coord.tp)
-
-    calls: list[Collective] = []
-
-    def p2p(kind, boundaries, other, tag, phase) -> None:
-        for b in boundaries:
-            if phase == "backward" and not b.requires_grad:
-                continue
-            calls.append(Collective(kind=kind, group=tuple(sorted((rank, other))), numel=math.prod(boundary_shape(b, sizes, mesh.tp)),
-                                    dtype=b.dtype, op="none", tag=tag, phase=phase))
-
-    tp_calls = {  # this rank's stages only: at pp=16 the others cost 15x the time for nothing
-        s.index: tensor_parallel_collectives(s.graph_module, mesh.axis_groups(rank), sizes)
-        for s in stages if schedule.rank_of(s.index) == coord.pp
-    }
-    actions = schedule.actions[coord.pp]
-    for event, i in issue_order(len(actions), ahead):
-        action = actions[i]
-        stage = stages[action.stage]
-        if event == "receive":
-            if action.kind == "F" and stage.index > 0:
-                p2p("recv", stage.inputs, peer(stage.index - 1), f"stage {stage.index} activations", "forward")
-            elif action.kind == "B" and stage.outputs:
-                p2p("recv", stage.outputs, peer(stage.index + 1), f"stage {stage.index} gradients", "backward")
-        elif action.kind == "F":
-            calls.extend(c for c in tp_calls[stage.index] if c.phase == "forward")
-            if stage.outputs:
-                p2p("send", stage.outputs, peer(stage.index + 1), f"stage {stage.index + 1} activations", "forward")
-        elif action.kind == "B":  # (a W action only runs local matmuls)
-            calls.extend(c for c in tp_calls[stage.index] if c.phase == "backward")
-            if stage.index > 0:
-                p2p("send", stage.inputs, peer(stage.index - 1), f"stage {stage.index - 1} gradients", "backward")
-    local = [s for s in stages if schedule.rank_of(s.index) == coord.pp]
-    for stage in local:
-        calls.extend(data_parallel_collectives(
-            stage.buckets, mesh.group(rank, Axis.DP), zero=zero, carry_loss=False
-        ))
-    for stage in local:
-        calls.extend(partial_gradient_collectives(stage.graph_module, tp_group))
-    calls.extend(tied_parameter_collectives(rank=rank, mesh=mesh, schedule=schedule, stages=stages))
-    calls.append(Collective(kind="all_reduce", group=mesh.group(rank, Axis.PP), numel=1, dtype=torch.float32,
-                            tag="pipeline loss", phase="step"))
-    if mesh.dp > 1:
-        calls.append(Collective(kind="all_reduce", group=mesh.group(rank, Axis.DP), numel=1, dtype=torch.float32,
-                                tag="loss", phase="step"))
-    return tuple(calls)
-
-
-def tied_parameter_groups(mesh: Mesh, schedule: Schedule, stages: tuple[Stage, ...]) -> dict[str, list[tuple[int, ...]]]:
-    """For each parameter several pipeline ranks hold: the rank groups that keep it identical."""
-    groups = {}
-    for name, owners in shared_parameters(stages).items():
-        pp_ranks = sorted({schedule.rank_of(s) for s in owners})
-        if len(pp_ranks) < 2:
-            continue
-        groups[name] = [
-            tuple(mesh.rank_of(dp=dp, pp=pp, tp=tp) for pp in pp_ranks)
-            for dp in range(mesh.dp)
-            for tp in range(mesh.tp)
-        ]
-    return groups
-
-
-def tied_parameter_collectives(*, rank, mesh, schedule, stages) -> list[Collective]:
-    calls = []
-    for name, groups in tied_parameter_groups(mesh, schedule, stages).items():
-        for group in groups:
-            if rank in group:
-                node = meta.parameter_nodes(stages[shared_parameters(stages)[name][0]].graph_module.graph)[name]
-                numel = local_numel(node.meta["val"].shape, meta.placement(node), mesh.tp)
-                calls.append(Collective(kind="all_reduce", group=group, numel=numel, dtype=node.meta["val"].dtype,
-                                        tag=f"tied {name} gradient", phase="step"))
-    return calls
+def boundary_shape(boundary: Boundary, sizes: dict, mesh: Mesh) -> tuple[int, ...]:
+    """A rank's piece of a boundary tensor, at the sizes of one microbatch of the global batch."""
+    return local_shape([int(sympy.sympify(d).subs(sizes)) for d in boundary.shape], boundary.placement, mesh.sizes)
 
 
 def check_pipeline(world_size: int, schedule: Schedule, collectives_of) -> None:

@@ -6,16 +6,32 @@
                        projection): rank i holds the i-th slice of *each* block, side by side
     Partial()          every rank holds a summand; the value is their sum
 
-Placements are data on graph nodes (`fxpar.meta.placement`). The tensor-parallel pass derives
-them op by op (`passes.tp_propagation`) and, where an op needs its input laid out otherwise,
-inserts the op that `fxpar.redistribution`'s table names for the move.
+A value carries one placement per mesh axis that splits data, `Placements(dp=..., tp=...)`
+(DTensor's `placements`, by axis name). The pipeline axis is not among them: which stage
+computes a value is its own annotation (`fxpar.meta.STAGE`), since a stage's values live on
+one pipeline rank whole rather than split across the axis.
+
+    parameter of a column-parallel linear     Placements(dp=R, tp=S(0))
+    activation (batch, seq, hidden)            Placements(dp=S(0), tp=R)
+    the loss, a sum over the batch             Placements(dp=P, tp=R)
+
+Placements are data on graph nodes (`fxpar.meta.placements`). The tensor-parallel pass derives
+the tp axis op by op (`passes.tp_propagation`) and, where an op needs its input laid out
+otherwise, inserts the op that `fxpar.redistribution`'s table names for the move; the
+data-parallel pass derives the dp axis (`passes.data_parallel.place_data_parallel`).
+
+`local_shape` (and `local_numel`, `local_slice`) is the one place that turns a global shape into
+one rank's piece: nothing else divides by a degree. `global_shape` is its inverse.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Literal
 
+import sympy
 import torch
 
 
@@ -44,23 +60,70 @@ Placement = Replicate | Shard | Partial
 R, P = Replicate(), Partial()
 
 
-def local_shape(shape: tuple[int, ...] | list[int], placement: Placement, size: int) -> tuple[int, ...]:
-    """The shape of one rank's piece of a value of global `shape` under `placement` over `size`
-    ranks: a Shard's dim divided, anything else whole (a Partial's summand has the value's shape)."""
-    shape = tuple(shape)
-    if not isinstance(placement, Shard) or size == 1:
-        return shape
-    return (*shape[:placement.dim], shape[placement.dim] // size, *shape[placement.dim + 1:])
+Axis = Literal["dp", "tp"]
+AXES: tuple[Axis, ...] = ("dp", "tp")  # outermost first, as the mesh orders them
 
 
-def local_numel(shape: tuple[int, ...] | list[int], placement: Placement, size: int) -> int:
-    return math.prod(local_shape(shape, placement, size))
+@dataclass(frozen=True)
+class Placements:
+    """A value's placement on every mesh axis that splits data (module doc)."""
+
+    dp: Placement = R
+    tp: Placement = R
+
+    def __getitem__(self, axis: Axis) -> Placement:
+        return getattr(self, axis)
+
+    def on(self, axis: Axis, placement: Placement) -> Placements:
+        """These placements with `axis` set to `placement`."""
+        return replace(self, **{axis: placement})
+
+    def __str__(self) -> str:
+        return " ".join(f"{axis}={self[axis]}" for axis in AXES)
 
 
-def local_slice(tensor: torch.Tensor, placement: Placement, index: int, size: int) -> torch.Tensor:
-    """Rank `index`'s piece of the global `tensor` under `placement` over `size` ranks."""
-    if not isinstance(placement, Shard) or size == 1:
-        return tensor
+REPLICATED = Placements()
+Sizes = Mapping[str, int]  # mesh axis -> its degree; a Mesh gives `mesh.sizes()`
+
+
+def local_shape(shape, placements: Placements, sizes: Sizes) -> tuple:
+    """The shape of one rank's piece of a value of global `shape` (ints or sympy expressions)
+    under `placements` on a mesh of axis `sizes`: each Shard's dim divided by its axis' degree,
+    anything else whole (a Partial's summand has the value's shape)."""
+    shape = list(shape)
+    for axis in AXES:
+        placement, size = placements[axis], sizes.get(axis, 1)
+        if isinstance(placement, Shard) and size > 1:
+            d = shape[placement.dim]
+            shape[placement.dim] = d // size if isinstance(d, int) else sympy.sympify(d) / size
+    return tuple(shape)
+
+
+def global_shape(shape, placements: Placements, sizes: Sizes) -> tuple:
+    """The global shape of a value whose piece on one rank has `shape` (inverse of `local_shape`)."""
+    shape = list(shape)
+    for axis in AXES:
+        placement, size = placements[axis], sizes.get(axis, 1)
+        if isinstance(placement, Shard):
+            shape[placement.dim] = shape[placement.dim] * size
+    return tuple(shape)
+
+
+def local_numel(shape, placements: Placements, sizes: Sizes):
+    return math.prod(local_shape(shape, placements, sizes))
+
+
+def local_slice(tensor: torch.Tensor, placements: Placements, coord: Mapping[str, int], sizes: Sizes) -> torch.Tensor:
+    """The piece of the global `tensor` that the rank at mesh coordinate `coord` (axis ->
+    index) holds under `placements`: sliced on each sharded axis, outermost first."""
+    for axis in AXES:
+        placement, size = placements[axis], sizes.get(axis, 1)
+        if isinstance(placement, Shard) and size > 1:
+            tensor = _piece(tensor, placement, coord[axis], size)
+    return tensor
+
+
+def _piece(tensor: torch.Tensor, placement: Shard, index: int, size: int) -> torch.Tensor:
     dim, parts = placement.dim, placement.parts
     if tensor.shape[dim] % (parts * size):
         raise ValueError(
@@ -71,7 +134,8 @@ def local_slice(tensor: torch.Tensor, placement: Placement, index: int, size: in
 
 
 def global_tensor(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
-    """The global tensor from every rank's piece, in rank order (inverse of `local_slice`)."""
+    """The tensor whole along one axis from every rank's piece on it, in axis order (the
+    inverse of `local_slice` on that axis; gathering the full state goes axis by axis)."""
     if not isinstance(placement, Shard) or len(pieces) == 1:
         return pieces[0]
     dim, parts = placement.dim, placement.parts

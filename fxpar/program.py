@@ -18,31 +18,27 @@ with a pipeline, the graph is cut into `program.stages` (each with its own bucke
 
 from __future__ import annotations
 
+import functools
 import warnings
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING
 
+import sympy
 import torch
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.collectives import (
-    Collective,
-    check_collectives,
-    data_parallel_collectives,
-    partial_gradient_collectives,
-    tensor_parallel_collectives,
-    valid_target_collectives,
-)
+from fxpar.collectives import Collective, check_collectives
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
-from fxpar.mesh import Axis, Mesh
-from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets
+from fxpar.mesh import Mesh
+from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets, place_data_parallel
 from fxpar.passes.infra import copy_graph_module, run_passes
 from fxpar.passes.loss_normalisation import COUNT_INPUT, LossReduction, normalise_loss
 from fxpar.passes.pipeline import assign_stages
+from fxpar.lowering import lower_row, tied_groups
 from fxpar.pipeline_program import (
     Stage,
     build_stages,
@@ -51,14 +47,14 @@ from fxpar.pipeline_program import (
     node_memory,
     node_time,
     schedule_in_flight,
-    pipeline_collectives,
     receives_ahead as pipeline_receives_ahead,  # collectives() has a parameter of that name
 )
+from fxpar.step_program import StepProgram
 from fxpar.schedules import Schedule, schedule
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
-from fxpar.placement import Shard, local_slice
+from fxpar.placement import global_shape, local_slice
 from fxpar.plan import Plan, check_runnable
 from fxpar.model_io import ExampleInputs
 from fxpar.trace import CapturedGraph, capture, restore_state_layout
@@ -125,6 +121,8 @@ def compile(
                 gathered_outputs=placements.gathered_outputs,
             )
         )
+    # Placements on the dp axis follow, over the ops tensor parallelism inserted too.
+    passes.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
     # The pipeline cut comes after: stages hold tensor-parallel shards, and each stage's
     # buckets hold only that stage's parameters.
     stages_count = plan.pp * plan.virtual_stages
@@ -138,12 +136,15 @@ def compile(
             in_flight=schedule_in_flight(pipeline_schedule),
         ))
     else:
-        passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes))
+        passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes, mesh=mesh))
     graph_module = run_passes(captured.graph_module, passes)
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
     stages = None
     if stages_count > 1:
-        stages = build_stages(graph_module, stage_passes=[partial(assign_gradient_buckets, bucket_bytes=bucket_bytes)])
+        stage_passes = [partial(assign_gradient_buckets, bucket_bytes=bucket_bytes, mesh=mesh)]
+        if pipeline_schedule.splits_backward:  # zero bubble: W actions compute linear weights' grads
+            stage_passes.insert(0, defer_weight_gradients)
+        stages = build_stages(graph_module, stage_passes=stage_passes)
     return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
                    stages=stages, hardware=hardware)
 
@@ -213,6 +214,9 @@ class Program:
         self.schedule: Schedule | None = (
             schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages) if stages else None
         )
+        self._rows: dict[tuple[int, int], tuple] = {}  # (pp rank, receives ahead) -> actions
+        self._tied_groups: dict[int, dict[str, tuple[int, ...]]] | None = None
+        self._edited: dict[int, StepProgram] = {}  # replace_step_program
 
     @property
     def world_size(self) -> int:
@@ -259,65 +263,90 @@ class Program:
         coord = self.mesh.coord(rank)
         if self.stages is None:
             return [self._specialise(self.graph_module, rank)]
-        modules = [
+        return [
             self._specialise(stage.graph_module, rank)
             for stage in self.stages
             if self.schedule.rank_of(stage.index) == coord.pp
         ]
-        if self.schedule.splits_backward:  # zero-bubble: W actions compute the linear weights' grads
-            modules = [defer_weight_gradients(m) for m in modules]
-        return modules
 
     def _specialise(self, graph_module: fx.GraphModule, rank: int) -> fx.GraphModule:
         coord = self.mesh.coord(rank)
         module = copy_graph_module(graph_module)
         module.meta[meta.GRAPH_RANK] = rank
         module.meta[meta.GRAPH_COORD] = coord
-        if self.mesh.tp > 1:
-            for name, node in meta.parameter_nodes(module.graph).items():
-                placement = meta.placement(node)
-                if isinstance(placement, Shard):
-                    whole = module.get_parameter(name)
-                    piece = local_slice(whole.detach(), placement, coord.tp, self.mesh.tp).clone()
-                    _replace_parameter(module, name, torch.nn.Parameter(piece, whole.requires_grad))
+        sliced = False
+        for name, node in meta.parameter_nodes(module.graph).items():
+            whole = module.get_parameter(name)
+            piece = local_slice(whole.detach(), meta.placements(node), coord, self.mesh.sizes)
+            if piece.shape != whole.shape:
+                _replace_parameter(module, name, torch.nn.Parameter(piece.clone(), whole.requires_grad))
+                sliced = True
+        if sliced:
             restore_state_layout(module)
         return module
+
+    def step_program(
+        self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None
+    ) -> StepProgram:
+        """Everything `rank` does in one training step, in order (`fxpar.step_program`): what
+        `collectives`, `check`, the cost model and the runtime read.
+
+        The backend only moves a pipeline's receives in that order (on gloo they are posted
+        one action ahead: `pipeline_program.receives_ahead`, which `receives_ahead` overrides
+        as `Runner.receives_ahead` does); what is sent and received is the same.
+        """
+        if rank in self._edited:
+            return self._edited[rank]
+        ahead = pipeline_receives_ahead(backend) if receives_ahead is None else receives_ahead
+        coord = self.mesh.coord(rank)
+        key = (coord.pp, ahead if self.stages is not None else 0)
+        if key not in self._rows:
+            self._rows[key] = lower_row(self, coord.pp, key[1])
+        if self._tied_groups is None:
+            self._tied_groups = tied_groups(self)
+        stage_ranks = tuple(self.schedule.rank_of(s.index) for s in self.stages) if self.stages else ()
+        return StepProgram(rank=rank, mesh=self.mesh, actions=self._rows[key], stage_ranks=stage_ranks,
+                           tied_groups=self._tied_groups.get(rank, {}))
+
+    def replace_step_program(self, rank: int, program: StepProgram) -> None:
+        """Make `program` rank `rank`'s step program, for every reader: `collectives`, `check`,
+        `estimate` and `bind`. For tools and tests that edit one rank's step (a dropped,
+        swapped or resized call shows in the check and in the run alike)."""
+        if program.rank != rank:
+            raise ValueError(f"a step program of rank {program.rank} cannot be rank {rank}'s")
+        self._edited[rank] = program
 
     def collectives(
         self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None
     ) -> tuple[Collective, ...]:
-        """Every collective `rank` issues in one training step, in issue order.
+        """Every collective `rank` issues in one training step, in issue order, at the
+        example's sizes: its step program's calls (`step_program`; `lowering.bucket_actions`
+        says what each ZeRO stage issues)."""
+        program = self.step_program(rank, backend=backend, receives_ahead=receives_ahead)
+        return program.collectives(self.example_sizes)
 
-        See `fxpar.collectives.data_parallel_collectives` for what each ZeRO stage issues. The
-        backend only moves a pipeline's receives in that order (on gloo they are posted one
-        action ahead: `pipeline_program.receives_ahead`, which `receives_ahead` overrides as
-        `Runner.receives_ahead` does); what is sent and received is the same.
-        """
-        sizes = self._local_sizes()
-        counting = valid_target_collectives(
-            self.mesh.group(rank, Axis.DP), counted=self.loss_reduction.sums and self.holds_loss(rank)
-        )
-        if self.stages is not None:
-            return counting + pipeline_collectives(
-                rank=rank, mesh=self.mesh, schedule=self.schedule, stages=self.stages,
-                sizes=sizes, zero=self.plan.zero,
-                ahead=pipeline_receives_ahead(backend) if receives_ahead is None else receives_ahead,
-            )
-        tp_group = self.mesh.group(rank, Axis.TP)
-        tensor_parallel = tensor_parallel_collectives(self.graph_module, self.mesh.axis_groups(rank), sizes)
-        data_parallel = data_parallel_collectives(
-            self.buckets, self.mesh.group(rank, Axis.DP), zero=self.plan.zero
-        )
-        partial = partial_gradient_collectives(self.graph_module, tp_group)
-        return counting + tensor_parallel * self.plan.microbatches + data_parallel + partial
-
-    def _local_sizes(self) -> dict:
-        """Export's size symbols -> their values in one rank's microbatch of the example."""
-        local_batch = self.captured.example_batch // (self.plan.dp * self.plan.microbatches)
+    @functools.cached_property
+    def example_sizes(self) -> dict:
+        """Export's size symbols -> their values in one microbatch of the example's global
+        batch (a rank's piece of it follows from the placements: `placement.local_shape`)."""
+        microbatch = self.captured.example_batch // self.plan.microbatches
         sizes = {}
         for symbol, value in self.captured.example_sizes.items():
             for exported in self.captured.export_symbols(symbol.name):
-                sizes[exported] = local_batch if symbol.name == "batch" else value
+                sizes[exported] = sympy.Integer(microbatch if symbol.name == "batch" else value)
+        return sizes
+
+    def microbatch_sizes(self, microbatch: tuple[torch.Tensor, ...]) -> dict:
+        """Export's size symbols -> their values in a step's microbatch of the global batch,
+        read off this rank's piece of it (its inputs, in `input_names` order): what the step
+        program's payload formulas are evaluated at (`placement.global_shape` undoes dp)."""
+        placeholders = [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+        sizes = {}
+        for node, tensor in zip(placeholders, microbatch):
+            whole = global_shape(tensor.shape, meta.placements(node), self.mesh.sizes)
+            for dim, size in enumerate(node.meta["val"].shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    sizes[size.node.expr] = sympy.Integer(whole[dim])
         return sizes
 
     def describe_stages(self) -> str:

@@ -1,4 +1,13 @@
-"""Data parallelism: gradient buckets in the exact order backward produces gradients.
+"""Data parallelism: placements on the dp axis, and gradient buckets in the exact order
+backward produces gradients.
+
+`place_data_parallel` lays every value out on the data-parallel axis. Each rank runs the
+whole model on its slice of the batch, so a value with a batch dim is `Shard(d)` on dp (d
+where its size involves the batch), a value computed from such slices without one (the
+loss's sum, the count of valid targets) is `Partial` (a summand per rank), and parameters,
+buffers and what only they make are `Replicate`. A local shape then follows from the
+placements (`placement.local_shape`), as it does on the tp axis: a collective's payload or a
+pipeline boundary is the global microbatch's shape cut by both axes.
 
 DDP (Li et al. 2020, "PyTorch Distributed", Sec. 3.2) groups gradients into buckets so that
 one all-reduce moves many of them, and launches each bucket's all-reduce as soon as its last
@@ -25,8 +34,60 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
+from fxpar.mesh import Mesh
 from fxpar.passes.contracts import broken, ensures
-from fxpar.placement import local_numel
+from fxpar.placement import P, R, Shard, local_numel
+
+AXIS = "dp"
+
+
+def batch_dim(node: fx.Node, batch: frozenset) -> int | None:
+    """The first dim of `node`'s value whose size involves one of export's `batch` symbols."""
+    for dim, size in enumerate(node.meta["val"].shape):
+        if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & batch:
+            return dim
+    return None
+
+
+def batch_sharded_on_dp(gm: fx.GraphModule) -> None:
+    """Ensures: every tensor node carries placements, and a value with a batch dim is Shard
+    there on dp (`fxpar.dp_batch` names export's batch symbols)."""
+    batch = gm.meta.get(meta.GRAPH_BATCH, frozenset())
+    for node in gm.graph.nodes:
+        if not isinstance(node.meta.get("val"), torch.Tensor) or node.op == "output":
+            continue
+        if meta.PLACEMENT not in node.meta:
+            raise broken("every tensor node has placements (fxpar.placement)", node)
+        dim = batch_dim(node, batch)
+        if dim is not None and meta.placement(node, AXIS) != Shard(dim):
+            raise broken(f"a value with its batch in dim {dim} is Shard({dim}) on dp", node)
+
+
+@ensures(batch_sharded_on_dp)
+def place_data_parallel(gm: fx.GraphModule, *, batch: frozenset) -> fx.GraphModule:
+    """Set every tensor value's placement on the dp axis (module doc).
+
+    Requires: `batch`, export's symbols of the batch size (`CapturedGraph.export_symbols`);
+    empty when the capture fixed the batch (then nothing is split: dp must be 1).
+    Ensures: `fxpar.placement` on every tensor node with its dp axis set: Shard(d) where d is
+    its first dim sized by the batch, Partial for a batch-free value computed from split or
+    partial ones, Replicate otherwise; `gm.meta["fxpar.dp_batch"] = batch`.
+    """
+    for node in gm.graph.nodes:
+        if not isinstance(node.meta.get("val"), torch.Tensor) or node.op == "output":
+            continue
+        dim = batch_dim(node, batch)
+        if dim is not None:
+            placement = Shard(dim)
+        elif node.op == "call_function" and any(
+            meta.placement(source, AXIS) != R for source in node.all_input_nodes if meta.PLACEMENT in source.meta
+        ):
+            placement = P
+        else:
+            placement = R
+        meta.set_placement(node, AXIS, placement)
+    gm.meta[meta.GRAPH_BATCH] = batch
+    return gm
 
 
 @dataclass(frozen=True)
@@ -60,11 +121,11 @@ def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
 
 
 @ensures(every_parameter_in_one_bucket)
-def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.GraphModule:
+def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh = Mesh()) -> fx.GraphModule:
     """Put every parameter that receives a gradient into a bucket of about `bucket_bytes`.
 
     Requires: `fxpar.parameter` on the get_attr node of each parameter (trace.capture);
-    `fxpar.placement` where tensor parallelism split a parameter (sizes are per shard).
+    `fxpar.placement` where a pass split a parameter (sizes are this rank's piece on `mesh`).
     Ensures: each parameter that requires grad and reaches the loss is in exactly one bucket
     (tied parameters are one parameter, so they are reduced once), its node carries
     `fxpar.bucket`, and `gm.meta["fxpar.buckets"]` lists the buckets in launch order:
@@ -74,7 +135,6 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    tp = gm.meta.get(meta.GRAPH_TP, 1)  # a tensor-parallel shard holds 1/tp of a split parameter
     reaches_loss = _nodes_reaching_output(gm.graph)
     ready_order = []
     for name, node in meta.parameter_nodes(gm.graph).items():
@@ -103,7 +163,7 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int) -> fx.Grap
             close()
         dtype = value.dtype
         names.append(name)
-        numel += local_numel(value.shape, meta.placement(node), tp)
+        numel += local_numel(value.shape, meta.placements(node), mesh.sizes)
         node.meta[meta.BUCKET] = len(buckets)
         if numel * dtype.itemsize >= bucket_bytes:
             close()

@@ -28,19 +28,20 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.errors import PlanError
 from fxpar.passes.contracts import broken, ensures
+from fxpar.placement import Placements
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class Boundary:
-    """A tensor that crosses into a stage: its name there, global shape, dtype, placement."""
+    """A tensor that crosses into a stage: its name there, global shape, dtype, placements."""
 
     name: str
-    shape: tuple  # sympy expressions in export's symbols (global, before tensor sharding)
+    shape: tuple  # sympy expressions in export's symbols (global: the whole microbatch, unsharded)
     dtype: torch.dtype
     requires_grad: bool
-    placement: object
+    placement: Placements  # on each mesh axis: a rank's piece is `placement.local_shape`
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ def split_stages(gm: fx.GraphModule) -> tuple[Stage, ...]:
             value = node.meta["val"]
             boundaries.append(Boundary(f"boundary_{i}", tuple(
                 d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in value.shape
-            ), value.dtype, meta.requires_grad(node), meta.placement(node)))
+            ), value.dtype, meta.requires_grad(node), meta.placements(node)))
         used_inputs = [p for p in placeholders if _reaches_stage(p, s, stage_of)]
         for p in used_inputs:
             env[p] = graph.placeholder(p.name)

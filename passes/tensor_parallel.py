@@ -29,8 +29,8 @@ replicated and no norm sums them again), and the output of a module whose style 
 The graph holds no runtime object: the ops name the axis, and `Program.bind()` connects it.
 
 Requires: `fxpar.parameter` on parameter nodes; `placements` for every parameter.
-Ensures: `fxpar.placement` on every tensor node (its global value's layout across the tp
-group); the graph computes each rank's local part; the loss is replicated.
+Ensures: `fxpar.placement` on every tensor node, its tp axis set (its global value's layout
+across the tp group); the graph computes each rank's local part; the loss is replicated.
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ def shard_tensor_parallel(
             loss = node.args[0]
             node.args = (walk.convert(loss, R, before=node),)
     walk.settle_parameters_feeding_shards()
-    gm.meta[meta.GRAPH_TP] = tp
     gm.recompile()
     return gm
 
@@ -107,7 +106,8 @@ class _Walk:
 
     def set(self, node: fx.Node, placement) -> None:
         self.ctx.placements[node] = placement
-        node.meta[meta.PLACEMENT] = placement
+        if not isinstance(placement, list):  # a tuple of values: each getitem gets its own
+            meta.set_placement(node, AXIS, placement)
 
     def visit(self, node: fx.Node) -> None:
         rule = rule_for(node)

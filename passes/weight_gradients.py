@@ -31,12 +31,26 @@ import torch.fx as fx
 
 from fxpar import deferred_linear, meta
 from fxpar.deferred_linear import deferrable
+from fxpar.passes.contracts import broken, ensures
 
 STORE_INPUT = "weight_gradients"  # the deferring stage's input that receives the store
 
 
+def deferrable_linears_defer(gm: fx.GraphModule) -> None:
+    """Ensures: no linear whose weight only linears read is left ordinary, and a graph that
+    defers takes the store as its last input."""
+    for weight in meta.parameter_nodes(gm.graph).values():
+        if deferrable(weight):
+            raise broken("every linear whose weight only linears read defers its weight gradient", weight)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if takes_weight_gradients(gm) and placeholders[-1].name != STORE_INPUT:
+        raise broken(f"a deferring graph's last input is {STORE_INPUT!r}", placeholders[-1])
+
+
+@ensures(deferrable_linears_defer)
 def defer_weight_gradients(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite `gm` in place (contract in the module doc); returns it, recompiled."""
+    """Rewrite `gm` in place (contract in the module doc); returns it, recompiled. A compile
+    pass, run on each stage of a zero-bubble schedule (`fxpar.program.compile`)."""
     linears = [
         node
         for weight in meta.parameter_nodes(gm.graph).values() if deferrable(weight)

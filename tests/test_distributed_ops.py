@@ -10,9 +10,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxpar  # noqa: F401  (registers the ops)
 from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
-from fxpar.collectives import tensor_parallel_collectives
+from fxpar.lowering import graph_calls
 from fxpar.distributed_ops import EAGER, OPS
-from fxpar.placement import P, R, Shard
+from fxpar.mesh import Mesh
+from fxpar.placement import P, Placements, R, Shard
+from fxpar.step_program import evaluate
 
 SIZE, INDEX = 2, 1
 
@@ -69,13 +71,13 @@ def _predicted(op, x_shape, placements):
         if isinstance(placements[0], Shard):
             whole[1] *= SIZE  # the global value the shard is a piece of
         source.meta["val"] = fake.from_tensor(torch.empty(whole))
-    source.meta[meta.PLACEMENT] = placements[0]
+    source.meta[meta.PLACEMENT] = Placements(tp=placements[0])
     source.meta[meta.REQUIRES_GRAD] = op.backward is not None
     node = graph.call_function(op.overload, _args(op, source))
-    node.meta.update({"val": source.meta["val"], meta.PLACEMENT: placements[1]})
+    node.meta.update({"val": source.meta["val"], meta.PLACEMENT: Placements(tp=placements[1])})
     graph.output(node)
-    calls = tensor_parallel_collectives(fx.GraphModule({}, graph), lambda axis: (0, 1), {})
-    return [(c.kind, c.numel, c.op, c.tag, c.phase) for c in calls]
+    forward, backward = graph_calls(fx.GraphModule({}, graph), Mesh(tp=SIZE))
+    return [(c.kind, evaluate(c.numel, {}), c.op, c.tag, c.phase) for c in (*forward, *backward)]
 
 
 @pytest.mark.parametrize("name", [op.name for op in OPS])

@@ -4,7 +4,7 @@
              schedules and the simulator: facts about the job, no policy
     cost     fxpar.cost: formulas over graphs and step programs, taken as data
     passes   fxpar.passes: graph rewrites, which may price with cost
-    program  compile, Program, the collectives and pipeline programs it derives
+    program  compile, Program, the pipeline program and the lowering to step programs
     runtime  fxpar.runtime: one torchrun worker
 
 A module may import its own layer and those below it. Every import counts: module level,
@@ -18,7 +18,7 @@ import ast
 from pathlib import Path
 
 LAYERS = ("core", "cost", "passes", "program", "runtime")
-PROGRAM = {"fxpar.program", "fxpar.collectives", "fxpar.pipeline_program"}
+PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.pipeline_program"}
 ALLOWED_UPWARD = {("fxpar.program", "fxpar.runtime.runner")}  # Program.bind, function-level
 
 

@@ -6,6 +6,9 @@ input; broadcast: its tensor), the quantities the cost model predicts. `log` kee
 step's calls as `Collective`s, the same record `Program.collectives(rank)` predicts, so tests
 compare them call for call. Gathering the full state (`runtime.full_state`) happens outside any
 step: its all-gathers count in the stats and stay out of the step's log.
+
+During a step every call is first shown to the step's guard (`runtime.step_guard`), which
+holds it to the rank's step program: a call the program does not list fails before it is made.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from fxpar.collectives import Collective, CollectiveKind
 from fxpar.errors import CollectiveError
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.step_guard import StepGuard
 
 
 class PendingCollective:
@@ -88,6 +92,7 @@ class Communicator:
         self.timeout = timeout
         self.log: list[Collective] = []  # the calls of the current step (or since reset)
         self._stats: dict[str, dict[str, int]] = {}
+        self._guard: StepGuard | None = None  # during a step: holds each call to the program
 
     def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> PendingCollective:
         """Start a sum all-reduce of `tensor` in place over `group`."""
@@ -192,9 +197,17 @@ class Communicator:
         self._stats.clear()
         self.log.clear()
 
-    def start_step(self) -> None:
-        """Keep the log to one step's calls, so a long run does not grow it without bound."""
+    def start_step(self, guard: StepGuard | None = None) -> None:
+        """Start one step's log (a long run does not grow it without bound); with a `guard`
+        (already started at the step's sizes), hold every call to the step program."""
         self.log.clear()
+        self._guard = guard
+
+    def end_step(self) -> None:
+        """The step is over: its guard checks that no listed call was left out."""
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.finish()
 
     def _record(
         self,
@@ -209,6 +222,8 @@ class Communicator:
             kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op,
             tag=tag, phase=phase,
         )
+        if self._guard is not None:
+            self._guard.admit(call)
         self.log.append(call)
         return self._count(call)
 

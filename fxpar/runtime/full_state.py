@@ -56,7 +56,7 @@ def _consolidate(
     whole = {}
     for key, value in tensors.items():
         node = nodes.get(aliases.get(key, key))
-        placement = meta.placement(node) if node is not None else None
+        placement = meta.placement(node, "tp") if node is not None else None
         value = value.detach()
         if isinstance(placement, Shard) and tp is not None and tp.size > 1:
             pieces = communicator.all_gather_pieces(value, tp, tag=f"full state: tp shards of {key}")

@@ -8,8 +8,8 @@ its bucket: each parameter receives one per microbatch, so a bucket of n paramet
 complete after microbatches x n of them, whichever actions deliver them (a pipeline's
 backwards, or its deferred weight-gradient actions). When a bucket is complete (and every
 earlier bucket has been launched, so all ranks issue the same sequence) its all-reduce starts
-asynchronously while backward goes on. `finish()` waits for all of them before the optimizer
-may step.
+asynchronously while backward goes on. The step program's GRADIENT_BUCKET actions, after the
+last backward, wait for each (`finish_bucket`) before the optimizer may step.
 
 Averaging is DDP's: divide by the group size, then sum-all-reduce. When each rank's
 gradients are already its share of the global mean (the loss divides by the global count of
@@ -17,8 +17,9 @@ valid targets: `runtime.step_loss`), `average=False` sums them instead.
 
 The last bucket has one element more: the step's local loss, summed over microbatches. It is
 averaged with the gradients, so every rank learns the global-batch mean loss without a
-collective of its own. (Not with a pipeline: only the last stage knows the loss, after the
-other stages' buckets are long gone; `carry_loss=False` leaves the slot out.)
+collective of its own (`loss()`). (Not with a pipeline: only the last stage knows the loss,
+after the other stages' buckets are long gone; `carry_loss=False` leaves the slot out. A
+model with nothing to train has no bucket: its step program all-reduces the loss alone.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class GradientBuckets:
         parameters: dict[str, torch.nn.Parameter],
         group: RankGroup,
         communicator: Communicator,
-        loss_device: torch.device,
         *,
         carry_loss: bool = True,
         average: bool = True,
@@ -63,16 +63,12 @@ class GradientBuckets:
         self.communicator = communicator
         self.carry_loss = carry_loss
         self.average = average
-        if not buckets and carry_loss:  # nothing to train: the loss travels alone
-            buckets = (Bucket(0, (), 0, torch.float32),)
         extra = 1 if carry_loss else 0
         self.states = [
             _BucketState(b, [parameters[n] for n in b.parameters], extra if i == len(buckets) - 1 else 0)
             for i, b in enumerate(buckets)
         ]
-        if self.states and not self.states[-1].parameters:
-            self.states[-1].buffer = self.states[-1].buffer.to(loss_device)
-        self._pending: list[PendingCollective] = []
+        self._pending: list[PendingCollective] = []  # bucket i's all-reduce, once launched
         self._next = 0
         self._handles = []
         for state in self.states:
@@ -97,10 +93,12 @@ class GradientBuckets:
         for state in self.states:
             state.pending = microbatches * len(state.parameters)
         self._next = 0
+        self._pending.clear()
 
     def carry(self, loss: torch.Tensor) -> None:
         """Put the step's local loss in the last bucket's extra slot (before the last backward)."""
-        self.states[-1].buffer[-1].copy_(loss.detach())
+        if self.carry_loss and self.states:
+            self.states[-1].buffer[-1].copy_(loss.detach())
 
     def _launch_ready(self) -> None:
         while self._next < len(self.states) and self.states[self._next].pending == 0:
@@ -113,10 +111,11 @@ class GradientBuckets:
             self._pending.append(self.communicator.all_reduce(state.buffer, self.group, tag=tag))
             self._next += 1
 
-    def finish(self) -> float | None:
-        """Launch what remains, wait for every all-reduce, return the global mean loss."""
+    def finish_bucket(self, index: int) -> None:
+        """Wait for bucket `index`'s all-reduce (launching what is ready first); raise
+        CollectiveError naming the parameters that never received a gradient."""
         self._launch_ready()
-        if self._next < len(self.states):
+        if index >= self._next:
             missing = [
                 name
                 for state in self.states[self._next :]
@@ -126,12 +125,13 @@ class GradientBuckets:
             ]
             raise CollectiveError(
                 f"backward produced no gradient for {missing[:5]} although the graph uses them; "
-                "their bucket was never all-reduced. Are they detached or frozen mid-step?"
+                f"bucket {index} was never all-reduced. Are they detached or frozen mid-step?"
             )
-        for pending in self._pending:
-            pending.wait()
-        self._pending.clear()
-        return float(self.states[-1].buffer[-1]) if self.carry_loss else None
+        self._pending[index].wait()
+
+    def loss(self) -> float:
+        """The global-batch mean loss the last bucket carried (after `finish_bucket` of it)."""
+        return float(self.states[-1].buffer[-1])
 
     def remove(self) -> None:
         for handle in self._handles:

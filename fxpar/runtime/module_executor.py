@@ -1,10 +1,12 @@
 """The executor without a pipeline: one rank runs its one module on each microbatch in turn.
 
-For each microbatch: forward, the loss's share (`runtime.step_loss`), backward. The gradient
-buckets' hooks start their all-reduces during the last backward; before it, the step's local
-loss goes into the last bucket's spare slot, so the bucket all-reduce that averages the
-gradients also averages the loss (`runtime.gradient_buckets`). Like `PipelineExecutor`, it
-reads the bound rank only through its `StepContext`.
+It walks the rank's step program (`fxpar.lowering`): F runs the module on a microbatch and
+takes the loss's share (`runtime.step_loss`), B runs its backward; the gradient buckets' hooks
+start their all-reduces during the last backward, and the GRADIENT_BUCKET actions after it
+wait for them (`runtime.step_actions`). Before the last backward, the step's local loss goes
+into the last bucket's spare slot, so the bucket all-reduce that averages the gradients also
+averages the loss (`runtime.gradient_buckets`). Like `PipelineExecutor`, it reads the bound
+rank only through its `StepContext`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from fxpar.runtime.step_actions import StepState, communicate
+from fxpar.step_program import Communicate, Compute
 
 if TYPE_CHECKING:
     from fxpar.runtime.step_context import StepContext
@@ -26,16 +31,21 @@ class ModuleExecutor:
         """One training step over this rank's microbatches; returns the global-batch mean loss."""
         context, microbatches = self.context, len(chunks)
         module, all_buckets = context.modules[0], context.buckets
-        total = torch.zeros((), device=context.device)
+        state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))
         for buckets in all_buckets:
             buckets.start_step(microbatches)
-        for i, chunk in enumerate(chunks):
-            loss = context.loss.share(module(*chunk), microbatches)
-            total += loss.detach()
-            if i == microbatches - 1:
-                for buckets in all_buckets:
-                    buckets.carry(total)
-            loss.backward()
-        mean = all_buckets[0].finish() if all_buckets else float(total)  # they carry the loss
-        context.complete_gradients()  # finishes the buckets' all-reduces (again: a no-op)
-        return mean
+        for action in context.step_program.actions:
+            if isinstance(action, Communicate):
+                communicate(action, context, state)
+            elif not isinstance(action, Compute):
+                raise TypeError(f"a single-stage step has no {type(action).__name__} actions")
+            elif action.kind == "F":
+                loss = context.loss.share(module(*state.inputs(context, action.microbatch)), microbatches)
+                state.loss += loss.detach()
+                state.losses[action.microbatch] = loss
+                if action.microbatch == microbatches - 1:
+                    for buckets in all_buckets:
+                        buckets.carry(state.loss)
+            else:
+                state.losses.pop(action.microbatch).backward()
+        return state.result()

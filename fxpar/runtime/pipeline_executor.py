@@ -1,6 +1,7 @@
-"""The pipeline executor: one rank runs its schedule's actions on its stage modules.
+"""The pipeline executor: one rank runs its step program's actions on its stage modules.
 
-For each action of `program.schedule.actions[pp_rank]`, in order:
+The step program (`fxpar.lowering`) holds the schedule's row for this rank, with an Exchange
+before each compute action. For each compute action, in order:
 
     F(s, mb)  receive stage s's inputs from stage s-1's rank (shapes known at compile time:
               buffers are allocated from the boundary formulas, no shape exchange), run the
@@ -17,14 +18,15 @@ else. Under a zero-bubble schedule its F actions pass its `WeightGradientStore` 
 module as the module's last input (`passes.weight_gradients`), and its B actions collect into
 that store: the deferral is data flow, with no state outside the executor.
 
-Between two actions a rank starts one batch of transfers (`torch.distributed.
-batch_isend_irecv`, one NCCL group): the sends of the action that just ran and the receives due
-next, which it waits for when their action runs. On gloo those are the receives one action
-ahead; on NCCL the next action's own (`pipeline_program.receives_ahead` says why;
-`issue_order` is the order `Program.collectives` predicts). Sends are waited for at the end of
-the step. A rank only ever blocks on the receives of the action it runs next, so it never
-waits on a peer that waits on it, for any schedule the simulator accepts. Each tensor has its
-own tag per stage, microbatch, direction and index.
+Each Exchange between two compute actions starts one batch of transfers (`torch.distributed.
+batch_isend_irecv`, one NCCL group): the sends of the action that just ran and the receives it
+lists, which the rank waits for when their action runs. On gloo those are the receives one
+action ahead; on NCCL the next action's own (`pipeline_program.receives_ahead` says why,
+`issue_order` is the order lowering writes). Sends are waited for at the end of the step. A
+rank only ever blocks on the receives of the action it runs next, so it never waits on a peer
+that waits on it, for any schedule the simulator accepts. Each tensor has its own tag per
+stage, microbatch, direction and index. The Communicate actions at the end (buckets, partial
+and tied gradients, the loss over the pipeline and dp) run in `runtime.step_actions`.
 
 Why fxpar's own executor and not `torch.distributed.pipelining`'s: fxpar already has stage
 GraphModules with boundary shapes known symbolically, tensor-parallel collectives inside the
@@ -43,11 +45,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxpar.mesh import Axis
 from fxpar.passes.weight_gradients import takes_weight_gradients
-from fxpar.pipeline_program import boundary_shape, issue_order
+from fxpar.pipeline_program import boundary_shape
 from fxpar.runtime.communicator import Transfer
+from fxpar.runtime.step_actions import StepState, communicate
 from fxpar.runtime.weight_gradients import WeightGradientStore
+from fxpar.step_program import Communicate, Exchange
 
 if TYPE_CHECKING:
     from fxpar.runtime.communicator import PendingCollective
@@ -62,7 +65,6 @@ class PipelineExecutor:
         self.schedule = program.schedule
         coord = program.mesh.coord(context.rank)
         self.coord = coord
-        self.actions = self.schedule.actions[coord.pp]
         self.timeline: list[tuple[str, float, float]] = []
         self.weights = WeightGradientStore()  # B's deferred weight gradients, until their W
         # What each F passes its module after the inputs: the store, to a module that defers.
@@ -81,22 +83,8 @@ class PipelineExecutor:
         """A boundary's local shape at this step's sizes (cached: sympy is slow per call)."""
         cache_key = (boundary.name, id(boundary), key)
         if cache_key not in self._shapes:
-            self._shapes[cache_key] = boundary_shape(boundary, sizes, self.program.mesh.tp)
+            self._shapes[cache_key] = boundary_shape(boundary, sizes, self.program.mesh)
         return self._shapes[cache_key]
-
-    def _step_sizes(self, microbatch: tuple[torch.Tensor, ...]) -> tuple[dict, tuple]:
-        """Export's size symbols -> their values in this step's microbatch, read off the inputs.
-
-        Boundary shapes are formulas in these symbols, so a step may use another batch or
-        sequence length than the example the program was compiled with.
-        """
-        placeholders = [n for n in self.program.captured.graph_module.graph.nodes if n.op == "placeholder"]
-        sizes = {}
-        for node, tensor in zip(placeholders, microbatch):
-            for dim, size in enumerate(node.meta["val"].shape):
-                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                    sizes[size.node.expr] = int(tensor.shape[dim])
-        return sizes, tuple(sorted((str(k), v) for k, v in sizes.items()))
 
     def _key(self, stage: int, microbatch: int, backward: bool) -> int:
         return (stage * self.schedule.m + microbatch) * 2 + int(backward)
@@ -122,56 +110,51 @@ class PipelineExecutor:
         return Transfer("recv", buffers, self._peer(source), tag, phase, key)
 
     def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
-        """One training step over this rank's microbatches; returns the global-batch mean loss.
-
-        Transfers go out in one batch per gap between actions: the sends of the action that
-        just ran with the receives due next (`issue_order`; see `Communicator.exchange`)."""
+        """One training step over this rank's microbatches; returns the global-batch mean loss."""
         context = self.context
-        sizes, size_key = self._step_sizes(chunks[0])
-        step = _Step(chunks, torch.zeros((), device=context.device))
+        sizes = self.program.microbatch_sizes(chunks[0])
+        size_key = tuple(sorted((str(k), int(v)) for k, v in sizes.items()))
+        state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))
+        step = _Step(state)
         receiving: dict[int, tuple[list[torch.Tensor], list[PendingCollective]]] = {}
-        sends: list[Transfer] = []  # of the action that just ran, not yet posted
-        due: list[int] = []  # actions whose receives go out with them
+        sends: list[Transfer] = []  # of the compute action that just ran, not yet posted
+        computes = context.step_program.computes()  # this rank's schedule row
+        position = -1  # of the compute action running
         for buckets in context.buckets:
             buckets.start_step(len(chunks))
         self.timeline = []
-        for event, index in issue_order(len(self.actions), context.receives_ahead):
-            if event == "receive":
-                due.append(index)
-                continue
-            self._post(sends, due, receiving, step, sizes, size_key)
-            sends, due = [], []
-            action = self.actions[index]
-            received, transfers = receiving.pop(index, ([], []))
-            for transfer in transfers:
-                transfer.wait()
-            start = time.perf_counter()  # the timeline shows compute, not waiting for peers
-            if action.kind == "F":
-                sends = self._forward(action, received, step)
-            elif action.kind == "B":
-                sends = self._backward(action, received, step)
+        for action in context.step_program.actions:
+            if isinstance(action, Exchange):
+                self._post(action, sends, receiving, step, computes, sizes, size_key)
+                sends = []
+            elif isinstance(action, Communicate):
+                if step.sends:  # the step's compute is over: its last sends must land first
+                    for send in step.sends:
+                        send.wait()
+                    step.sends = []
+                communicate(action, context, state)
             else:
-                self.weights.run((action.stage, action.microbatch))
-            if context.record_timeline:
-                self.timeline.append((str(action), start, time.perf_counter()))
-        self._post(sends, due, receiving, step, sizes, size_key)
+                position += 1
+                received, transfers = receiving.pop(position, ([], []))
+                for transfer in transfers:
+                    transfer.wait()
+                start = time.perf_counter()  # the timeline shows compute, not waiting for peers
+                if action.kind == "F":
+                    sends = self._forward(action, received, step)
+                elif action.kind == "B":
+                    sends = self._backward(action, received, step)
+                else:
+                    self.weights.run((action.stage, action.microbatch))
+                if context.record_timeline:
+                    self.timeline.append((str(action), start, time.perf_counter()))
         for send in step.sends:
             send.wait()
-        context.complete_gradients()
-        # Only the last stage knows the loss: sum it over the pipeline, then average over dp.
-        groups, total = context.groups, step.loss
-        context.communicator.all_reduce_now(total, groups[Axis.PP], tag="pipeline loss", phase="step")
-        if groups[Axis.DP].size > 1:
-            total /= context.loss.data_parallel_divisor()
-            context.communicator.all_reduce_now(total, groups[Axis.DP], tag="loss", phase="step")
-        return float(total)
+        return state.result()
 
-    def _post(self, sends: list[Transfer], due: list[int], receiving: dict, step: _Step,
-              sizes: dict, size_key: tuple) -> None:
-        """Start `sends` and the receives of the actions in `due` as one batch."""
-        receives = {i: r for i in due if (r := self._receives(self.actions[i], sizes, size_key))}
-        if not sends and not receives:
-            return
+    def _post(self, exchange: Exchange, sends: list[Transfer], receiving: dict, step: _Step,
+              computes: list, sizes: dict, size_key: tuple) -> None:
+        """Start `sends` and the receives `exchange` lists as one batch."""
+        receives = {r.action: self._receives(computes[r.action], sizes, size_key) for r in exchange.receives}
         pending = self.context.communicator.exchange(self.context.rank, [*sends, *receives.values()])
         for waits in pending[:len(sends)]:
             step.sends += waits
@@ -185,13 +168,13 @@ class PipelineExecutor:
         stage, mb = self.program.stages[action.stage], action.microbatch
         for boundary, buffer in zip(stage.inputs, received):
             buffer.requires_grad_(boundary.requires_grad)
-        user = dict(zip(self.program.input_names, step.chunks[mb]))
+        user = dict(zip(self.program.input_names, step.state.inputs(self.context, mb)))
         store = self._store_input[stage.index // self.schedule.p]  # (), or (its store,)
         result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs), *store)
         step.inputs[(stage.index, mb)] = received
         if stage.index == len(self.program.stages) - 1:
-            loss = self.context.loss.share(result, len(step.chunks))
-            step.loss += loss.detach()
+            loss = self.context.loss.share(result, len(step.state.chunks))
+            step.state.loss += loss.detach()
             step.outputs[(stage.index, mb)] = (loss,)
             return []
         step.outputs[(stage.index, mb)] = result
@@ -225,11 +208,10 @@ class PipelineExecutor:
 
 @dataclass
 class _Step:
-    """What one step's actions hand each other: inputs kept for backward, outputs (or the loss)
-    until their B, the summed loss, and the isends to wait for at the end."""
+    """What one step's actions hand each other: the shared `StepState` (microbatches, loss),
+    inputs kept for backward, outputs (or the loss) until their B, and the isends to wait for."""
 
-    chunks: list[tuple[torch.Tensor, ...]]
-    loss: torch.Tensor
+    state: StepState
     inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)
     sends: list[PendingCollective] = field(default_factory=list)

@@ -41,6 +41,7 @@ from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 from fxpar.runtime.step_context import StepContext
+from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
 
 
@@ -64,13 +65,7 @@ class Runner:
         self.communicator = communicator
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
         self._dp = groups[Axis.DP]
-        self._tied = _tied_parameters(program, rank, tied_groups, self.modules)
-        # Per stage module, the replicated parameters whose gradient each tp rank holds a
-        # summand of: read off the graphs once, summed once per step and module (as predicted).
-        self._partial_gradients = [
-            [module.get_parameter(name) for name in meta.partial_gradient_parameters(module.graph)]
-            for module in self.modules
-        ]
+        self._tied_groups = tied_groups
         self.loss = StepLoss(
             program.loss_reduction,
             holds_loss=program.holds_loss(rank),
@@ -93,7 +88,9 @@ class Runner:
 
     @receives_ahead.setter
     def receives_ahead(self, actions: int) -> None:
+        step_program = self.program.step_program(self.rank, receives_ahead=actions)
         self._context.receives_ahead = actions
+        self._context.step_program, self._context.guard = step_program, StepGuard(step_program)
 
     @property
     def record_timeline(self) -> bool:
@@ -165,8 +162,8 @@ class Runner:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
             self._broadcast(state, self._dp)
-        for _, parameter, group in self._tied:
-            self._broadcast([parameter], group)
+        for name, group in self.program.step_program(self.rank).tied_groups.items():
+            self._broadcast([dict(_parameters_of(self.modules))[name]], self._tied_groups[group])
         self.communicator.reset()
 
     def _bind_step(self) -> None:
@@ -175,13 +172,24 @@ class Runner:
         for module in self.modules if self._dp.size > 1 else ():
             assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
             buckets.append(GradientBuckets(
-                assignment, _parameters(module), self._dp, self.communicator, self.device,
+                assignment, _parameters(module), self._dp, self.communicator,
                 carry_loss=stages is None, average=not self.loss.sums,
             ))
+        step_program = self.program.step_program(self.rank, backend=self.backend)
+        mine = dict(_parameters_of(self.modules))
         self._context = StepContext(
-            rank=self.rank, device=self.device, modules=tuple(self.modules), buckets=tuple(buckets),
+            rank=self.rank, device=self.device, step_program=step_program,
+            guard=StepGuard(step_program), modules=tuple(self.modules),
+            module_of_stage={m.meta.get(meta.GRAPH_STAGE, 0): i for i, m in enumerate(self.modules)},
+            buckets=tuple(buckets),
+            # Replicated parameters whose gradient each tp rank holds a summand of, per module.
+            partial_gradients=tuple(
+                [m.get_parameter(name) for name in meta.partial_gradient_parameters(m.graph)]
+                for m in self.modules
+            ),
+            tied={name: (mine[name], self._tied_groups[group]) for name, group in step_program.tied_groups.items()},
             loss=self.loss, communicator=self.communicator, groups=self.groups,
-            complete_gradients=self.complete_gradients, receives_ahead=receives_ahead(self.backend),
+            receives_ahead=receives_ahead(self.backend),
         )
         self._executor = (
             ModuleExecutor(self._context) if stages is None
@@ -250,33 +258,17 @@ class Runner:
                 value=microbatches,
             )
         chunks = list(zip(*(t.tensor_split(microbatches) for t in inputs)))
-        self.communicator.start_step()
-        chunks = self.loss.with_counts(chunks)
+        guard = self._context.guard
+        guard.start(self.program.microbatch_sizes(chunks[0]))
+        self.communicator.start_step(guard)
         bind_axes(self._axes)
-        return self._executor.run(chunks)
-
-    def complete_gradients(self) -> None:
-        """After the last backward: finish bucket all-reduces, sum partial tensor-parallel
-        gradients over tp, and sum tied parameters' gradients over the stages that share them."""
-        for buckets in self._context.buckets:
-            buckets.finish()
-        tp = self.groups.get(Axis.TP)
-        if tp is not None and tp.size > 1:
-            for parameters in self._partial_gradients:
-                self._sum_into([p.grad for p in parameters], tp, "tp partial parameter gradients")
-        for name, parameter, group in self._tied:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            self._sum_into([parameter.grad], group, f"tied {name} gradient")
-
-    def _sum_into(self, grads: list[torch.Tensor], group: RankGroup, tag: str) -> None:
-        grads = [g for g in grads if g is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        self.communicator.all_reduce_now(flat, group, tag=tag, phase="step")
-        for grad, whole in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(whole)
+        try:
+            loss = self._executor.run(chunks)
+        except BaseException:
+            self.communicator.start_step()  # a failed step leaves no guard behind
+            raise
+        self.communicator.end_step()
+        return loss
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **options: Any):
         """`optimizer_class` over this rank's parameters (each tied group once)."""
@@ -332,7 +324,7 @@ class Runner:
         for buckets in self._context.buckets:
             buckets.remove()
         unbind_axes(self._axes)
-        self.groups, self._tied = {}, []
+        self.groups, self._tied_groups = {}, {}
         self._context, self._executor = replace(self._context, buckets=(), groups={}), None
         self._dp = replace(self._dp, handle=None)
         if dist.is_initialized():
@@ -355,29 +347,12 @@ def _parameters_of(modules) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:
+    """Every group of ranks that keeps a tied parameter identical, in one order on all ranks."""
     if program.stages is None:
         return ()
-    from fxpar.pipeline_program import tied_parameter_groups
+    from fxpar.lowering import tied_groups
 
-    groups = tied_parameter_groups(program.mesh, program.schedule, program.stages)
-    return tuple(g for name in sorted(groups) for g in groups[name])
-
-
-def _tied_parameters(
-    program: CompiledProgram, rank: int, tied_groups: dict[tuple[int, ...], RankGroup], modules
-) -> list[tuple[str, torch.nn.Parameter, RankGroup]]:
-    """(name, this rank's copy, the group of its owners) for each parameter shared across stages."""
-    if program.stages is None:
-        return []
-    from fxpar.pipeline_program import tied_parameter_groups
-
-    mine = dict(_parameters_of(modules))
-    tied = []
-    for name, groups in sorted(tied_parameter_groups(program.mesh, program.schedule, program.stages).items()):
-        for group in groups:
-            if rank in group and name in mine:
-                tied.append((name, mine[name], tied_groups[group]))
-    return tied
+    return tuple(sorted({g for by_name in tied_groups(program).values() for g in by_name.values()}))
 
 
 def _place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:

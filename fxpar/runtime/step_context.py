@@ -5,24 +5,29 @@ and hands it to its executor (`ModuleExecutor`, or `PipelineExecutor` with a pip
 which reads nothing of the Runner itself.
 
     rank, device          the global rank, and where its tensors live
+    step_program          what the rank does in a step, in order (`fxpar.step_program`)
+    guard                 holds every collective of a step to that program (`step_guard`)
     modules               the rank's stage modules, in stage order (one without a pipeline)
+    module_of_stage       stage index -> its position in `modules`
     buckets               one `GradientBuckets` per module under data parallelism, else none
+    partial_gradients     per module, the replicated parameters whose gradient each tp rank
+                          holds a summand of (summed by a PARTIAL_GRADIENTS action)
+    tied                  tied parameter name -> (this rank's copy, its owners' group)
     loss                  the `StepLoss`: valid-target counts and each microbatch's share
     communicator          every collective and transfer goes through it (counted, logged)
     groups                this rank's process group on each mesh axis
-    complete_gradients    after the last backward: finish the buckets, sum partial tp and
-                          tied gradients (`Runner.complete_gradients`)
     receives_ahead        how many actions ahead a pipeline posts receives
                           (`pipeline_program.receives_ahead`)
     record_timeline       whether the executor keeps each action's start and end
 
 The last two are settings, which the Runner's attributes of the same name change between
-steps; the rest is fixed at bind.
+steps (a new `receives_ahead` comes with its step program and guard); the rest is fixed at
+bind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,7 +40,9 @@ if TYPE_CHECKING:
     from fxpar.runtime.communicator import Communicator
     from fxpar.runtime.gradient_buckets import GradientBuckets
     from fxpar.runtime.process_groups import RankGroup
+    from fxpar.runtime.step_guard import StepGuard
     from fxpar.runtime.step_loss import StepLoss
+    from fxpar.step_program import StepProgram
 
 
 @dataclass(kw_only=True, eq=False)
@@ -44,11 +51,15 @@ class StepContext:
 
     rank: int
     device: torch.device
+    step_program: StepProgram
+    guard: StepGuard
     modules: tuple[fx.GraphModule, ...]
+    module_of_stage: Mapping[int, int]
     buckets: tuple[GradientBuckets, ...]
+    partial_gradients: tuple[list[torch.nn.Parameter], ...]
+    tied: Mapping[str, tuple[torch.nn.Parameter, RankGroup]]
     loss: StepLoss
     communicator: Communicator
     groups: Mapping[Axis, RankGroup]
-    complete_gradients: Callable[[], None]
     receives_ahead: int
     record_timeline: bool = False

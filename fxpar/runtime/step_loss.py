@@ -10,7 +10,7 @@ loss (`passes.loss_normalisation.LossReduction`):
 
 With `sums`, before the first forward every rank that computes the loss runs the compiled
 count module on each of its microbatches and sums the counts over the data-parallel group in
-one scalar all-reduce (`fxpar.collectives.valid_target_collectives` predicts it); each
+one scalar all-reduce (its step program's VALID_TARGETS action, `fxpar.lowering`); each
 microbatch then gets that global count as its `valid_targets` input.
 """
 
@@ -42,17 +42,22 @@ class StepLoss:
         """Whether pieces' losses and gradients are summed (True) or averaged (False)."""
         return self.reduction.sums
 
-    def with_counts(self, chunks: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-        """Each microbatch's inputs, plus the global count of valid targets where the loss
-        needs it (a rank that does not compute the loss gets its inputs unchanged)."""
+    def local_count(self, chunks: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        """This rank's count of valid targets over its microbatches, or None when the loss
+        needs none (a loss of another form, or a rank that does not compute the loss)."""
         if not (self.sums and self.holds_loss):
-            return chunks
+            return None
         with torch.no_grad():
-            count = sum(self.reduction.count_module(*chunk) for chunk in chunks)
-        if self.data_parallel.size > 1:
-            self.communicator.all_reduce_now(
-                count, self.data_parallel, tag="valid targets", phase="forward"
-            )
+            return sum(self.reduction.count_module(*chunk) for chunk in chunks)
+
+    def sum_count(self, count: torch.Tensor) -> None:
+        """The step program's VALID_TARGETS action: the count summed over dp, in place."""
+        self.communicator.all_reduce_now(count, self.data_parallel, tag="valid targets", phase="forward")
+
+    def with_count(self, chunks: list[tuple[torch.Tensor, ...]], count: torch.Tensor | None):
+        """Each microbatch's inputs, plus the step's global count where the loss needs it."""
+        if count is None:
+            return chunks
         count = count.to(self.reduction.count_dtype)
         return [(*chunk, count) for chunk in chunks]
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import fxpar
 from fxpar import PlanError, meta
 from fxpar.passes.tp_rules import infer_styles, placement_for
-from fxpar.placement import R, Shard, global_tensor, local_slice
+from fxpar.placement import Placements, R, Shard, global_tensor, local_slice
 from fxpar.axes import bind_axes, unbind_axes
 from fxpar.mesh import Axis
 from fxpar.trace import capture
@@ -29,7 +29,7 @@ TOKENS, LABELS = global_batches()[0]
 
 def placements(program: fxpar.Program) -> dict[str, object]:
     nodes = meta.parameter_nodes(program.graph_module.graph)
-    return {name: meta.placement(node) for name, node in nodes.items()}
+    return {name: meta.placement(node, "tp") for name, node in nodes.items()}
 
 
 def test_auto_infers_megatron_pairs_on_gpt():
@@ -95,7 +95,8 @@ def test_local_slice_and_global_tensor_are_inverse():
     x = torch.arange(24.0).reshape(6, 4)
     for placement in (Shard(0), Shard(1), Shard(0, parts=3)):
         size = 2
-        assert torch.equal(global_tensor([local_slice(x, placement, i, size) for i in range(size)], placement), x)
+        pieces = [local_slice(x, Placements(tp=placement), {"tp": i}, {"tp": size}) for i in range(size)]
+        assert torch.equal(global_tensor(pieces, placement), x)
 
 
 def test_kv_heads_not_divisible_by_tp_is_a_plan_error():

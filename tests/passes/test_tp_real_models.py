@@ -140,7 +140,7 @@ def assert_equals_one_device(program: fxpar.Program, model: nn.Module, inputs: t
         pieces = [grads[name] for _, grads in results]
         if name in partial:  # the runner sums these over the tp group after backward
             pieces = [sum(pieces)] * len(pieces)
-        found[name] = global_tensor(pieces, meta.placement(node))
+        found[name] = global_tensor(pieces, meta.placement(node, "tp"))
         torch.testing.assert_close(found[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
     return found
 
@@ -168,7 +168,7 @@ def kinds(program: fxpar.Program) -> Counter:
 def test_gpt2_conv1d_is_split_by_megatrons_rules_and_equals_one_device():
     rules = {f"h.*.{module}": style for module, style in MEGATRON["gpt2"].items()}
     model, inputs, program = compiled("gpt2", fxpar.Plan(tp=2, tp_rules=rules))
-    found = {n: meta.placement(node) for n, node in meta.parameter_nodes(program.graph_module.graph).items()}
+    found = {n: meta.placement(node, "tp") for n, node in meta.parameter_nodes(program.graph_module.graph).items()}
     layer = "model.transformer.h.0"
     # Conv1D's weight is (in, out): colwise splits dim 1, and c_attn's q|k|v blocks each
     assert found[f"{layer}.attn.c_attn.weight"] == Shard(1, parts=3)
@@ -238,7 +238,7 @@ def test_addmm_mm_and_matmul_projections_are_inferred_placed_and_exact():
         "up": "colwise", "down": "rowwise", "up2": "colwise", "down2": "rowwise",
     }
     program = fxpar.compile(model, "tp=2", inputs)
-    found = {n: meta.placement(node) for n, node in meta.parameter_nodes(program.graph_module.graph).items()}
+    found = {n: meta.placement(node, "tp") for n, node in meta.parameter_nodes(program.graph_module.graph).items()}
     assert found == {
         "up.weight": Shard(1), "up.bias": Shard(0), "down.weight": Shard(0),
         "up2.weight": Shard(1), "down2.weight": Shard(1), "down2.bias": R,
@@ -385,7 +385,7 @@ def test_gpt_neox_base_plan_as_is_compiles_to_megatrons_collectives_and_equals_o
     # its fused query_key_value is head-major, (B, T, heads, 3 * head_dim): a plain Shard(0)
     # gives each rank whole heads, and the view's -1 needs no rewrite
     qkv = "model.gpt_neox.layers.0.attention.query_key_value.weight"
-    assert meta.placement(meta.parameter_nodes(program.graph_module.graph)[qkv]) == Shard(0)
+    assert meta.placement(meta.parameter_nodes(program.graph_module.graph)[qkv], "tp") == Shard(0)
     expected = (
         [("all_reduce", "forward", stream)] * (1 + 2 * LAYERS)  # embedding_rowwise, then g
         + [("all_reduce", "backward", stream)] * 2 * LAYERS  # f; the head is replicated

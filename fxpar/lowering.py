@@ -1,0 +1,282 @@
+"""Lowering: the compiled job -> each rank's step program (`fxpar.step_program`).
+
+A step program is the same for every rank of one pipeline row (ranks that differ only in
+their dp and tp coordinates): `lower_row` builds that row's actions once, and `StepProgram`
+resolves the axes to one rank's groups. Without a pipeline there is one row:
+
+    VALID_TARGETS                       the step's count (a mean cross entropy, dp > 1)
+    F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g)
+    GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
+    PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
+
+With a pipeline, the schedule's row for this pipeline rank, with an `Exchange` before each
+compute action (the previous action's sends, the receives due: `issue_order`), then each
+local stage's buckets in the order they complete, partial and tied gradients, and the loss
+summed over the pipeline and over dp.
+
+What each ZeRO stage would issue is lowered too (`bucket_actions`), for the cost model; the
+runtime refuses those plans at bind, and `check()` with bind's message.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx as fx
+
+from fxpar import meta
+from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
+from fxpar.mesh import Axis, Mesh
+from fxpar.passes.data_parallel import Bucket
+from fxpar.passes.weight_gradients import deferred_weights
+from fxpar.pipeline_program import issue_order, shared_parameters
+from fxpar.placement import local_numel
+from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
+
+
+def graph_calls(gm: fx.GraphModule, mesh: Mesh) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+    """The calls of one microbatch's forward, and of its backward, of the graph's distributed
+    ops, read off each op's own description (`fxpar.distributed_ops`).
+
+    Backward calls are listed in reverse graph order, the order autograd runs them in, and
+    only where a gradient flows. Payloads: an all-reduce's and a reduce-scatter's input, an
+    all-gather's output, each a rank's piece (`placement.local_numel`); backward swaps input
+    and output. An op on an axis of one rank moves nothing and is left out.
+    """
+    forward: list[Call] = []
+    backward: list[Call] = []
+    for node in gm.graph.nodes:
+        op = distributed_op(node)
+        if op is None:
+            continue
+        axis = axis_of(node)
+        if mesh.size(Axis(axis)) == 1:
+            continue
+        source = node.args[0]
+        ends = {"in": _local_numel(source, mesh), "out": _local_numel(node, mesh)}
+        dtype = source.meta["val"].dtype
+        for phase, calls, (payload_in, payload_out) in (
+            ("forward", forward, ("in", "out")),
+            ("backward", backward, ("out", "in")),
+        ):
+            primitive = op.primitive(phase)
+            if primitive not in COMMUNICATING or (phase == "backward" and not meta.requires_grad(source)):
+                continue
+            numel = ends[payload_out] if primitive == "all_gather" else ends[payload_in]
+            reduce = "none" if primitive == "all_gather" else op.reduce
+            calls.append(Call(kind=primitive, numel=numel, dtype=dtype, axis=axis, op=reduce,
+                              tag=op.tag(axis, phase), phase=phase))
+    return tuple(forward), tuple(backward[::-1])
+
+
+def _local_numel(node: fx.Node, mesh: Mesh) -> sympy.Expr | int:
+    """Elements of a rank's piece of `node`'s value, a formula in export's size symbols."""
+    shape = [d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in node.meta["val"].shape]
+    numel = local_numel(shape, meta.placements(node), mesh.sizes)
+    return numel if isinstance(numel, int) else sympy.expand(numel)
+
+
+def valid_targets_action(mesh: Mesh, *, counted: bool) -> list[Action]:
+    """The step's count of valid targets summed over dp before the first forward: one scalar
+    all-reduce when the loss is a sum over that count (`passes.loss_normalisation`), issued by
+    the ranks that compute the loss."""
+    if not counted or mesh.dp == 1:
+        return []
+    call = Call(kind="all_reduce", numel=1, dtype=torch.int64, axis="dp", tag="valid targets", phase="forward")
+    return [Communicate(Purpose.VALID_TARGETS, (call,))]
+
+
+def bucket_actions(
+    buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0, carry_loss: bool = True
+) -> list[Action]:
+    """What one data-parallel rank issues for its gradients, by ZeRO stage (Rajbhandari et
+    al. 2020), buckets in launch order:
+
+    * stage 0 (DDP): one all-reduce per gradient bucket. The step's loss rides along as one
+      extra element of the last bucket, so `runner.step` returns the global-batch mean
+      without a call of its own.
+    * stages 1 and 2: a reduce-scatter per bucket (each rank keeps the gradient shard its
+      optimizer-state shard needs), the loss all-reduce, then an all-gather per bucket of the
+      updated parameters after the optimizer step: 2P moved, like DDP.
+    * stage 3: parameters live sharded, so each bucket is all-gathered before its first use
+      in forward (the last bucket first) and again in backward, then its gradients are
+      reduce-scattered: 3P moved (ZeRO Sec. 7).
+
+    Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs.
+    """
+    n = mesh.dp
+    if n == 1:
+        return []
+    actions: list[Action] = []
+
+    def add(purpose, kind, numel, dtype, tag, phase, index=0, op="sum") -> None:
+        call = Call(kind=kind, numel=numel, dtype=dtype, axis="dp", op=op, tag=tag, phase=phase)
+        actions.append(Communicate(purpose, (call,), stage=stage, index=index))
+
+    padded = {b.index: -(-b.numel // n) * n for b in buckets}
+    loss_dtype = buckets[-1].dtype if buckets else torch.float32
+    if zero == 0:
+        for b in buckets:
+            last = b.index == len(buckets) - 1 and carry_loss
+            add(Purpose.GRADIENT_BUCKET, "all_reduce", b.numel + (1 if last else 0), b.dtype,
+                f"gradient bucket {b.index}" + (" + loss" if last else ""), "backward", b.index)
+        if not buckets and carry_loss:
+            add(Purpose.LOSS, "all_reduce", 1, loss_dtype, "loss", "backward")
+        return actions
+    if zero == 3:
+        for b in reversed(buckets):
+            add(Purpose.PARAMETER_GATHER, "all_gather", padded[b.index], b.dtype,
+                f"parameters of bucket {b.index}", "forward", b.index, op="none")
+    for b in buckets:
+        if zero == 3:
+            add(Purpose.PARAMETER_GATHER, "all_gather", padded[b.index], b.dtype,
+                f"parameters of bucket {b.index}", "backward", b.index, op="none")
+        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", padded[b.index], b.dtype,
+            f"gradient bucket {b.index}", "backward", b.index)
+    if carry_loss:
+        add(Purpose.LOSS, "all_reduce", 1, loss_dtype, "loss", "backward")
+    if zero in (1, 2):
+        for b in buckets:
+            add(Purpose.UPDATED_PARAMETERS, "all_gather", padded[b.index], b.dtype,
+                f"updated parameters of bucket {b.index}", "step", b.index, op="none")
+    return actions
+
+
+def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[Action]:
+    """The one all-reduce per step (and stage) that completes replicated parameters' partial
+    gradients over tp (`passes.tensor_parallel`, settle_parameters_feeding_shards)."""
+    names = meta.partial_gradient_parameters(gm.graph)
+    if mesh.tp == 1 or not names:
+        return []
+    nodes = meta.parameter_nodes(gm.graph)
+    numel = sum(nodes[n].meta["val"].numel() for n in names)
+    call = Call(kind="all_reduce", numel=numel, dtype=nodes[names[0]].meta["val"].dtype, axis="tp",
+                tag="tp partial parameter gradients", phase="step")
+    return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]
+
+
+def lower_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
+    """The actions of every rank on pipeline rank `pp` (module doc); `ahead`: how many actions
+    ahead receives are posted (`pipeline_program.receives_ahead`)."""
+    if program.stages is None:
+        return _single_stage_row(program)
+    return _pipeline_row(program, pp, ahead)
+
+
+def _single_stage_row(program) -> tuple[Action, ...]:
+    mesh, gm = program.mesh, program.graph_module
+    actions = valid_targets_action(mesh, counted=program.loss_reduction.sums)
+    forward, backward = graph_calls(gm, mesh)
+    for microbatch in range(program.plan.microbatches):
+        actions += [Compute("F", 0, microbatch, forward), Compute("B", 0, microbatch, backward)]
+    actions += bucket_actions(program.buckets, mesh, zero=program.plan.zero)
+    actions += partial_gradient_actions(gm, mesh)
+    return tuple(actions)
+
+
+def _pipeline_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
+    mesh, schedule, stages = program.mesh, program.schedule, program.stages
+    last = len(stages) - 1
+    local = [s for s in stages if schedule.rank_of(s.index) == pp]
+    calls = {s.index: graph_calls(s.graph_module, mesh) for s in local}
+    holds_loss = schedule.rank_of(last) == pp
+    actions: list[Action] = valid_targets_action(mesh, counted=program.loss_reduction.sums and holds_loss)
+    row = schedule.actions[pp]
+
+    def transfers(kind, boundaries, peer, tag, phase) -> tuple[Call, ...]:
+        return tuple(
+            Call(kind=kind, numel=_boundary_numel(b, mesh), dtype=b.dtype, op="none", tag=tag,
+                 phase=phase, peer_stage=peer)
+            for b in boundaries if phase == "forward" or b.requires_grad
+        )
+
+    def receives(action) -> tuple[Call, ...]:
+        stage = stages[action.stage]
+        if action.kind == "F" and stage.index > 0:
+            return transfers("recv", stage.inputs, stage.index - 1, f"stage {stage.index} activations", "forward")
+        if action.kind == "B" and stage.index < last:
+            return transfers("recv", stage.outputs, stage.index + 1, f"stage {stage.index} gradients", "backward")
+        return ()
+
+    def sends(action) -> tuple[Call, ...]:
+        stage = stages[action.stage]
+        if action.kind == "F" and stage.index < last:
+            return transfers("send", stage.outputs, stage.index + 1, f"stage {stage.index + 1} activations", "forward")
+        if action.kind == "B" and stage.index > 0:
+            return transfers("send", stage.inputs, stage.index - 1, f"stage {stage.index - 1} gradients", "backward")
+        return ()
+
+    due: list[Receive] = []
+    previous = None
+    for event, i in issue_order(len(row), ahead):
+        action = row[i]
+        if event == "receive":
+            if expected := receives(action):
+                due.append(Receive(i, expected))
+            continue
+        outgoing = sends(previous) if previous is not None else ()
+        if outgoing or due:
+            actions.append(Exchange(outgoing, tuple(due)))
+        due, previous = [], action
+        forward, backward = calls[action.stage]
+        own = {"F": forward, "B": backward, "W": ()}[action.kind]
+        actions.append(Compute(action.kind, action.stage, action.microbatch, own))
+    if previous is not None and (outgoing := sends(previous)):
+        actions.append(Exchange(outgoing, ()))
+    for stage in sorted(local, key=lambda s: _bucket_completion(s, row)):
+        actions += bucket_actions(stage.buckets, mesh, zero=program.plan.zero, stage=stage.index, carry_loss=False)
+    for stage in local:
+        actions += partial_gradient_actions(stage.graph_module, mesh, stage=stage.index)
+    for name, owners in tied_stage_owners(program).items():
+        if any(schedule.rank_of(s) == pp for s in owners):
+            node = meta.parameter_nodes(stages[owners[0]].graph_module.graph)[name]
+            numel = local_numel(node.meta["val"].shape, meta.placements(node), mesh.sizes)
+            call = Call(kind="all_reduce", numel=numel, dtype=node.meta["val"].dtype, tied=name,
+                        tag=f"tied {name} gradient", phase="step")
+            actions.append(Communicate(Purpose.TIED_GRADIENT, (call,), name=name))
+    actions.append(Communicate(Purpose.PIPELINE_LOSS, (Call(
+        kind="all_reduce", numel=1, dtype=torch.float32, axis="pp", tag="pipeline loss", phase="step"),)))
+    if mesh.dp > 1:
+        actions.append(Communicate(Purpose.LOSS, (Call(
+            kind="all_reduce", numel=1, dtype=torch.float32, axis="dp", tag="loss", phase="step"),)))
+    return tuple(actions)
+
+
+def _boundary_numel(boundary, mesh: Mesh) -> sympy.Expr | int:
+    shape = local_numel(boundary.shape, boundary.placement, mesh.sizes)
+    return sympy.expand(shape)
+
+
+def _bucket_completion(stage, row) -> int:
+    """The position in `row` of the action during which `stage`'s buckets complete, so they
+    launch: its last W when it defers weight gradients (zero bubble), else its last B. The
+    runtime's hooks launch a rank's buckets in that order across its stages."""
+    kind = "W" if deferred_weights(stage.graph_module) else "B"
+    return max(i for i, a in enumerate(row) if a.stage == stage.index and a.kind == kind)
+
+
+def tied_stage_owners(program) -> dict[str, tuple[int, ...]]:
+    """Parameters several pipeline ranks hold -> the stages that read them (sorted by name)."""
+    schedule = program.schedule
+    owners = shared_parameters(program.stages)
+    return {
+        name: stages for name, stages in sorted(owners.items())
+        if len({schedule.rank_of(s) for s in stages}) > 1
+    }
+
+
+def tied_groups(program) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Rank -> tied parameter -> the ranks that keep its copies identical (the same dp and tp
+    coordinates, each pipeline rank that holds one of its stages)."""
+    mesh, schedule = program.mesh, program.schedule
+    groups: dict[int, dict[str, tuple[int, ...]]] = {}
+    if program.stages is None:
+        return groups
+    for name, owners in tied_stage_owners(program).items():
+        pp_ranks = sorted({schedule.rank_of(s) for s in owners})
+        for dp in range(mesh.dp):
+            for tp in range(mesh.tp):
+                group = tuple(mesh.rank_of(dp=dp, pp=pp, tp=tp) for pp in pp_ranks)
+                for rank in group:
+                    groups.setdefault(rank, {})[name] = group
+    return groups

@@ -1,0 +1,93 @@
+"""Running a step program: the state one step's actions share, and the collectives the
+runtime issues itself (`Communicate` actions), one handler per `Purpose`.
+
+Both executors walk the rank's step program in order (`fxpar.step_program`): compute actions
+run the rank's modules (`ModuleExecutor`, `PipelineExecutor`), pipeline `Exchange` actions
+post transfers, and every `Communicate` action comes here:
+
+    VALID_TARGETS        the step's count of valid targets, summed over dp
+    GRADIENT_BUCKET      wait for bucket i of stage s (launched by its hooks during backward)
+    PARTIAL_GRADIENTS    replicated parameters' partial tp gradients of stage s, summed
+    TIED_GRADIENT        a parameter's gradient summed over the pipeline ranks holding it
+    PIPELINE_LOSS        the last stage's loss summed over the pipeline
+    LOSS                 the loss averaged over dp (dp's divisor, then a sum)
+
+The step guard holds each of these calls, like the graph's own, to the program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from fxpar.errors import BindError
+from fxpar.mesh import Axis
+from fxpar.step_program import Communicate, Purpose
+
+if TYPE_CHECKING:
+    from fxpar.runtime.process_groups import RankGroup
+    from fxpar.runtime.step_context import StepContext
+
+
+@dataclass
+class StepState:
+    """What one step's actions hand each other: the microbatches (with the global count once
+    it is known), the rank's count, and its loss (summed over microbatches, then reduced)."""
+
+    chunks: list[tuple[torch.Tensor, ...]]
+    loss: torch.Tensor
+    count: torch.Tensor | None = None
+    counted: bool = False  # whether `chunks` carry the count yet
+    mean: float | None = None  # the global mean loss, where a bucket carried it
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)  # microbatch -> loss, until its B
+
+    def inputs(self, context: StepContext, microbatch: int) -> tuple[torch.Tensor, ...]:
+        """Microbatch `microbatch`'s inputs, with the step's count of valid targets."""
+        if not self.counted:
+            self.chunks, self.counted = context.loss.with_count(self.chunks, self.count), True
+        return self.chunks[microbatch]
+
+    def result(self) -> float:
+        return self.mean if self.mean is not None else float(self.loss)
+
+
+def communicate(action: Communicate, context: StepContext, state: StepState) -> None:
+    """Issue the collective `action` stands for (module doc)."""
+    purpose, groups = action.purpose, context.groups
+    if purpose is Purpose.VALID_TARGETS:
+        context.loss.sum_count(state.count)
+    elif purpose is Purpose.GRADIENT_BUCKET:
+        buckets = context.buckets[context.module_of_stage[action.stage]]
+        buckets.finish_bucket(action.index)
+        if buckets.carry_loss and action.index == len(buckets.states) - 1:
+            state.mean = buckets.loss()
+    elif purpose is Purpose.PARTIAL_GRADIENTS:
+        parameters = context.partial_gradients[context.module_of_stage[action.stage]]
+        sum_gradients(context, [p.grad for p in parameters], groups[Axis.TP], "tp partial parameter gradients")
+    elif purpose is Purpose.TIED_GRADIENT:
+        parameter, group = context.tied[action.name]
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        sum_gradients(context, [parameter.grad], group, f"tied {action.name} gradient")
+    elif purpose is Purpose.PIPELINE_LOSS:
+        context.communicator.all_reduce_now(state.loss, groups[Axis.PP], tag="pipeline loss", phase="step")
+    elif purpose is Purpose.LOSS:
+        state.loss /= context.loss.data_parallel_divisor()
+        phase = action.calls[0].phase
+        context.communicator.all_reduce_now(state.loss, groups[Axis.DP], tag="loss", phase=phase)
+    else:  # ZeRO's gathers: `plan.check_runnable` refuses those plans at bind
+        raise BindError(f"the runtime cannot run {purpose.value} yet")
+
+
+def sum_gradients(context: StepContext, grads: list[torch.Tensor | None], group: RankGroup, tag: str) -> None:
+    """Sum `grads` over `group` in one flat all-reduce, in place."""
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    context.communicator.all_reduce_now(flat, group, tag=tag, phase="step")
+    for grad, whole in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(whole)

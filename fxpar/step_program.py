@@ -1,0 +1,238 @@
+"""The step program: everything one rank does in one training step, in order, as data.
+
+Lowering (`fxpar.lowering`) turns the compiled job into one `StepProgram` per rank. Each is a
+list of actions, and each action lists the communication calls it makes:
+
+    Communicate  VALID_TARGETS         all_reduce(1 x int64) on dp      the step's count
+    Compute      F  stage 0  mb 0      tp f / g all-reduces             its graph's ops
+    Exchange     send stage 1 activations, receive stage 0 gradients     pipeline transfers
+    Compute      B  stage 0  mb 0      tp backward all-reduces
+    Communicate  GRADIENT_BUCKET 0     all_reduce(n x f32) on dp       DDP's bucket
+    Communicate  PIPELINE_LOSS         all_reduce(1 x f32) on pp
+
+A call (`Call`) names its mesh axis, not a group, and its payload is a formula in export's
+size symbols at one microbatch of the global batch, so one list of actions serves every rank
+of a pipeline rank's row (ranks differ only in their coordinates) and every batch size.
+`StepProgram.collectives(sizes)` resolves the calls for one rank at given sizes into
+`fxpar.collectives.Collective`s, the record the check compares and the runtime logs.
+
+Who reads it, and nothing else:
+
+    Program.collectives(r)       the calls of rank r at the example's sizes
+    Program.check()              all ranks' lists, matched group by group
+    cost.estimate                the communication terms (through Program.collectives)
+    the runtime                  executes the actions in order (`runtime.step_guard` holds
+                                 every collective the rank issues to its list, so the log
+                                 equals the list or the step fails before the call is made)
+
+Editing one rank's program (`Program.replace_step_program`) is seen by all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import sympy
+import torch
+
+from fxpar.collectives import Collective, CollectiveKind, Phase
+from fxpar.mesh import Axis, Mesh
+
+
+class Purpose(enum.Enum):
+    """What a `Communicate` action is for: the runtime's handler for it."""
+
+    VALID_TARGETS = "the step's count of valid targets"
+    GRADIENT_BUCKET = "a gradient bucket's reduction"
+    PARAMETER_GATHER = "a bucket's parameters gathered (ZeRO-3)"
+    UPDATED_PARAMETERS = "a bucket's updated parameters gathered (ZeRO-1/2)"
+    PARTIAL_GRADIENTS = "replicated parameters' partial tp gradients summed"
+    TIED_GRADIENT = "a parameter's gradient summed over the stages that share it"
+    PIPELINE_LOSS = "the loss summed over the pipeline"
+    LOSS = "the loss summed over data-parallel ranks"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective or transfer, before it is given to a rank.
+
+    The group is `axis` on the rank's mesh, or, for a transfer, the rank and the one holding
+    `peer_stage`, or, for a tied parameter's gradient, the owners of `tied`. `numel` is a
+    formula in export's size symbols (an int when fixed)."""
+
+    kind: CollectiveKind
+    numel: sympy.Expr | int
+    dtype: torch.dtype
+    axis: str | None = None
+    op: Literal["sum", "max", "none"] = "sum"
+    tag: str = ""
+    phase: Phase = "backward"
+    peer_stage: int | None = None
+    tied: str | None = None
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run one schedule action: forward, backward or weight gradients of `stage` on
+    `microbatch`. `calls` are what its graph's distributed ops issue, in order."""
+
+    kind: Literal["F", "B", "W"]
+    stage: int
+    microbatch: int
+    calls: tuple[Call, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Receive:
+    """The tensors the compute action at `action` (its position in the program's row of
+    compute actions) receives: one call per tensor."""
+
+    action: int
+    calls: tuple[Call, ...]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Start as one batch the sends of the compute action that just ran and the receives of
+    later ones (`pipeline_program.issue_order` says which: on gloo one action ahead)."""
+
+    sends: tuple[Call, ...]
+    receives: tuple[Receive, ...]
+
+    @property
+    def calls(self) -> tuple[Call, ...]:
+        return (*self.sends, *(c for r in self.receives for c in r.calls))
+
+
+@dataclass(frozen=True)
+class Communicate:
+    """A collective the runtime issues itself (`Purpose`): `stage` and `index` say whose
+    (a bucket's stage and index), `name` a tied parameter."""
+
+    purpose: Purpose
+    calls: tuple[Call, ...]
+    stage: int = 0
+    index: int = 0
+    name: str = ""
+
+
+Action = Compute | Exchange | Communicate
+
+
+@dataclass(frozen=True, eq=False)
+class StepProgram:
+    """One rank's step: its actions (shared by every rank of its pipeline row) and how its
+    calls resolve to groups. `stage_ranks[s]` is the pipeline rank holding stage s;
+    `tied_groups` maps a tied parameter to this rank's group of its owners."""
+
+    rank: int
+    mesh: Mesh
+    actions: tuple[Action, ...]
+    stage_ranks: tuple[int, ...] = ()
+    tied_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def calls(self) -> list[Call]:
+        """Every call of the step, in issue order."""
+        return [call for action in self.actions for call in action.calls]
+
+    def computes(self) -> list[Compute]:
+        """The compute actions, in order: the schedule row this rank runs."""
+        return [a for a in self.actions if isinstance(a, Compute)]
+
+    def group(self, call: Call) -> tuple[int, ...]:
+        """The global ranks `call` runs on, sorted."""
+        if call.peer_stage is not None:
+            coord = self.mesh.coord(self.rank)
+            peer = self.mesh.rank_of(dp=coord.dp, pp=self.stage_ranks[call.peer_stage], tp=coord.tp)
+            return tuple(sorted((self.rank, peer)))
+        if call.tied is not None:
+            return self.tied_groups[call.tied]
+        return self.mesh.group(self.rank, Axis(call.axis))
+
+    def collectives(self, sizes: Mapping[sympy.Symbol, int]) -> tuple[Collective, ...]:
+        """Every call resolved for this rank at `sizes` (export's symbols -> one microbatch
+        of the global batch), in issue order."""
+        groups: dict[tuple, tuple[int, ...]] = {}
+        numels: dict[object, int] = {}
+        result = []
+        for call in self.calls():
+            where = (call.axis, call.peer_stage, call.tied)
+            if where not in groups:
+                groups[where] = self.group(call)
+            if call.numel not in numels:
+                numels[call.numel] = evaluate(call.numel, sizes)
+            result.append(Collective(
+                kind=call.kind, group=groups[where], numel=numels[call.numel], dtype=call.dtype,
+                op=call.op, tag=call.tag, phase=call.phase,
+            ))
+        return tuple(result)
+
+    def replace_actions(self, actions) -> StepProgram:
+        """This program with other actions (an edited step, for a test or a tool)."""
+        return replace(self, actions=tuple(actions))
+
+
+def evaluate(numel: sympy.Expr | int, sizes: Mapping[sympy.Symbol, int]) -> int:
+    """A payload formula's value at `sizes`."""
+    if isinstance(numel, int):
+        return numel
+    value = sympy.sympify(numel).xreplace(sizes)
+    if not value.is_Integer:
+        raise ValueError(f"payload {numel} is not a whole number of elements at {dict(sizes)}: {value}")
+    return int(value)
+
+
+def drop_call(program: StepProgram, position: int) -> StepProgram:
+    """`program` without its `position`-th call (in `calls()` order): for tests that show the
+    check and the runtime both see an edited program."""
+    return _edit_call(program, position, lambda call: None)
+
+
+def resize_call(program: StepProgram, position: int, numel: int) -> StepProgram:
+    """`program` with its `position`-th call's payload set to `numel` elements."""
+    return _edit_call(program, position, lambda call: replace(call, numel=numel))
+
+
+def swap_actions(program: StepProgram, first: int, second: int) -> StepProgram:
+    """`program` with its actions at positions `first` and `second` exchanged."""
+    actions = list(program.actions)
+    actions[first], actions[second] = actions[second], actions[first]
+    return program.replace_actions(actions)
+
+
+def _edit_call(program: StepProgram, position: int, edit) -> StepProgram:
+    actions, seen = [], 0
+    for action in program.actions:
+        calls = action.calls
+        if seen <= position < seen + len(calls):
+            actions.append(_with_call(action, position - seen, edit))
+        else:
+            actions.append(action)
+        seen += len(calls)
+    if position >= seen:
+        raise IndexError(f"the step program of rank {program.rank} has {seen} calls, not {position + 1}")
+    return program.replace_actions(actions)
+
+
+def _with_call(action: Action, index: int, edit) -> Action:
+    def edited(calls: tuple[Call, ...], i: int) -> tuple[Call, ...]:
+        new = edit(calls[i])
+        return (*calls[:i], *([new] if new is not None else []), *calls[i + 1:])
+
+    if isinstance(action, Exchange):
+        if index < len(action.sends):
+            return replace(action, sends=edited(action.sends, index))
+        index -= len(action.sends)
+        receives = list(action.receives)
+        for j, receive in enumerate(receives):
+            if index < len(receive.calls):
+                receives[j] = replace(receive, calls=edited(receive.calls, index))
+                return replace(action, receives=tuple(receives))
+            index -= len(receive.calls)
+    return replace(action, calls=edited(action.calls, index))

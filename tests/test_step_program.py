@@ -1,0 +1,103 @@
+"""Tier 1/4: the step program is the one list: collectives, check and the runtime's guard read it.
+
+An edit of one rank's step program (a dropped, swapped or resized call) is seen by `check()`,
+which names the group, the two ranks and the position, and by the runtime's step guard, which
+stops the edited rank before the call is made (the multi-rank half is in
+tests/runtime/test_failures.py).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import PlanError, StepProgramError
+from fxpar.runtime.step_guard import StepGuard
+from fxpar.step_program import Communicate, Compute, Exchange, Purpose, drop_call, resize_call, swap_actions
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from tiny_training import build_model, global_batches  # noqa: E402
+
+TOKENS, LABELS = global_batches()[0]
+
+
+@pytest.fixture(scope="module")
+def data_parallel():
+    return fxpar.compile(build_model(), "dp=2 bucket_mb=0.02", (TOKENS, LABELS))
+
+
+def _buckets(program) -> list[int]:
+    """Positions of the gradient-bucket actions of rank 1's step program."""
+    return [i for i, a in enumerate(program.actions)
+            if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET]
+
+
+def test_the_step_program_lists_every_action_and_collectives_are_its_calls(data_parallel):
+    step = data_parallel.step_program(1)
+    kinds = [type(a).__name__ if not isinstance(a, Compute) else a.kind for a in step.actions]
+    assert kinds[:3] == ["Communicate", "F", "B"]  # the count, then the one microbatch
+    assert step.actions[0].purpose is Purpose.VALID_TARGETS
+    assert len(_buckets(step)) == len(data_parallel.buckets) > 2
+    assert data_parallel.collectives(1) == step.collectives(data_parallel.example_sizes)
+
+
+def test_ranks_of_one_pipeline_row_share_their_actions():
+    program = fxpar.compile(build_model(), "dp=2 pp=2 tp=2 mb=2", (TOKENS, LABELS))
+    rows = {r: program.step_program(r).actions for r in range(8)}
+    assert rows[0] is rows[1] is rows[4] is rows[5]  # pipeline rank 0
+    assert rows[2] is rows[3] is rows[6] is rows[7]
+    assert rows[0] is not rows[2]
+    assert any(isinstance(a, Exchange) for a in rows[0])
+    program.check()
+
+
+@pytest.mark.parametrize("edit", ["drop", "swap", "resize"])
+def test_an_edited_rank_is_seen_by_the_check_and_by_the_guard(data_parallel, edit):
+    original = data_parallel.step_program(1)
+    first, second = _buckets(original)[:2]
+    position = sum(len(a.calls) for a in original.actions[:first])  # bucket 0's call
+    edited = {
+        "drop": lambda: drop_call(original, position),
+        "swap": lambda: swap_actions(original, first, second),
+        "resize": lambda: resize_call(original, position, 7),
+    }[edit]()
+    data_parallel.replace_step_program(1, edited)
+    try:
+        with pytest.raises(PlanError, match=r"process group \[0, 1\] does not match: rank 0 issues .*, rank 1 issues"):
+            data_parallel.check()
+    finally:
+        data_parallel._edited.clear()
+    data_parallel.check()  # the original program passes
+    # The runtime issues what the graph and its buckets do: the original calls. The guard of
+    # the edited program stops the first that differs, before it is made.
+    guard = StepGuard(edited)
+    guard.start(data_parallel.example_sizes)
+    with pytest.raises(StepProgramError, match=r"rank 1 was about to issue all_reduce.*gradient bucket"):
+        for call in original.collectives(data_parallel.example_sizes):
+            guard.admit(call)
+        guard.finish()
+
+
+def test_the_guard_reports_a_listed_call_that_was_never_made(data_parallel):
+    step = data_parallel.step_program(0)
+    guard = StepGuard(step)
+    guard.start(data_parallel.example_sizes)
+    *made, last = step.collectives(data_parallel.example_sizes)
+    for call in made:
+        guard.admit(call)
+    with pytest.raises(StepProgramError, match=r"finished its step without issuing all_reduce"):
+        guard.finish()
+
+
+def test_payloads_are_formulas_evaluated_at_each_step_size():
+    program = fxpar.compile(build_model(), "tp=2", (TOKENS, LABELS))
+    step = program.step_program(0)
+    forward = step.computes()[0].calls
+    assert forward and all(not isinstance(c.numel, int) for c in forward)  # batch x seq x ...
+    small = program.microbatch_sizes((TOKENS[:2, :8], LABELS[:2, :8]))
+    assert [c.numel for c in step.collectives(small)] == [
+        c.numel // 8 for c in program.collectives(0)  # a quarter of the batch, half the seq
+    ]
+    assert torch.float32 in {c.dtype for c in step.collectives(small)}
