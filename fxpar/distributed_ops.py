@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.axes import Phase, bound
+from fxpar.deferred_linear import stands_for
 from fxpar.errors import BindError
 
 Primitive = Literal["identity", "all_reduce", "all_gather", "reduce_scatter", "slice"]
@@ -92,16 +93,16 @@ def axis_of(node: fx.Node) -> str:
 
 
 def _run(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, reduce: str,
-         tag: str, phase: Phase) -> torch.Tensor:
+         tag: str, phase: Phase, in_place: bool = False) -> torch.Tensor:
     """One primitive on this rank's `x`. Custom ops may not return an alias of an input, so the
-    identity and the slice copy."""
+    identity and the slice copy; `in_place`: an all-reduce may overwrite `x` (contiguous)."""
     if primitive == "identity":
         return x.clone()
     binding = bound(axis)
     if binding.size != size and primitive != "all_reduce":
         raise BindError(f"an op was compiled for {size} ranks on axis {axis!r}, bound to {binding.size}")
     if primitive == "all_reduce":
-        out = x.clone(memory_format=torch.contiguous_format)
+        out = x if in_place else x.clone(memory_format=torch.contiguous_format)
         binding.all_reduce(out, op=reduce, tag=tag, phase=phase)
         return out
     if primitive == "slice":
@@ -176,33 +177,60 @@ for _op in OPS:
 
 class _Eager(torch.autograd.Function):
     """A DistributedOp as one autograd.Function: the same primitives as the registered op,
-    without its trip through the dispatcher (see `lower_for_eager`)."""
+    without its trip through the dispatcher (see `lower_for_eager`). With `in_place`, the
+    all-reduce of the op (g's forward, f's backward) reduces its tensor where it lies, as
+    Megatron does, instead of into a copy: `lower_for_eager` says when that is safe."""
 
     @staticmethod
-    def forward(ctx, x, op: DistributedOp, axis: str, size: int, dim: int):
-        ctx.op, ctx.axis, ctx.size, ctx.dim = op, axis, size, dim
+    def forward(ctx, x, op: DistributedOp, axis: str, size: int, dim: int, in_place: bool):
+        ctx.op, ctx.axis, ctx.size, ctx.dim, ctx.in_place = op, axis, size, dim, in_place
         if op.forward == "identity":
             return x.view_as(x)  # an autograd.Function may return a view: no copy
+        if in_place and op.forward == "all_reduce" and x.is_contiguous():
+            ctx.mark_dirty(x)
+            return _run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward", True)
         return _run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward")
 
     @staticmethod
     def backward(ctx, grad):
         op = ctx.op
         if op.backward not in (None, "identity"):
-            grad = _run(op.backward, grad, ctx.axis, ctx.size, ctx.dim, "sum", op.tag(ctx.axis, "backward"), "backward")
-        return grad if op.backward is not None else None, None, None, None, None
+            in_place = ctx.in_place and op.backward == "all_reduce"
+            grad = grad.contiguous() if in_place else grad
+            grad = _run(op.backward, grad, ctx.axis, ctx.size, ctx.dim, "sum", op.tag(ctx.axis, "backward"),
+                        "backward", in_place)
+        return grad if op.backward is not None else None, None, None, None, None, None
 
 
-def _eager_function(op: DistributedOp):
+def _eager_function(op: DistributedOp, *, in_place: bool):
     def run(x, axis, size=1, dim=0):
-        return _Eager.apply(x, op, axis, size, dim)
+        return _Eager.apply(x, op, axis, size, dim, in_place)
 
-    run.__name__ = run.__qualname__ = op.name
+    run.__name__ = run.__qualname__ = op.name + ("_in_place" if in_place else "")
     run.__module__ = __name__ + ".eager"
     return run
 
 
-EAGER = {op.overload: _eager_function(op) for op in OPS}
+EAGER = {(op.overload, in_place): _eager_function(op, in_place=in_place) for op in OPS for in_place in (False, True)}
+# Ops whose output is a fresh tensor, and whose input gradient is one: a matmul of x.
+_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
+            torch.ops.aten.bmm.default}
+
+
+def _reduces_in_place(node: fx.Node, op: DistributedOp) -> bool:
+    """Whether the eager op at `node` may all-reduce without a copy: its forward all-reduce's
+    input is a matmul's fresh output that nothing else reads (g after a row-parallel linear),
+    or its backward all-reduce's gradient comes from matmuls that read the op's output as
+    their input (f before column-parallel linears), which autograd hands over fresh."""
+    if op.forward == "all_reduce":
+        source = node.args[0]
+        return isinstance(source, fx.Node) and len(source.users) == 1 and stands_for(source) in _MATMULS
+    if op.backward == "all_reduce":
+        return bool(node.users) and all(
+            stands_for(user) in _MATMULS and user.args[0] is node and node not in user.args[1:]
+            for user in node.users
+        )
+    return False
 
 
 def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
@@ -215,9 +243,10 @@ def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
     paid by every f and g of every layer and microbatch; a step of the small GPT under tp=2
     has dozens. The runtime therefore runs the same primitives through `_Eager`, built from
     the same `DistributedOp`, so what runs is still what the check and the cost model read.
+    Where the graph shows it is safe (`_reduces_in_place`), the all-reduce skips its copy.
     """
     for node in gm.graph.nodes:
-        if distributed_op(node) is not None:
-            node.target = EAGER[node.target]
+        if (op := distributed_op(node)) is not None:
+            node.target = EAGER[(node.target, _reduces_in_place(node, op))]
     gm.recompile()
     return gm

@@ -84,19 +84,23 @@ def _predicted(op, x_shape, placements):
 def test_registered_and_eager_forms_issue_the_predicted_collectives(name, axis):
     op = next(o for o in OPS if o.name == name)
     logs, outputs, grads = [], [], []
-    for run in (op.overload, EAGER[op.overload]):
-        x = torch.arange(24.0).reshape(2, 4, 3).requires_grad_(op.backward is not None)
+    # The registered op, its eager form, and the eager form that reduces in place (given a
+    # fresh tensor, as `lower_for_eager` only allows then).
+    for run in (op.overload, EAGER[(op.overload, False)], EAGER[(op.overload, True)]):
+        leaf = torch.arange(24.0).reshape(2, 4, 3).requires_grad_(op.backward is not None)
+        x = leaf * 1 if op.backward is not None else leaf.clone()
         axis.log.clear()
         out = run(*_args(op, x))
         if op.backward is not None:
             out.backward(torch.ones_like(out))
-            grads.append(x.grad)
+            grads.append(leaf.grad)
         logs.append(list(axis.log))
         outputs.append(out.detach())
-    assert logs[0] == logs[1] == _predicted(op, (2, 4, 3), CASES[name])
+    assert logs[0] == logs[1] == logs[2] == _predicted(op, (2, 4, 3), CASES[name])
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
-    if grads:
-        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    torch.testing.assert_close(outputs[0], outputs[2], rtol=0, atol=0)
+    for other in grads[1:]:
+        torch.testing.assert_close(grads[0], other, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", [op.name for op in OPS])

@@ -27,8 +27,9 @@ class ModuleExecutor:
         self.context = context
         self.timeline: list[tuple[str, float, float]] = []  # no actions to time without a pipeline
 
-    def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
-        """One training step over this rank's microbatches; returns the global-batch mean loss."""
+    def run(self, chunks: list[tuple[torch.Tensor, ...]], sizes: dict) -> float:
+        """One training step over this rank's microbatches (export's size symbols at `sizes`);
+        returns the global-batch mean loss."""
         context, microbatches = self.context, len(chunks)
         module, all_buckets = context.modules[0], context.buckets
         state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))

@@ -109,10 +109,10 @@ class PipelineExecutor:
         key = self._key(stage.index, action.microbatch, action.kind == "B")
         return Transfer("recv", buffers, self._peer(source), tag, phase, key)
 
-    def run(self, chunks: list[tuple[torch.Tensor, ...]]) -> float:
-        """One training step over this rank's microbatches; returns the global-batch mean loss."""
+    def run(self, chunks: list[tuple[torch.Tensor, ...]], sizes: dict) -> float:
+        """One training step over this rank's microbatches (export's size symbols at `sizes`,
+        which boundary shapes are formulas in); returns the global-batch mean loss."""
         context = self.context
-        sizes = self.program.microbatch_sizes(chunks[0])
         size_key = tuple(sorted((str(k), int(v)) for k, v in sizes.items()))
         state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))
         step = _Step(state)

@@ -74,6 +74,7 @@ class Runner:
         )
         self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
         self._executor: ModuleExecutor | PipelineExecutor | None = None
+        self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
 
     @property
     def module(self) -> torch.fx.GraphModule:
@@ -258,12 +259,15 @@ class Runner:
                 value=microbatches,
             )
         chunks = list(zip(*(t.tensor_split(microbatches) for t in inputs)))
+        shapes = tuple(t.shape for t in chunks[0])
+        if shapes not in self._sizes:  # export's size symbols at this step's sizes
+            self._sizes[shapes] = self.program.microbatch_sizes(chunks[0])
         guard = self._context.guard
-        guard.start(self.program.microbatch_sizes(chunks[0]))
+        guard.start(self._sizes[shapes])
         self.communicator.start_step(guard)
         bind_axes(self._axes)
         try:
-            loss = self._executor.run(chunks)
+            loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
             self.communicator.start_step()  # a failed step leaves no guard behind
             raise

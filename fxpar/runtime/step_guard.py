@@ -30,12 +30,13 @@ def _key(call: Collective) -> tuple:
 class StepGuard:
     def __init__(self, program: StepProgram):
         self.program = program
-        self._resolved: dict[tuple, dict[tuple, list[Collective]]] = {}
+        self._resolved: dict[tuple, dict[tuple, list[Collective]]] = {}  # per step size
         self._expected: dict[tuple, list[Collective]] = {}
         self._next: dict[tuple, int] = {}
 
     def start(self, sizes: Mapping) -> None:
-        """Expect one step's calls at `sizes` (export's symbols -> one global microbatch)."""
+        """Expect one step's calls at `sizes` (export's symbols -> one global microbatch),
+        resolved once per size."""
         size_key = tuple(sorted((str(k), int(v)) for k, v in sizes.items()))
         if size_key not in self._resolved:
             by_group: dict[tuple, list[Collective]] = {}
