@@ -49,5 +49,8 @@ class CompiledProgram(Protocol):
     def step_program(self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None) -> StepProgram:
         """Everything `rank` does in one step, in order (fxpar.step_program)."""
 
+    def state_program(self, rank: int, *, gradients: bool = False) -> StepProgram:
+        """What `rank` issues to gather the full state (or gradients) onto every rank."""
+
     def microbatch_sizes(self, microbatch: tuple) -> dict:
         """Export's size symbols at a step's microbatch of the global batch, from this rank's."""

@@ -16,9 +16,17 @@ summed over the pipeline and over dp.
 
 What each ZeRO stage would issue is lowered too (`bucket_actions`), for the cost model; the
 runtime refuses those plans at bind, and `check()` with bind's message.
+
+`lower_full_state` writes what gathering the whole model (or its gradients) onto every rank
+issues, outside a step: each tensor-parallel shard all-gathered whole, then, with a
+pipeline, each pipeline rank's whole tensors broadcast to its group, one flat buffer per
+dtype. Every rank knows every stage's tensors and shapes at compile time, so nothing is
+pickled and the calls are known exactly.
 """
 
 from __future__ import annotations
+
+import math
 
 import sympy
 import torch
@@ -30,7 +38,7 @@ from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket
 from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.pipeline_program import issue_order, shared_parameters
-from fxpar.placement import local_numel
+from fxpar.placement import R, local_numel
 from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
 
 
@@ -240,6 +248,51 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
         actions.append(Communicate(Purpose.LOSS, (Call(
             kind="all_reduce", numel=1, dtype=torch.float32, axis="dp", tag="loss", phase="step"),)))
     return tuple(actions)
+
+
+def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[Action, ...]:
+    """The actions of gathering the full state on pipeline rank `pp`'s ranks (module doc):
+    the state dict (parameters and persistent buffers), or each trained parameter's gradient."""
+    mesh = program.mesh
+    rows = {q: _state_entries(program, q, gradients=gradients) for q in range(mesh.pp)}
+    actions: list[Action] = []
+    for stage, key, node, value in rows[pp]:
+        if mesh.tp > 1 and node is not None and meta.placement(node, "tp") != R:
+            call = Call(kind="all_gather", numel=value.numel(), dtype=value.dtype, axis="tp", op="none",
+                        tag=f"full state: tp shards of {key}", phase="step")
+            actions.append(Communicate(Purpose.TP_SHARDS, (call,), stage=stage, name=key))
+    for q in range(mesh.pp if mesh.pp > 1 else 0):
+        by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+        for _, key, _, value in rows[q]:
+            by_dtype.setdefault(value.dtype, []).append((key, tuple(value.shape)))
+        for dtype, entries in by_dtype.items():
+            numel = sum(math.prod(shape) for _, shape in entries)
+            call = Call(kind="broadcast", numel=numel, dtype=dtype, axis="pp", op="none",
+                        tag=f"full state: pipeline rank {q} ({dtype})", phase="step")
+            actions.append(Communicate(Purpose.STAGE_STATE, (call,), index=q, entries=tuple(entries)))
+    return tuple(actions)
+
+
+def _state_entries(program, pp: int, *, gradients: bool) -> list[tuple[int, str, fx.Node | None, torch.Tensor]]:
+    """(stage, key, its parameter node or None, its global value) of every tensor the ranks of
+    pipeline rank `pp` hold, in stage then state-dict order: the state dict's keys, or for
+    gradients the trained parameters (those in a gradient bucket)."""
+    if program.stages is None:
+        graphs = [(0, program.graph_module)]
+    else:
+        graphs = [(s.index, s.graph_module) for s in program.stages if program.schedule.rank_of(s.index) == pp]
+    entries = []
+    for stage, gm in graphs:
+        nodes = meta.parameter_nodes(gm.graph)
+        aliases = gm.meta.get(meta.GRAPH_ALIASES, {})
+        if gradients:
+            trained = {name for bucket in gm.meta[meta.GRAPH_BUCKETS] for name in bucket.parameters}
+            tensors = {name: gm.get_parameter(name) for name in nodes if name in trained}
+        else:
+            tensors = gm.state_dict(keep_vars=True)
+        for key, value in tensors.items():
+            entries.append((stage, key, nodes.get(aliases.get(key, key)), value))
+    return entries
 
 
 def _boundary_numel(boundary, mesh: Mesh) -> sympy.Expr | int:

@@ -5,10 +5,11 @@ plan and mesh. Everything on it is pure: `rank_module(517)` of a 1024-rank plan 
 code rank 517 will run on a laptop, `collectives(r)` lists what rank r will communicate in
 one step and `check()` proves that all ranks agree. Only `bind()` touches the environment.
 
-Passes run in one order, each reason written where it runs ([Note: pass order]): tensor
-parallelism rewrites the graph for local shards, then either gradient buckets are assigned or,
-with a pipeline, the graph is cut into `program.stages` (each with its own buckets), which
-`program.schedule` orders.
+Passes run in one order, built from the plan (`fxpar.pass_list`, whose [Note: pass order]
+says why): tensor parallelism rewrites the graph for local shards, placements are set on the
+dp axis, then either gradient buckets are assigned or, with a pipeline, the graph is cut into
+`program.stages` (each with its own buckets), which `program.schedule` orders. Lowering then
+writes each rank's step program (`step_program`).
 
     program = fxpar.compile(model, "dp=2", example_inputs=(tokens, labels))
     print(program.rank_module(1).code)
@@ -21,7 +22,6 @@ from __future__ import annotations
 import functools
 import warnings
 from datetime import timedelta
-from functools import partial
 from typing import TYPE_CHECKING
 
 import sympy
@@ -30,30 +30,24 @@ import torch.fx as fx
 
 from fxpar import meta
 from fxpar.collectives import Collective, check_collectives
-from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
-from fxpar.passes.data_parallel import Bucket, assign_gradient_buckets, place_data_parallel
 from fxpar.passes.infra import copy_graph_module, run_passes
-from fxpar.passes.loss_normalisation import COUNT_INPUT, LossReduction, normalise_loss
-from fxpar.passes.pipeline import assign_stages
-from fxpar.lowering import lower_row, tied_groups
+from fxpar.passes.data_parallel import Bucket
+from fxpar.passes.loss_normalisation import COUNT_INPUT, LossReduction
+from fxpar.lowering import lower_full_state, lower_row, tied_groups
+from fxpar.pass_list import PassList, pass_list
 from fxpar.pipeline_program import (
     Stage,
     build_stages,
     check_pipeline,
     describe_stages,
-    node_memory,
     node_time,
-    schedule_in_flight,
     receives_ahead as pipeline_receives_ahead,  # collectives() has a parameter of that name
 )
 from fxpar.step_program import StepProgram
 from fxpar.schedules import Schedule, schedule
-from fxpar.passes.tensor_parallel import shard_tensor_parallel
-from fxpar.passes.tp_rules import parameter_placements
-from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.placement import global_shape, local_slice
 from fxpar.plan import Plan, check_runnable
 from fxpar.model_io import ExampleInputs
@@ -97,56 +91,12 @@ def compile(
     _check_batch(plan, captured)
     hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
     mesh = Mesh.from_plan(plan)
-    if plan.bucket_mb is not None:
-        bucket_bytes = int(plan.bucket_mb * MiB)
-    else:
-        # Nominal, never measured, constants: every rank must choose the same buckets.
-        link = hardware_profile(hardware, measured=False).intra_node
-        bucket_bytes = gradient_bucket_bytes(mesh.dp, link)
-    # [Note: pass order] The loss becomes sum / global count first, so that every later
-    # rewrite (the vocabulary-parallel loss, the pipeline's last stage) works on the sum.
-    # Tensor parallelism runs next: it decides which parameters are split, and gradient
-    # buckets are sized by the shards each rank really holds.
-    passes: list = [normalise_loss]
-    if plan.tp > 1:
-        rules = _tensor_parallel_rules(plan, captured)
-        placements = parameter_placements(captured.graph_module, rules, tp=plan.tp)
-        passes.append(
-            partial(
-                shard_tensor_parallel,
-                placements=placements,
-                tp=plan.tp,
-                sequence_parallel=plan.sequence_parallel,
-                seq=frozenset(captured.export_symbols("seq")),
-                gathered_outputs=placements.gathered_outputs,
-            )
-        )
-    # Placements on the dp axis follow, over the ops tensor parallelism inserted too.
-    passes.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
-    # The pipeline cut comes after: stages hold tensor-parallel shards, and each stage's
-    # buckets hold only that stage's parameters.
-    stages_count = plan.pp * plan.virtual_stages
-    if stages_count > 1:
-        cost = node_time(captured, hardware_profile(hardware, measured=False), precision=plan.compute_precision)
-        microbatch = captured.example_batch // (plan.dp * plan.microbatches)
-        memory = node_memory(captured, microbatch=microbatch, plan=plan)
-        pipeline_schedule = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
-        passes.append(partial(
-            assign_stages, stages=stages_count, split=plan.split, cost=cost, memory=memory,
-            in_flight=schedule_in_flight(pipeline_schedule),
-        ))
-    else:
-        passes.append(partial(assign_gradient_buckets, bucket_bytes=bucket_bytes, mesh=mesh))
-    graph_module = run_passes(captured.graph_module, passes)
+    passes = pass_list(plan, captured, mesh=mesh, hardware=hardware)
+    graph_module = run_passes(captured.graph_module, passes.graph)
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
-    stages = None
-    if stages_count > 1:
-        stage_passes = [partial(assign_gradient_buckets, bucket_bytes=bucket_bytes, mesh=mesh)]
-        if pipeline_schedule.splits_backward:  # zero bubble: W actions compute linear weights' grads
-            stage_passes.insert(0, defer_weight_gradients)
-        stages = build_stages(graph_module, stage_passes=stage_passes)
+    stages = build_stages(graph_module, stage_passes=passes.stage) if passes.stage else None
     return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
-                   stages=stages, hardware=hardware)
+                   stages=stages, hardware=hardware, passes=passes)
 
 
 def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
@@ -160,24 +110,6 @@ def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
             field="dp",
             value=plan.dp,
         )
-
-
-def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str] | str:
-    """The plan's tp_rules with the model's own plans in place of "auto" and "model"."""
-    declared = captured.declared_plans
-    if plan.tp_rules == "auto":
-        return dict(declared.base) or "infer"
-    if plan.tp_rules == "model":
-        if not declared.whole:
-            raise PlanError(
-                "plan tp_rules=model asks for the model's own tensor-parallel plan, and this "
-                "model declares none (no Hugging Face base_model_tp_plan or _tp_plan). Fix: "
-                "tp_rules=auto (Megatron's layout, inferred) or a mapping of module globs to styles",
-                field="tp_rules",
-                value="model",
-            )
-        return dict(declared.whole)
-    return plan.tp_rules
 
 
 def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:
@@ -204,8 +136,10 @@ class Program:
         graph_module: fx.GraphModule,
         stages: tuple[Stage, ...] | None = None,
         hardware: str = "h100",
+        passes: PassList | None = None,
     ):
         self.plan = plan
+        self.passes = passes  # what compile ran (`print(program.passes)`)
         self.hardware = hardware  # the profile compile priced the cut and the buckets with
         self.mesh = mesh
         self.captured = captured
@@ -214,7 +148,7 @@ class Program:
         self.schedule: Schedule | None = (
             schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages) if stages else None
         )
-        self._rows: dict[tuple[int, int], tuple] = {}  # (pp rank, receives ahead) -> actions
+        self._rows: dict[tuple, tuple] = {}  # lowered actions: (pp rank, receives ahead), state
         self._tied_groups: dict[int, dict[str, tuple[int, ...]]] | None = None
         self._edited: dict[int, StepProgram] = {}  # replace_step_program
 
@@ -308,6 +242,15 @@ class Program:
         return StepProgram(rank=rank, mesh=self.mesh, actions=self._rows[key], stage_ranks=stage_ranks,
                            tied_groups=self._tied_groups.get(rank, {}))
 
+    def state_program(self, rank: int, *, gradients: bool = False) -> StepProgram:
+        """What `rank` issues to gather the whole model state (`runner.full_state_dict()`) or,
+        with `gradients`, every trained parameter's whole gradient (`runner.full_gradients()`):
+        tp shards gathered, then each pipeline rank's tensors broadcast (`lowering.lower_full_state`)."""
+        key = ("state", self.mesh.coord(rank).pp, gradients)
+        if key not in self._rows:
+            self._rows[key] = lower_full_state(self, key[1], gradients=gradients)
+        return StepProgram(rank=rank, mesh=self.mesh, actions=self._rows[key])
+
     def replace_step_program(self, rank: int, program: StepProgram) -> None:
         """Make `program` rank `rank`'s step program, for every reader: `collectives`, `check`,
         `estimate` and `bind`. For tools and tests that edit one rank's step (a dropped,
@@ -378,12 +321,15 @@ class Program:
         return estimate(self, hardware=hardware, optimizer=optimizer, batch=batch, seq=seq)
 
     def check(self) -> None:
-        """Prove that all ranks of every process group issue matching collectives, and, with a
-        pipeline, that every send has its receive and the schedule cannot deadlock. A plan the
-        runtime cannot run yet (`plan.check_runnable`) is refused with bind's message;
-        `estimate()` prices it all the same."""
+        """Prove that all ranks of every process group issue matching collectives, in a step
+        and when gathering the full state (or gradients), and, with a pipeline, that every send
+        has its receive and the schedule cannot deadlock. A plan the runtime cannot run yet
+        (`plan.check_runnable`) is refused with bind's message; `estimate()` prices it all the
+        same."""
         check_runnable(self.plan)
         check_collectives(self.world_size, self.collectives)
+        for gradients in (False, True):
+            check_collectives(self.world_size, lambda r: self.state_program(r, gradients=gradients).collectives({}))
         if self.schedule is not None:
             check_pipeline(self.world_size, self.schedule, self.collectives)
 

@@ -19,6 +19,7 @@ of a pipeline rank's row (ranks differ only in their coordinates) and every batc
 Who reads it, and nothing else:
 
     Program.collectives(r)       the calls of rank r at the example's sizes
+    Program.state_program(r)     the calls of gathering the full state (`full_state_dict`)
     Program.check()              all ranks' lists, matched group by group
     cost.estimate                the communication terms (through Program.collectives)
     the runtime                  executes the actions in order (`runtime.step_guard` holds
@@ -53,6 +54,9 @@ class Purpose(enum.Enum):
     TIED_GRADIENT = "a parameter's gradient summed over the stages that share it"
     PIPELINE_LOSS = "the loss summed over the pipeline"
     LOSS = "the loss summed over data-parallel ranks"
+    # Gathering the full state (`Program.state_program`), outside a step:
+    TP_SHARDS = "a tensor's tensor-parallel shards gathered whole"
+    STAGE_STATE = "a pipeline rank's whole tensors broadcast to its pipeline group"
 
 
 @dataclass(frozen=True)
@@ -113,13 +117,16 @@ class Exchange:
 @dataclass(frozen=True)
 class Communicate:
     """A collective the runtime issues itself (`Purpose`): `stage` and `index` say whose
-    (a bucket's stage and index), `name` a tied parameter."""
+    (a bucket's stage and index, the pipeline rank a STAGE_STATE broadcast comes from), `name`
+    a tied parameter or a state tensor, `entries` the (name, whole shape) of each tensor of a
+    STAGE_STATE broadcast, in the order they are laid out in it."""
 
     purpose: Purpose
     calls: tuple[Call, ...]
     stage: int = 0
     index: int = 0
     name: str = ""
+    entries: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 Action = Compute | Exchange | Communicate

@@ -18,7 +18,7 @@ import ast
 from pathlib import Path
 
 LAYERS = ("core", "cost", "passes", "program", "runtime")
-PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.pipeline_program"}
+PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.pass_list", "fxpar.pipeline_program"}
 ALLOWED_UPWARD = {("fxpar.program", "fxpar.runtime.runner")}  # Program.bind, function-level
 
 

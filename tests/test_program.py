@@ -128,3 +128,14 @@ def test_plans_compiled_from_one_capture_share_its_single_export(monkeypatch):
     assert fxpar.compile(captured, "tp=2").rank_module(1).code == again.rank_module(1).code
     with pytest.raises(TypeError, match="takes no example_inputs"):
         fxpar.compile(captured, "dp=2", (TOKENS, TOKENS))
+
+
+def test_the_pass_list_is_built_from_the_plan_and_printed():
+    """One list per compile (fxpar.pass_list): the graph's passes, then each stage's."""
+    assert [line.split("(")[0].split()[-1] for line in str(compile_gpt("dp=2").passes).splitlines()] == [
+        "normalise_loss", "place_data_parallel", "assign_gradient_buckets"]
+    printed = str(compile_gpt("tp=2 pp=2 mb=2 schedule=zb-h1").passes).splitlines()
+    assert [line.split("(")[0].split()[-1] for line in printed] == [
+        "normalise_loss", "shard_tensor_parallel", "place_data_parallel", "assign_stages",
+        "defer_weight_gradients", "assign_gradient_buckets"]
+    assert printed[0].startswith("graph: ") and printed[4].startswith("stage: ")

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import fxpar
+from fxpar import meta
 from fxpar.errors import PlanError, StepProgramError
+from fxpar.placement import Shard
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.step_program import Communicate, Compute, Exchange, Purpose, drop_call, resize_call, swap_actions
 
@@ -101,3 +103,28 @@ def test_payloads_are_formulas_evaluated_at_each_step_size():
         c.numel // 8 for c in program.collectives(0)  # a quarter of the batch, half the seq
     ]
     assert torch.float32 in {c.dtype for c in step.collectives(small)}
+
+
+def test_gathering_the_full_state_is_a_program_too():
+    """tp shards gathered, then each pipeline rank's whole tensors broadcast per dtype: every
+    key of the model's state dict travels, with sizes known at compile time (nothing pickled)."""
+    model = build_model()
+    program = fxpar.compile(model, "pp=2 tp=2 mb=2", (TOKENS, LABELS))
+    sharded = {name for name, node in meta.parameter_nodes(program.graph_module.graph).items()
+               if isinstance(meta.placement(node, "tp"), Shard)} | {"lm_head.weight"}  # tied to wte
+    for rank in range(program.world_size):
+        actions = program.state_program(rank).actions
+        shards = {a.name for a in actions if a.purpose is Purpose.TP_SHARDS}
+        assert shards and shards <= sharded  # this rank's stage's split tensors
+        assert all(a.calls[0].axis == "tp" for a in actions if a.purpose is Purpose.TP_SHARDS)
+        broadcasts = [a for a in actions if a.purpose is Purpose.STAGE_STATE]
+        assert [a.index for a in broadcasts] == [0, 1]  # one dtype: float32
+        assert {key for a in broadcasts for key, _ in a.entries} == set(model.state_dict())
+        for a in broadcasts:
+            shapes = dict(a.entries)
+            assert all(tuple(model.state_dict()[k].shape) == shapes[k] for k in shapes)
+            assert a.calls[0].numel == sum(model.state_dict()[k].numel() for k in shapes)
+    gradients = program.state_program(0, gradients=True).actions
+    assert {key for a in gradients if a.purpose is Purpose.STAGE_STATE for key, _ in a.entries} == {
+        n for n, p in model.named_parameters()}
+    program.check()  # the state programs match across ranks too

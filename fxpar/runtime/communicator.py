@@ -13,6 +13,7 @@ holds it to the rank's step program: a call the program does not list fails befo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -152,40 +153,21 @@ class Communicator:
         """Every rank's `tensor` (one shape on all ranks), in group order, and wait. Outside a
         step: counted in `stats()` (as an all_gather of its output), not in the step's `log`."""
         pieces = [torch.empty_like(tensor) for _ in range(group.size)]
-        call = self._count(Collective(
+        call = self._admit(Collective(
             kind="all_gather", group=group.ranks, numel=tensor.numel() * group.size,
             dtype=tensor.dtype, op="none", tag=tag, phase="step",
-        ))
+        ), log=False)
         work = dist.all_gather(pieces, tensor.contiguous(), group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
         return pieces
 
-    def all_gather_dicts(
-        self, tensors: dict[str, torch.Tensor], group: RankGroup, *, tag: str
-    ) -> list[dict[str, torch.Tensor]]:
-        """Every rank's dict of tensors (its own keys and shapes), in group order, and wait:
-        `torch.distributed.all_gather_object`, which pickles them. Outside a step: counted in
-        `stats()` as an all_gather of the bytes of all the tensors gathered, not in `log`."""
-        gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(group.size)]
-        try:
-            dist.all_gather_object(gathered, tensors, group=group.handle)
-        except Exception as error:
-            raise CollectiveError(
-                f"all_gather of {tag} on the {group.name} failed: {type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}\n"
-                "A peer rank probably died or stopped issuing collectives; its own log says why."
-            ) from error
-        size = sum(t.numel() * t.element_size() for piece in gathered for t in piece.values())
-        self._count(Collective(
-            kind="all_gather", group=group.ranks, numel=size, dtype=torch.uint8, op="none",
-            tag=tag, phase="step",
-        ))
-        return gathered
-
-    def broadcast(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> None:
-        """Broadcast `tensor` in place from the group's first rank, and wait for it."""
-        call = self._record("broadcast", tensor, group, tag, op="none")
-        work = dist.broadcast(tensor, src=group.ranks[0], group=group.handle, async_op=True)
+    def broadcast(
+        self, tensor: torch.Tensor, group: RankGroup, *, tag: str, source: int = 0, log: bool = True
+    ) -> None:
+        """Broadcast `tensor` in place from the group's rank at index `source`, and wait for
+        it; `log=False` outside a step (counted in `stats()`, not in the step's `log`)."""
+        call = self._record("broadcast", tensor, group, tag, op="none", phase="step", log=log)
+        work = dist.broadcast(tensor, src=group.ranks[source], group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -209,6 +191,17 @@ class Communicator:
         if guard is not None:
             guard.finish()
 
+    @contextlib.contextmanager
+    def held_to(self, guard: StepGuard):
+        """Hold the calls made inside the block to `guard` (started), outside a step: the log
+        stays the last step's."""
+        self._guard = guard
+        try:
+            yield
+            guard.finish()
+        finally:
+            self._guard = None
+
     def _record(
         self,
         kind: CollectiveKind,
@@ -217,14 +210,20 @@ class Communicator:
         tag: str,
         op: str = "sum",
         phase: str = "backward",
+        log: bool = True,
     ) -> Collective:
-        call = Collective(
+        return self._admit(Collective(
             kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op,
             tag=tag, phase=phase,
-        )
+        ), log=log)
+
+    def _admit(self, call: Collective, *, log: bool) -> Collective:
+        """Hold `call` to the guard (which raises if the program does not list it), then log
+        it (`log`: a step's call) and count it."""
         if self._guard is not None:
             self._guard.admit(call)
-        self.log.append(call)
+        if log:
+            self.log.append(call)
         return self._count(call)
 
     def _count(self, call: Collective) -> Collective:

@@ -1,18 +1,20 @@
 """The full state on every rank: whole tensors under the model's names, gathered from the ranks.
 
-`Runner.full_state_dict()` and `Runner.full_gradients()` hand each stage module's local tensors
-(its state dict, or its parameters' gradients) to `gather_full_tensors`, which
+`Runner.full_state_dict()` and `Runner.full_gradients()` run the rank's state program
+(`Program.state_program`, written by `lowering.lower_full_state`) over its stage modules'
+local tensors (their state dicts, or their trained parameters' gradients):
 
-1. all-gathers tensor-parallel shards over the tp group and puts each whole tensor back
-   together (`placement.global_tensor`, by the placement recorded on its parameter node);
-2. copies every tensor to the CPU;
-3. with a pipeline, all-gathers each rank's dict over the pp group (pickled: stages hold
-   different keys and shapes) and merges them, keeping a tied parameter's first copy, in the
-   order of the model's own `state_dict()`.
+1. TP_SHARDS: each tensor-parallel shard all-gathered over the tp group and put back
+   together (`placement.global_tensor`, by the placement on its parameter node);
+2. every tensor copied to the CPU;
+3. STAGE_STATE, with a pipeline: each pipeline rank in turn broadcasts its whole tensors to
+   its pp group, one flat buffer per dtype laid out as the action's `entries` say (shapes
+   known at compile time, so nothing is pickled); a tied parameter keeps its first copy, and
+   the result is ordered as the model's own `state_dict()`.
 
-Every collective goes through the Communicator, tagged "full state: ...", so `comm_stats()`
-counts it; it happens outside any step, so the step's `comm_log()` does not list it. It is
-collective: every rank must call it.
+Every collective goes through the Communicator, held to the state program by a step guard
+and counted in `comm_stats()`; it happens outside any step, so the step's `comm_log()` does
+not list it. It is collective: every rank must call it.
 """
 
 from __future__ import annotations
@@ -20,62 +22,63 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.fx as fx
+from torch._utils import _flatten_dense_tensors
 
 from fxpar import meta
 from fxpar.mesh import Axis
-from fxpar.placement import Shard, global_tensor
+from fxpar.placement import global_tensor
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.step_guard import StepGuard
+from fxpar.step_program import Purpose, StepProgram
 
 
 def gather_full_tensors(
-    local: Iterable[tuple[fx.GraphModule, dict[str, torch.Tensor]]],
+    program: StepProgram,
+    local: Mapping[int, tuple[torch.fx.GraphModule, Mapping[str, torch.Tensor]]],
     *,
     groups: Mapping[Axis, RankGroup],
     communicator: Communicator,
     key_order: Iterable[str],
 ) -> dict[str, torch.Tensor]:
-    """Whole CPU copies of every rank's `local` tensors (per stage module: name -> its local
-    tensor), the same dict on every rank, ordered as `key_order` (the rest after)."""
-    whole: dict[str, torch.Tensor] = {}
-    for module, tensors in local:
-        whole.update(_consolidate(module, tensors, groups.get(Axis.TP), communicator))
-    return _across_pipeline(whole, groups.get(Axis.PP), communicator, key_order)
-
-
-def _consolidate(
-    module: fx.GraphModule,
-    tensors: dict[str, torch.Tensor],
-    tp: RankGroup | None,
-    communicator: Communicator,
-) -> dict[str, torch.Tensor]:
-    """Whole CPU copies of `tensors`, gathering tensor-parallel shards over the tp group."""
-    nodes = meta.parameter_nodes(module.graph)
-    aliases = module.meta.get(meta.GRAPH_ALIASES, {})
-    whole = {}
-    for key, value in tensors.items():
-        node = nodes.get(aliases.get(key, key))
-        placement = meta.placement(node, "tp") if node is not None else None
-        value = value.detach()
-        if isinstance(placement, Shard) and tp is not None and tp.size > 1:
-            pieces = communicator.all_gather_pieces(value, tp, tag=f"full state: tp shards of {key}")
-            value = global_tensor(pieces, placement)
-        whole[key] = value.to("cpu", copy=True)
-    return whole
-
-
-def _across_pipeline(
-    tensors: dict[str, torch.Tensor],
-    pp: RankGroup | None,
-    communicator: Communicator,
-    key_order: Iterable[str],
-) -> dict[str, torch.Tensor]:
-    if pp is None or pp.size == 1:
-        return tensors
+    """Whole CPU copies of every rank's tensors (`local`: stage -> its module and its local
+    tensors by name), the same dict on every rank, ordered as `key_order` (the rest after)."""
+    whole = {key: tensor.detach() for _, tensors in local.values() for key, tensor in tensors.items()}
     merged: dict[str, torch.Tensor] = {}
-    for piece in communicator.all_gather_dicts(tensors, pp, tag="full state: pipeline stages"):
-        for key, value in piece.items():
-            merged.setdefault(key, value)
+    guard = StepGuard(program)
+    guard.start({})
+    with communicator.held_to(guard):
+        for action in program.actions:
+            if action.purpose is Purpose.TP_SHARDS:
+                module, tensors = local[action.stage]
+                pieces = communicator.all_gather_pieces(tensors[action.name].detach(), groups[Axis.TP],
+                                                        tag=action.calls[0].tag)
+                whole[action.name] = global_tensor(pieces, _tp_placement(module, action.name))
+            elif action.purpose is Purpose.STAGE_STATE:
+                _receive_stage(action, whole, merged, groups[Axis.PP], communicator)
+    if not merged:  # no pipeline: this rank holds everything
+        merged = {key: tensor.to("cpu", copy=True) for key, tensor in whole.items()}
     ordered = {k: merged[k] for k in key_order if k in merged}
     return ordered | {k: v for k, v in merged.items() if k not in ordered}
+
+
+def _receive_stage(action, whole, merged, pp: RankGroup, communicator: Communicator) -> None:
+    """One STAGE_STATE broadcast: pipeline rank `action.index` sends its tensors of one dtype."""
+    (call,) = action.calls
+    shapes = [torch.Size(shape) for _, shape in action.entries]
+    if pp.index == action.index:
+        flat = _flatten_dense_tensors([whole[key].to(call.dtype).reshape(shape)
+                                       for (key, _), shape in zip(action.entries, shapes)])
+    else:
+        flat = torch.empty(call.numel, dtype=call.dtype, device=next(iter(whole.values())).device
+                           if whole else "cpu")
+    communicator.broadcast(flat, pp, tag=call.tag, source=action.index, log=False)
+    pieces = flat.split([shape.numel() for shape in shapes])
+    for (key, _), piece, shape in zip(action.entries, pieces, shapes):
+        merged.setdefault(key, piece.view(shape).to("cpu", copy=True))
+
+
+def _tp_placement(module: torch.fx.GraphModule, key: str):
+    """The tp placement of the parameter behind state key `key` (a tied alias: its canonical)."""
+    aliases = module.meta.get(meta.GRAPH_ALIASES, {})
+    return meta.placement(meta.parameter_nodes(module.graph)[aliases.get(key, key)], "tp")

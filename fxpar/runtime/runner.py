@@ -181,7 +181,7 @@ class Runner:
         self._context = StepContext(
             rank=self.rank, device=self.device, step_program=step_program,
             guard=StepGuard(step_program), modules=tuple(self.modules),
-            module_of_stage={m.meta.get(meta.GRAPH_STAGE, 0): i for i, m in enumerate(self.modules)},
+            module_of_stage={self._stage(m): i for i, m in enumerate(self.modules)},
             buckets=tuple(buckets),
             # Replicated parameters whose gradient each tp rank holds a summand of, per module.
             partial_gradients=tuple(
@@ -299,25 +299,34 @@ class Runner:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank.
 
-        Tensor-parallel shards are gathered over the tp group and pipeline stages over the pp
-        group (`runtime.full_state`): every rank must call it.
+        Tensor-parallel shards are gathered over the tp group and pipeline stages broadcast
+        over the pp group, as the rank's state program says (`runtime.full_state`): every rank
+        must call it.
         """
-        return self._gather_full([(m, m.state_dict()) for m in self.modules])
+        return self._gather_full({self._stage(m): (m, m.state_dict()) for m in self.modules}, gradients=False)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Each parameter's whole gradient (canonical names, tied weights once), on every rank."""
-        return self._gather_full([
-            (m, {n: p.grad for n, p in _parameters(m).items() if p.grad is not None})
-            for m in self.modules
-        ])
+        """Each trained parameter's whole gradient (canonical names, tied weights once), on
+        every rank; zeros for a parameter whose gradient is not there (no step since)."""
+        local = {}
+        for module in self.modules:
+            trained = {name for bucket in module.meta[meta.GRAPH_BUCKETS] for name in bucket.parameters}
+            local[self._stage(module)] = (module, {
+                n: p.grad if p.grad is not None else torch.zeros_like(p)
+                for n, p in _parameters(module).items() if n in trained
+            })
+        return self._gather_full(local, gradients=True)
 
-    def _gather_full(
-        self, local: list[tuple[torch.fx.GraphModule, dict[str, torch.Tensor]]]
-    ) -> dict[str, torch.Tensor]:
+    def _gather_full(self, local: dict, *, gradients: bool) -> dict[str, torch.Tensor]:
         return gather_full_tensors(
-            local, groups=self.groups, communicator=self.communicator,
+            self.program.state_program(self.rank, gradients=gradients), local,
+            groups=self.groups, communicator=self.communicator,
             key_order=self.program.captured.graph_module.state_dict().keys(),
         )
+
+    @staticmethod
+    def _stage(module: torch.fx.GraphModule) -> int:
+        return module.meta.get(meta.GRAPH_STAGE, 0)
 
     def close(self) -> None:
         """Remove hooks and destroy the process groups (all ranks must call it).

@@ -1,0 +1,111 @@
+"""The passes a plan compiles with: one list built from the plan, printable, run by `run_passes`.
+
+`pass_list(plan, captured, mesh=..., hardware=...)` is the only place that decides which
+passes run and in which order; `compile` runs `graph` on the captured graph, and, with a
+pipeline, splits the result into stages and runs `stage` on each (every pass, on either side
+of the split, a `GraphModule -> GraphModule` whose contract `run_passes` checks). Options are
+bound with `functools.partial`, so `print(program.passes)` shows the whole pipeline:
+
+    graph: normalise_loss
+           shard_tensor_parallel(placements=..., tp=2, sequence_parallel=False, ...)
+           place_data_parallel(batch=frozenset({s35}))
+           assign_stages(stages=2, split=(), cost=..., memory=..., in_flight=(2.0, 1.0))
+    stage: defer_weight_gradients
+           assign_gradient_buckets(bucket_bytes=1048576, mesh=Mesh(dp=2, pp=2, tp=2))
+
+[Note: pass order] The loss becomes sum / global count first, so that every later rewrite
+(the vocabulary-parallel loss, the pipeline's last stage) works on the sum. Tensor
+parallelism runs next: it decides which parameters are split, and gradient buckets are sized
+by the shards each rank really holds. Placements on the dp axis follow, over the ops tensor
+parallelism inserted too. The pipeline cut comes after: stages hold tensor-parallel shards,
+and each stage's buckets hold only that stage's parameters, so buckets are a stage pass; a
+zero-bubble stage defers its linear weights' gradients before its buckets are drawn up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from fxpar.cost.collectives import MiB, gradient_bucket_bytes
+from fxpar.cost.profiles import hardware_profile
+from fxpar.errors import PlanError
+from fxpar.mesh import Mesh
+from fxpar.passes.data_parallel import assign_gradient_buckets, place_data_parallel
+from fxpar.passes.infra import GraphPass, pass_name
+from fxpar.passes.loss_normalisation import normalise_loss
+from fxpar.passes.pipeline import assign_stages
+from fxpar.passes.tensor_parallel import shard_tensor_parallel
+from fxpar.passes.tp_rules import parameter_placements
+from fxpar.passes.weight_gradients import defer_weight_gradients
+from fxpar.pipeline_program import node_memory, node_time, schedule_in_flight
+from fxpar.plan import Plan
+from fxpar.schedules import schedule
+from fxpar.trace import CapturedGraph
+
+
+@dataclass(frozen=True)
+class PassList:
+    """The passes of one compile: on the whole graph, then on each pipeline stage."""
+
+    graph: tuple[GraphPass, ...]
+    stage: tuple[GraphPass, ...] = ()  # empty without a pipeline
+
+    def __str__(self) -> str:
+        lines = []
+        for side, passes in (("graph", self.graph), ("stage", self.stage)):
+            for i, graph_pass in enumerate(passes):
+                lines.append(f"{side + ':' if i == 0 else '':<7}{pass_name(graph_pass)}")
+        return "\n".join(lines)
+
+
+def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str) -> PassList:
+    """The passes `plan` compiles `captured` with, in order (module doc)."""
+    graph: list[GraphPass] = [normalise_loss]
+    if plan.tp > 1:
+        placements = parameter_placements(captured.graph_module, _tensor_parallel_rules(plan, captured), tp=plan.tp)
+        graph.append(partial(
+            shard_tensor_parallel, placements=placements, tp=plan.tp,
+            sequence_parallel=plan.sequence_parallel, seq=frozenset(captured.export_symbols("seq")),
+            gathered_outputs=placements.gathered_outputs,
+        ))
+    graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
+    buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh)
+    stages = plan.pp * plan.virtual_stages
+    if stages == 1:
+        return PassList(graph=(*graph, buckets))
+    pipeline = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    graph.append(partial(
+        assign_stages, stages=stages, split=plan.split,
+        cost=node_time(captured, hardware_profile(hardware, measured=False), precision=plan.compute_precision),
+        memory=node_memory(captured, microbatch=captured.example_batch // (plan.dp * plan.microbatches), plan=plan),
+        in_flight=schedule_in_flight(pipeline),
+    ))
+    per_stage = (defer_weight_gradients, buckets) if pipeline.splits_backward else (buckets,)
+    return PassList(graph=tuple(graph), stage=per_stage)
+
+
+def _bucket_bytes(plan: Plan, mesh: Mesh, hardware: str) -> int:
+    """The plan's `bucket_mb`, or the cost model's size for the dp degree (`cost.collectives`)."""
+    if plan.bucket_mb is not None:
+        return int(plan.bucket_mb * MiB)
+    # Nominal, never measured, constants: every rank must choose the same buckets.
+    return gradient_bucket_bytes(mesh.dp, hardware_profile(hardware, measured=False).intra_node)
+
+
+def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str] | str:
+    """The plan's tp_rules with the model's own plans in place of "auto" and "model"."""
+    declared = captured.declared_plans
+    if plan.tp_rules == "auto":
+        return dict(declared.base) or "infer"
+    if plan.tp_rules == "model":
+        if not declared.whole:
+            raise PlanError(
+                "plan tp_rules=model asks for the model's own tensor-parallel plan, and this "
+                "model declares none (no Hugging Face base_model_tp_plan or _tp_plan). Fix: "
+                "tp_rules=auto (Megatron's layout, inferred) or a mapping of module globs to styles",
+                field="tp_rules",
+                value="model",
+            )
+        return dict(declared.whole)
+    return plan.tp_rules
