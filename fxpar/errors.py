@@ -7,6 +7,8 @@ fxpar's own invariants; these classes are for the user's input and environment.
 
 from __future__ import annotations
 
+import reprlib
+
 
 class FxparError(Exception):
     """Base class of every error fxpar raises on purpose."""
@@ -40,3 +42,32 @@ class CollectiveError(FxparError, RuntimeError):
 class StepProgramError(CollectiveError):
     """A rank was about to issue a collective its step program does not list (or left one of
     its listed calls out): raised before the call is made, so no peer is paired with it."""
+
+
+# -- showing the user's values in messages ---------------------------------------------------------
+
+SHOWN_CHARACTERS = 80  # the most of one value a message echoes
+
+_REPR = reprlib.Repr()
+# reprlib stops at these sizes while it writes, so even a value whose full repr would be huge (a
+# list holding itself through many references, a megabyte string) costs microseconds to show.
+for _name in ("maxdict", "maxlist", "maxtuple", "maxset", "maxfrozenset", "maxdeque", "maxarray"):
+    setattr(_REPR, _name, 4)
+_REPR.maxlevel, _REPR.maxlong = 3, 40
+_REPR.maxstring = _REPR.maxother = SHOWN_CHARACTERS
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for an error message, at most `SHOWN_CHARACTERS` characters.
+
+    >>> shown("two"), len(shown("x" * 10_000)), shown(list(range(10**6)))
+    ("'two'", 80, '[0, 1, 2, 3, ...]')
+    """
+    return clipped(_REPR.repr(value))
+
+
+def clipped(text: str) -> str:
+    """`text` cut to `SHOWN_CHARACTERS` characters, with its length said when it was cut."""
+    if len(text) <= SHOWN_CHARACTERS:
+        return text
+    return f"{text[: SHOWN_CHARACTERS - 24]}… ({len(text):,} characters)"

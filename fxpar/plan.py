@@ -4,6 +4,7 @@ Map of this module:
 
 - `Plan`                      the dataclass: `Plan(dp=2, microbatches=4)`
 - `Plan.parse`                from the text form, a dict, a JSON/YAML file, or a `Plan`
+- `Plan.from_file`            from a JSON/YAML file, read as untrusted input (`fxpar.plan_file`)
 - `str(plan)`, `Plan.to_dict`, `Plan.to_json`, `Plan.from_json`   exact round trips
 - `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
 - `Plan.check_batch`          the plan against the global batch
@@ -22,6 +23,7 @@ plan) and `Plan.parse(str(plan)) == plan`. A JSON or YAML file holds the same ke
 Every mistake raises `PlanError` (a `ValueError`) with `field` and `value` set and a message that
 names the field, the value, the rule it broke and a fix. For a malformed entry (`"dp"`, `"=2"`,
 `"dp=2=3"`) `field` is the key as written ("plan" when there is none) and `value` is the entry.
+A message shows at most 80 characters of any value, and none of a plan file's.
 """
 
 from __future__ import annotations
@@ -34,21 +36,22 @@ from dataclasses import asdict, dataclass, replace
 from os import PathLike
 from pathlib import Path
 
-from fxpar.errors import PlanError
+from fxpar.errors import PlanError, shown
+from fxpar.plan_file import FILE_SUFFIXES, describe_file, parse_mapping, read_plan_file
 from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
     DEGREE_FIELDS,
     FIELD_OF_KEY,
     FIELDS,
-    FILE_SUFFIXES,
     LOOKS_LIKE_PATH,
     PRECISIONS,
     SCHEDULES,
     TP_RULE_SOURCES,
     ZERO_STAGES,
+    InvalidPlanValue,
     Precision,
+    given_twice,
     invalid_value,
     is_positive_int,
-    read_mapping,
     split_entries,
     text_of,
     unknown_key,
@@ -105,7 +108,7 @@ class Plan:
         if self.schedule not in SCHEDULES:
             raise invalid_value("schedule", self.schedule)
         split = self.split
-        if isinstance(split, str) or not all(isinstance(m, str) for m in split):
+        if not isinstance(split, (tuple, list)) or not all(isinstance(m, str) for m in split):
             raise invalid_value("split", split)
         object.__setattr__(self, "split", tuple(split))
         self._check_pipeline()
@@ -191,17 +194,22 @@ class Plan:
         >>> Plan.parse("dp=2, mb=4") == Plan.parse({"dp": 2, "microbatches": 4})
         True
 
-        A `str` ending in .json, .yaml or .yml is read as a path. The text `auto` is refused:
-        automatic planning is not available yet.
+        A path (`os.PathLike`) is read with `from_file`, and so is a `str` that looks like one
+        (it ends in .json, .yaml or .yml, or is one word with a suffix, such as `plan.toml`),
+        which is refused unless it names an existing plan file: nothing else is ever read. The
+        text `auto` is refused: automatic planning is not available yet.
         """
         if isinstance(spec, Plan):
             return spec
         if isinstance(spec, PathLike):
-            return cls._from_file(Path(spec))
+            return cls.from_file(spec)
         if isinstance(spec, Mapping):
             return cls._from_entries(spec.items())
         if not isinstance(spec, str):
-            raise TypeError(f"Plan.parse takes a Plan, text, a mapping or a path, not {spec!r}")
+            raise TypeError(
+                f"Plan.parse takes a Plan, text, a mapping or a path, not a "
+                f"{type(spec).__name__} ({shown(spec)})"
+            )
         text = spec.strip()
         if text.lower() == "auto":
             raise PlanError(
@@ -211,62 +219,51 @@ class Plan:
                 value=spec,
             )
         if text.lower().endswith(FILE_SUFFIXES) or LOOKS_LIKE_PATH.fullmatch(text):
-            return cls._from_file(Path(text))
+            return cls.from_file(text)
         return cls._from_entries(split_entries(text))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """The plan `to_json` wrote (any JSON object of plan keys works)."""
-        mapping = read_mapping(text, language="JSON", where="plan JSON", source=text)
+        mapping = parse_mapping(text, language="JSON", where="plan JSON", value=text)
         return cls._from_entries(mapping.items())
 
     @classmethod
-    def _from_file(cls, path: Path) -> Plan:
-        suffix = path.suffix.lower()
-        if suffix not in FILE_SUFFIXES:
-            found = f"suffix {suffix!r}" if suffix else "no suffix"
-            raise PlanError(
-                f"plan file {str(path)!r} has {found}; fxpar reads plan files ending in .json, "
-                ".yaml or .yml. Fix: save the plan as JSON or YAML, or pass the text form such "
-                "as 'dp=2'.",
-                field="plan",
-                value=str(path),
-            )
-        if not path.is_file():
-            raise PlanError(
-                f"plan file {str(path)!r} does not exist or is not a file (looked for "
-                f"{path.resolve()}). Fix: check the path, or pass the text form such as 'dp=2'.",
-                field="plan",
-                value=str(path),
-            )
-        language = "JSON" if suffix == ".json" else "YAML"
-        where = f"plan file {str(path)!r}"
-        text = path.read_text()
-        mapping = read_mapping(text, language=language, where=where, source=str(path))
+    def from_file(cls, path: str | PathLike[str]) -> Plan:
+        """The plan a JSON (.json) or YAML (.yaml, .yml) file holds: a mapping of plan keys.
+
+            Plan.from_file("plan.yaml")    # plan.yaml holds two lines, "dp: 2" and "mb: 4"
+
+        The file is untrusted input (`fxpar.plan_file`): at most 1 MiB of UTF-8 is read, a key
+        given twice and YAML anchors or aliases are refused, and an error names the file, the
+        key and the rule, never a value the file holds.
+        """
+        path = Path(path)
+        mapping, _ = read_plan_file(path)
         try:
-            return cls._from_entries(mapping.items())
+            return cls._from_entries(mapping.items(), echo=False)
+        except InvalidPlanValue as error:  # made again without the value the file holds
+            error = invalid_value(error.field, error.value, echo=False)
+            raise PlanError(f"{describe_file(path)}: {error}", field=error.field, value=error.value) from None
         except PlanError as error:  # say which file the bad entry is in
-            raise PlanError(f"{where}: {error}", field=error.field, value=error.value) from None
+            raise PlanError(f"{describe_file(path)}: {error}", field=error.field, value=error.value) from None
 
     @classmethod
-    def _from_entries(cls, entries: Iterable[tuple[object, object]]) -> Plan:
-        """The plan from (key, value) pairs; a str value is parsed ("2" -> 2, "0.5" -> 0.5)."""
+    def _from_entries(cls, entries: Iterable[tuple[object, object]], *, echo: bool = True) -> Plan:
+        """The plan from (key, value) pairs; a str value is parsed ("2" -> 2, "0.5" -> 0.5).
+
+        With `echo=False` (a file's entries) messages name keys but show no value."""
         values: dict[str, object] = {}
-        written: dict[str, str] = {}
+        written: dict[str, tuple[str, object]] = {}
         for key, raw in entries:
             key = str(key)
             if key not in FIELD_OF_KEY:
-                raise unknown_key(key, raw)
+                raise unknown_key(key, raw, echo=echo)
             name = FIELD_OF_KEY[key]
             if name in values:
-                raise PlanError(
-                    f"plan field {name} is given twice: {written[name]} and {key}={raw}. "
-                    "Fix: keep one of them.",
-                    field=name,
-                    value=raw,
-                )
-            values[name] = value_from_text(name, raw) if isinstance(raw, str) else raw
-            written[name] = f"{key}={raw}"
+                raise given_twice(name, written[name], (key, raw), echo=echo)
+            values[name] = value_from_text(name, raw, echo=echo) if isinstance(raw, str) else raw
+            written[name] = (key, raw)
         return cls(**values)  # type: ignore[arg-type]  # __post_init__ checks every value
 
     # -- writing ---------------------------------------------------------------------------------
@@ -292,10 +289,13 @@ class Plan:
     # -- checks against the launch and the data --------------------------------------------------
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's)."""
+        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's).
+
+        The message suggests plans that do (`plans_for_world`).
+        """
         if not is_positive_int(world_size):
             raise PlanError(
-                f"WORLD_SIZE must be a positive integer, got {world_size!r}. "
+                f"WORLD_SIZE must be a positive integer, got {shown(world_size)}. "
                 "Fix: launch with torchrun, which sets it.",
                 field="world_size",
                 value=world_size,
@@ -305,14 +305,11 @@ class Plan:
         degrees = " * ".join(
             f"{name}={value}" for name, value in self.degrees.items() if value > 1 or name == "dp"
         )
-        others = self.world_size // self.dp
-        example = replace(self, dp=world_size // others) if world_size % others == 0 else replace(
-            self, dp=world_size, tp=1
-        )
+        examples = ", or ".join(str(p) for p in plans_for_world(self, world_size))
         raise PlanError(
             f"plan degrees multiply to {self.world_size} ({degrees}) but WORLD_SIZE is "
             f"{world_size}. Fix: launch with `torchrun --nproc-per-node {self.world_size} ...` "
-            f"or change the plan so the degrees multiply to {world_size} (for example {example}).",
+            f"or change the plan so the degrees multiply to {world_size} (for example {examples}).",
             field="world_size",
             value=world_size,
         )
@@ -324,7 +321,7 @@ class Plan:
         """
         if not is_positive_int(batch):
             raise PlanError(
-                f"global batch must be a positive integer, got {batch!r}. "
+                f"global batch must be a positive integer, got {shown(batch)}. "
                 "Fix: pass the number of samples in one step, e.g. 32.",
                 field="batch",
                 value=batch,
@@ -348,6 +345,67 @@ class Plan:
             field="batch",
             value=batch,
         )
+
+
+def plans_for_world(plan: Plan, world_size: int) -> list[Plan]:
+    """Valid plans like `plan` whose degrees multiply to `world_size`: the fixes
+    `check_world_size` suggests.
+
+    >>> [str(p) for p in plans_for_world(Plan(dp=4), 2)]
+    ['dp=2']
+    >>> [str(p) for p in plans_for_world(Plan(pp=2, tp=2, microbatches=2), 2)]
+    ['tp=2 mb=2', 'pp=2 mb=2']
+
+    The tensor-parallel degree is kept first (it is tied to the model's head counts), then the
+    pipeline's, and the data-parallel degree takes up the rest. When dp alone absorbs the
+    change one plan is given, otherwise two to choose between. Fields tied to a degree are
+    adjusted so that each suggestion is a valid plan (`_with_degrees`).
+    """
+    triples = [(dp, pp, world_size // (dp * pp)) for dp in _divisors(world_size)
+               for pp in _divisors(world_size // dp)]
+
+    def distance(triple: tuple[int, int, int]) -> tuple:
+        dp, pp, tp = triple
+        return (tp != plan.tp, pp != plan.pp, abs(math.log(tp / plan.tp)),
+                abs(math.log(pp / plan.pp)), abs(math.log(dp / plan.dp)))
+
+    found: list[Plan] = []
+    for dp, pp, tp in sorted(triples, key=distance):
+        candidate = _with_degrees(plan, dp=dp, pp=pp, tp=tp)
+        if candidate is not None and candidate not in found:
+            found.append(candidate)
+    # found is never empty: dp=world_size with pp=tp=1 is always a valid plan.
+    dp_alone = (found[0].tp, found[0].pp) == (plan.tp, plan.pp)
+    return found[:1] if dp_alone else found[:2]
+
+
+def _with_degrees(plan: Plan, *, dp: int, pp: int, tp: int) -> Plan | None:
+    """`plan` with these degrees and the fields tied to them adjusted; None if still invalid.
+
+    A `split` names stage starts for one number of stages (dropped when pp changes), sequence
+    parallelism needs tp > 1, the interleaved schedule pp > 1, and a pipeline schedule other
+    than GPipe at least pp microbatches (interleaved: a multiple of pp).
+    """
+    changes: dict[str, object] = {"dp": dp, "pp": pp, "tp": tp}
+    if tp == 1:
+        changes["sequence_parallel"] = False
+    if pp != plan.pp:
+        changes["split"] = ()
+    if pp == 1 and plan.schedule == "interleaved":
+        changes |= {"schedule": "1f1b", "virtual_stages": 1}
+    microbatches = plan.microbatches
+    if pp > 1 and plan.schedule != "gpipe":
+        microbatches = max(microbatches, pp)
+    if pp > 1 and plan.schedule == "interleaved":
+        microbatches = -(-microbatches // pp) * pp
+    try:
+        return replace(plan, **changes, microbatches=microbatches)
+    except PlanError:
+        return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_runnable(plan: Plan) -> None:

@@ -3,6 +3,10 @@
 `fxpar.plan.Plan` is the dataclass; this module reads and writes what users type. Each field
 has a key in the text form (`mb` for `microbatches`), the rule its value follows and an example
 fix, in one table (`FIELDS`); every message about a bad entry is made from that table.
+
+A message shows a value at most `errors.SHOWN_CHARACTERS` (80) characters long (`errors.shown`).
+With `echo=False` (entries read from a plan file, which may hold anything: `fxpar.plan_file`)
+it shows no value at all, only its type and size, so a file's content never reaches a log.
 """
 
 from __future__ import annotations
@@ -14,9 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Literal
 
-import yaml
-
-from fxpar.errors import PlanError
+from fxpar.errors import PlanError, clipped, shown
 
 # tp_rules given by name: "auto" (the model's own base-model plan, else inferred), "model" (the
 # model's whole declared plan) or "infer" (Megatron's layout inferred from the graph).
@@ -78,9 +80,6 @@ SUPPORTED_KEYS = (
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
 DEGREE_FIELDS: tuple[str, ...] = ("dp", "pp", "tp")
 
-# Keys a later fxpar version will accept -> what they ask for. Refused, naming the capability.
-
-FILE_SUFFIXES = (".json", ".yaml", ".yml")
 # A bare word with a file suffix (`plan.toml`, `configs/plan.txt`) is a path, not plan text.
 LOOKS_LIKE_PATH = re.compile(r"[^\s,=]*\.[A-Za-z]\w*")
 
@@ -120,16 +119,17 @@ def split_entries(text: str) -> list[tuple[str, str]]:
             entries.append((key, value))
             continue
         raise PlanError(
-            f"plan entry {entry!r} {problem}: each entry is key=value, with no spaces around "
-            f"'=' (keys: {SUPPORTED_KEYS}). Fix: {fix}.",
+            f"plan entry {shown(entry)} {problem}: each entry is key=value, with no spaces around "
+            f"'=' (keys: {SUPPORTED_KEYS}). Fix: {clipped(fix)}.",
             field=key or "plan",
             value=entry,
         )
     return entries
 
 
-def value_from_text(name: str, text: str) -> object:
-    """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises."""
+def value_from_text(name: str, text: str, *, echo: bool = True) -> object:
+    """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises
+    (`invalid_value`, which shows `text` unless `echo=False`)."""
     if name in ("precision", "schedule"):
         return text
     if name == "split":
@@ -138,14 +138,14 @@ def value_from_text(name: str, text: str) -> object:
         flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
         if text.strip().lower() in flags:
             return flags[text.strip().lower()]
-        raise invalid_value(name, text)
+        raise invalid_value(name, text, echo=echo)
     if name == "tp_rules":
         if text.strip() in TP_RULE_SOURCES:
             return text.strip()
         try:
             rules = json.loads(text)
-        except json.JSONDecodeError:
-            raise invalid_value(name, text) from None
+        except (json.JSONDecodeError, RecursionError, ValueError):
+            raise invalid_value(name, text, echo=echo) from None
         return rules
     if name == "zero" and text.strip() == "0":
         return 0
@@ -153,10 +153,10 @@ def value_from_text(name: str, text: str) -> object:
         try:
             return float(text)
         except ValueError:
-            raise invalid_value(name, text) from None
-    if re.fullmatch(r"[+-]?\d+", text.strip()):
+            raise invalid_value(name, text, echo=echo) from None
+    if re.fullmatch(r"[+-]?\d{1,18}", text.strip()):  # longer is no degree, and int() is slow
         return int(text)
-    raise invalid_value(name, text)
+    raise invalid_value(name, text, echo=echo)
 
 
 def is_positive_int(value: object) -> bool:
@@ -164,47 +164,55 @@ def is_positive_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
-def invalid_value(name: str, value: object) -> PlanError:
+class InvalidPlanValue(PlanError):
+    """A PlanError about one field's value alone (its type or range), made by `invalid_value`:
+    `Plan.from_file` makes it again with `echo=False`."""
+
+
+def invalid_value(name: str, value: object, *, echo: bool = True) -> InvalidPlanValue:
     key, rule, fix = FIELDS[name]
     called = name if key == name else f"{name} ({key})"
-    return PlanError(
-        f"plan field {called} must be {rule}; got {value!r}. Fix: write e.g. {fix}.",
+    return InvalidPlanValue(
+        f"plan field {called} must be {rule}; got {_shown_or_described(value, echo)}. Fix: "
+        f"write e.g. {fix}.",
         field=name,
         value=value,
     )
 
 
-def unknown_key(key: str, value: object) -> PlanError:
-    close = difflib.get_close_matches(key.lower(), FIELD_OF_KEY, n=2)
+def unknown_key(key: str, value: object, *, echo: bool = True) -> PlanError:
+    named = shown(key)
+    close = difflib.get_close_matches(key[:40].lower(), FIELD_OF_KEY, n=2)
     hint = f" Did you mean {' or '.join(repr(c) for c in sorted(close))}?" if close else ""
+    entry = f" (in {clipped(f'{key}={value}')})" if echo else ""
     return PlanError(
-        f"unknown plan key {key!r} (in {key}={value}).{hint} Supported keys: {SUPPORTED_KEYS}. "
-        f"Fix: rename or remove {key!r}.",
+        f"unknown plan key {named}{entry}.{hint} Supported keys: {SUPPORTED_KEYS}. "
+        f"Fix: rename or remove {named}.",
         field=key,
         value=value,
     )
 
 
-def read_mapping(
-    text: str, *, language: Literal["JSON", "YAML"], where: str, source: str
-) -> Mapping[object, object]:
-    """The mapping a JSON or YAML text holds; bad syntax or another kind of value raises.
-
-    `where` starts the error message ("plan file 'p.yaml'"); `source` is the error's `value`.
-    """
-    try:
-        data = json.loads(text) if language == "JSON" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise PlanError(
-            f"{where} is not valid {language}. Fix: correct its syntax.\n{error}",
-            field="plan",
-            value=source,
-        ) from None
-    if isinstance(data, Mapping):
-        return data
-    raise PlanError(
-        f"{where} holds a {type(data).__name__} ({data!r:.60}), not a mapping of plan keys to "
-        'values. Fix: write a mapping such as {"dp": 2, "mb": 4} (in YAML: "dp: 2").',
-        field="plan",
-        value=source,
+def given_twice(name: str, first: tuple[str, object], second: tuple[str, object], *, echo: bool = True) -> PlanError:
+    """Field `name` written under two keys (`mb` and `microbatches`), or one key twice."""
+    if echo:
+        both = f"{clipped(f'{first[0]}={first[1]}')} and {clipped(f'{second[0]}={second[1]}')}"
+    else:
+        both = f"as {shown(first[0])} and as {shown(second[0])}"
+    return PlanError(
+        f"plan field {name} is given twice: {both}. Fix: keep one of them.",
+        field=name,
+        value=second[1],
     )
+
+
+def _shown_or_described(value: object, echo: bool) -> str:
+    """`shown(value)`, or, without echo, what it is and how big: "a str of 11 characters"."""
+    if echo:
+        return shown(value)
+    kind = type(value).__name__
+    if isinstance(value, str):
+        return f"a str of {len(value):,} characters (a plan file's values are not shown)"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {kind} of {len(value):,} items (a plan file's values are not shown)"
+    return f"a value of type {kind} (a plan file's values are not shown)"

@@ -350,7 +350,7 @@ def test_unsupported_file_suffix(spec: str | Path) -> None:
 def test_file_that_is_not_a_mapping(tmp_path: Path, name: str, content: str, kind: str) -> None:
     path = tmp_path / name
     path.write_text(content)
-    expected = f"holds a {kind} .*not a mapping.*Fix: write a mapping"
+    expected = f"holds a {kind}, not a mapping.*Fix: write a mapping"  # the content unsaid
     with pytest.raises(PlanError, match=expected) as e:
         Plan.parse(path)
     assert e.value.field == "plan" and e.value.value == str(path)
@@ -360,7 +360,7 @@ def test_file_that_is_not_a_mapping(tmp_path: Path, name: str, content: str, kin
 def test_file_with_bad_syntax(tmp_path: Path, name: str, content: str) -> None:
     path = tmp_path / name
     path.write_text(content)
-    with pytest.raises(PlanError, match=r"is not valid (JSON|YAML)\. Fix: correct its syntax") as e:
+    with pytest.raises(PlanError, match=r"is not valid (JSON|YAML): .* at line 1, column \d+\. Fix: correct its syntax") as e:
         Plan.parse(path)
     assert e.value.field == "plan" and e.value.value == str(path)
 
@@ -428,6 +428,28 @@ def test_sequence_parallel_needs_tp() -> None:
 def test_world_size_mismatch_example_keeps_tp() -> None:
     with pytest.raises(PlanError, match=r"\(dp=1 \* tp=2\) but WORLD_SIZE is 4.*for example dp=2 tp=2"):
         Plan(tp=2).check_world_size(4)
+
+
+def test_world_size_mismatch_suggests_plans_valid_for_that_world() -> None:
+    # The review's case: pp=2 tp=2 on 2 ranks once suggested dp=2 pp=2 mb=2, a 4-rank plan.
+    with pytest.raises(PlanError, match=r"\(for example tp=2 mb=2, or pp=2 mb=2\)\.$"):
+        Plan(pp=2, tp=2, microbatches=2).check_world_size(2)
+    plans = [
+        Plan(dp=4), Plan(tp=2, sequence_parallel=True), Plan(pp=2, microbatches=2, split=("h.1",)),
+        Plan(dp=2, pp=2, tp=2, microbatches=2), Plan(pp=4, microbatches=4, schedule="zb-h1"),
+        Plan(pp=2, microbatches=2, schedule="interleaved", virtual_stages=2), Plan(tp=3),
+        Plan(pp=3, microbatches=3, schedule="gpipe"),
+    ]
+    for plan in plans:
+        for world in range(1, 13):
+            if world == plan.world_size:
+                continue
+            with pytest.raises(PlanError) as caught:
+                plan.check_world_size(world)
+            examples = str(caught.value).rpartition("(for example ")[2].removesuffix(").")
+            assert examples, str(caught.value)
+            for text in examples.split(", or "):
+                assert Plan.parse(text).world_size == world, (plan, world, text)
 
 
 # -- pipeline parallelism --------------------------------------------------------------------------
