@@ -49,6 +49,15 @@ def module_path(node: fx.Node) -> str:
     return node.meta.get(MODULE_PATH, "")
 
 
+def exported_module_path(node: fx.Node) -> str:
+    """The innermost module on torch.export's `nn_module_stack` of `node` ("" for the root
+    module): what `trace.capture` stores as `fxpar.module_path`. For export's own graph, before
+    capture has annotated it."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for key, (path, _) in stack.items() if key.startswith("L__self__")]
+    return paths[-1] if paths else ""
+
+
 def parameter_name(node: fx.Node) -> str | None:
     """The canonical state_dict name of the parameter a get_attr node reads, else None."""
     return node.meta.get(PARAMETER)

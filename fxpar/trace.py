@@ -38,6 +38,7 @@ a model built on the meta device (no memory) is captured just as well, for plann
 from __future__ import annotations
 
 import traceback
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -45,13 +46,14 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from fxpar import meta
 from fxpar.symbols import dim_symbol
 from fxpar.declared_plans import DeclaredPlans, declared_plans
 from fxpar.errors import CaptureError
 from fxpar.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
+from fxpar.state_writes import refuse_state_writes
 
 # Readable names of the dynamic dims, by position in an input tensor.
 _DIM_NAMES = {0: "batch", 1: "seq"}
@@ -59,7 +61,13 @@ _DIM_NAMES = {0: "batch", 1: "seq"}
 
 @dataclass(frozen=True)
 class CapturedGraph:
-    """A captured model: its graph, its state, and the names of its symbolic sizes."""
+    """A captured model: its graph, its state, and the names of its symbolic sizes.
+
+    It pickles as what it was made from, the model and a copy of the example inputs, and is
+    captured again when loaded: export's graph holds fake tensors and symbolic sizes bound to
+    the capture's shape environment, which do not pickle, and capture is deterministic. So
+    loading costs one torch.export, and the model's class must be importable where it loads.
+    """
 
     graph_module: fx.GraphModule
     parameters: dict[str, torch.nn.Parameter]  # canonical name -> the model's own Parameter
@@ -72,6 +80,11 @@ class CapturedGraph:
     example_sizes: dict[sympy.Symbol, int]  # readable symbol -> its size in the example inputs
     example_shapes: tuple[tuple[int, ...], ...]  # of the example inputs, as given
     _renames: dict[sympy.Symbol, sympy.Symbol] = field(repr=False)  # export symbol -> readable
+    # (model, example inputs as given, cloned): what `capture` took, to capture again on load.
+    _source: tuple[torch.nn.Module, ExampleInputs] = field(repr=False, compare=False)
+
+    def __reduce__(self) -> tuple:
+        return (capture, self._source)
 
     @property
     def batch(self) -> sympy.Symbol | None:
@@ -98,6 +111,17 @@ class CapturedGraph:
     def export_symbols(self, name: str) -> set[sympy.Symbol]:
         """Export's own symbols (`s95`, `s24`) that fxpar calls `name` ("batch", "seq")."""
         return {s for s, readable in self._renames.items() if readable.name == name}
+
+    def sequence_lengths(self, inputs: tuple[torch.Tensor, ...]) -> set[int]:
+        """The sizes `inputs` (a step's batch, in graph order) give the `seq` dim."""
+        seq = self.symbols.get("seq")
+        placeholders = [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+        return {
+            int(x.shape[dim])
+            for node, x in zip(placeholders, inputs)
+            for dim, size in enumerate(self.shape(node))
+            if seq is not None and size == seq
+        }
 
     def parameter_count(self) -> int:
         """Trainable parameters, each tied group counted once."""
@@ -142,7 +166,31 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
 
     args, kwargs = ((), dict(zip(names, values))) if keyword else (values, {})
     exported = _export(model, args, kwargs)
-    return _unlift(model, exported, values, keyword=keyword)
+    refuse_state_writes(model, exported)  # BatchNorm in train mode, buffer.add_(), ...
+    _refuse_regions(exported)
+    source = (model, {k: v.detach().clone() for k, v in example_inputs.items()} if keyword
+              else tuple(x.detach().clone() for x in example_inputs))
+    captured = _unlift(model, exported, values, keyword=keyword, source=source)
+    _warn_fixed_sizes(captured)
+    return captured
+
+
+def _warn_fixed_sizes(captured: CapturedGraph) -> None:
+    """Warn when an example's batch or sequence has size 0 or 1: export specialises those
+    sizes to constants (a SymInt of 1 cannot be told from a broadcast), so the graph would run
+    with that size only, and no plan could split the batch."""
+    for name, shape in zip(captured.input_names, captured.example_shapes):
+        for dim, size in enumerate(shape[:2]):
+            if size <= 1:
+                what = _DIM_NAMES[dim]
+                warnings.warn(
+                    f"fxpar: example input {name!r} has size {size} in dim {dim} (the {what}); "
+                    f"torch.export fixes sizes 0 and 1 as constants, so the captured graph "
+                    f"runs with {what} {size} only and no plan can split it. Fix: capture with "
+                    f"an example of {what} 2 or more (the {what} of one step)",
+                    stacklevel=3,
+                )
+                return
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
@@ -161,6 +209,35 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
             )
     except Exception as error:
         raise CaptureError(_explain_export_failure(model, error, positional=len(args))) from error
+
+
+# What each region export wraps in a higher-order op stands for in the model's code.
+_REGIONS = {
+    "wrap_with_set_grad_enabled": "a `with torch.no_grad()` (or `torch.enable_grad()`) block",
+    "wrap_with_autocast": "a `with torch.autocast(...)` block",
+}
+
+
+def _refuse_regions(exported: ExportedProgram) -> None:
+    """A CaptureError for the first region of forward that export keeps as a nested graph.
+
+    fxpar's passes work on one flat graph of aten ops; export keeps a block that changes grad
+    mode or autocast as a higher-order op calling a subgraph (`wrap_with_set_grad_enabled(False,
+    submod_1, x)`), which no pass can see into yet.
+    """
+    for node in exported.graph_module.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            name = node.target.name()
+            what = _REGIONS.get(name, f"a {name} region (torch.cond, a loop, a checkpoint)")
+            path = meta.exported_module_path(node)
+            where = f"module {path!r}" if path else "the root module's forward"
+            raise CaptureError(
+                f"the model's forward has {what} in {where}, which torch.export keeps as a "
+                f"nested graph (torch.ops.higher_order.{name}) and fxpar does not capture yet. "
+                "Fix: move that computation out of forward, or write it without the block: "
+                "`.detach()` a result instead of computing it under torch.no_grad(), cast "
+                "dtypes explicitly instead of autocasting"
+            )
 
 
 def _explain_export_failure(model: torch.nn.Module, error: Exception, *, positional: int) -> str:
@@ -198,6 +275,7 @@ def _unlift(
     example_inputs: tuple[torch.Tensor, ...],
     *,
     keyword: bool,
+    source: tuple[torch.nn.Module, ExampleInputs],
 ) -> CapturedGraph:
     graph = exported.graph_module.graph
     named_parameters = dict(model.named_parameters(remove_duplicate=False))
@@ -241,7 +319,7 @@ def _unlift(
 
     _return_the_loss(graph, exported, model, positional=0 if keyword else len(example_inputs))
     for node in graph.nodes:
-        node.meta[meta.MODULE_PATH] = _module_path(node)
+        node.meta[meta.MODULE_PATH] = meta.exported_module_path(node)
         node.meta[meta.REQUIRES_GRAD] = _requires_grad(node, attributes)
         if node.target is torch.ops.aten.view.default:
             # Export drops a `.contiguous()` that is a no-op for the kernel it traced with (the
@@ -270,6 +348,7 @@ def _unlift(
         example_sizes=sizes,
         example_shapes=tuple(tuple(x.shape) for x in example_inputs),
         _renames=renames,
+        _source=source,
     )
 
 
@@ -302,14 +381,6 @@ def _return_the_loss(
 ) -> None:
     """Make the graph return the scalar loss alone; drop what only other outputs needed."""
     output = graph.output_node()
-    specs = exported.graph_signature.output_specs
-    if any(s.kind == OutputKind.BUFFER_MUTATION for s in specs):
-        mutated = [s.target for s in specs if s.kind == OutputKind.BUFFER_MUTATION]
-        raise CaptureError(
-            f"the model writes to buffers {mutated} in forward (running statistics such as "
-            "BatchNorm's); fxpar trains transformers without mutable state. Fix: use LayerNorm "
-            "or RMSNorm, or register the tensor as a plain attribute"
-        )
     (values,) = output.args
     spec = exported.call_spec.out_spec
     index, found = loss_leaf(spec)
@@ -329,12 +400,6 @@ def _return_the_loss(
     for node in reversed(graph.nodes):
         if node.op == "call_function" and not node.users and not node.is_impure():
             graph.erase_node(node)
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [path for key, (path, _) in stack.items() if key.startswith("L__self__")]
-    return paths[-1] if paths else ""
 
 
 def restore_state_layout(gm: fx.GraphModule) -> None:

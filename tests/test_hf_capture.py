@@ -41,6 +41,16 @@ def test_the_global_count_of_valid_targets_is_compiled_from_the_labels(llama):
     assert (count.kind, count.numel, count.group, count.tag) == ("all_reduce", 1, (0, 1), "valid targets")
 
 
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_no_model_is_refused_for_writing_state_in_train_mode(name):
+    # Capture refuses a forward that writes buffers or parameters (fxpar.state_writes); the
+    # transformers models, in train mode, write none (rotary tables and masks are only read).
+    model, batch = BUILDERS[name]("sdpa")
+    model.train()
+    captured = fxpar.capture(model, batch)
+    assert torch.equal(captured.graph_module(*captured.arrange((), batch)), model(**batch).loss)
+
+
 def test_an_output_without_a_loss_names_its_type_and_the_fix():
     model, batch = BUILDERS["gpt2"]("sdpa")
     with pytest.raises(CaptureError, match=r"found a CausalLMOutputWithCrossAttentions with \['logits'\].*`labels`"):
