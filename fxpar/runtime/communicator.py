@@ -14,6 +14,7 @@ holds it to the rank's step program: a call the program does not list fails befo
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -22,16 +23,19 @@ import torch
 import torch.distributed as dist
 
 from fxpar.collectives import Collective, CollectiveKind
-from fxpar.errors import CollectiveError
+from fxpar.errors import CollectiveError, clipped
+from fxpar.runtime.collective_failures import describe_failure
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step_guard import StepGuard
 
 
 class PendingCollective:
-    """An asynchronous collective; `wait()` raises CollectiveError naming the group on failure."""
+    """An asynchronous collective; `wait()` raises CollectiveError naming the group, the time
+    really waited since the call was issued, and the cause (`runtime.collective_failures`)."""
 
     def __init__(self, work: dist.Work | None, call: Collective, group: RankGroup, timeout: timedelta):
         self._work, self._call, self._group, self._timeout = work, call, group, timeout
+        self._issued = time.perf_counter()
 
     def wait(self) -> None:
         if self._work is None:
@@ -39,12 +43,12 @@ class PendingCollective:
         try:
             self._work.wait(self._timeout)
         except Exception as error:
-            seconds = self._timeout.total_seconds()
+            call, group = self._call, self._group
+            cause = describe_failure(error, ranks=group.ranks, rank=group.rank,
+                                     waited=time.perf_counter() - self._issued, timeout=self._timeout)
             raise CollectiveError(
-                f"{self._call.kind} of {self._call.tag} ({self._call.payload_bytes:,} bytes) on "
-                f"the {self._group.name} did not complete within {seconds:g} s: "
-                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}\n"
-                "A peer rank probably died or stopped issuing collectives; its own log says why."
+                f"{call.kind} of {call.tag} ({call.payload_bytes:,} bytes) on the "
+                f"{clipped(group.name)} {cause}"
             ) from error
         finally:
             self._work = None

@@ -7,12 +7,17 @@ every group of every axis in the same order, as `torch.distributed.new_group` re
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from fxpar.errors import BindError, clipped
 from fxpar.mesh import Axis, Mesh
+from fxpar.runtime.collective_failures import describe_failure
 
 
 @dataclass(frozen=True)
@@ -44,15 +49,22 @@ def init_process_groups(
     extra: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[dict[Axis, RankGroup], dict[tuple[int, ...], RankGroup]]:
     """Initialise torch.distributed; return this rank's group on each mesh axis, and those of
-    the `extra` groups (tied-parameter owners) that contain it."""
+    the `extra` groups (tied-parameter owners) that contain it.
+
+    Creating a group waits for every rank of the world (the store counts them in): when one has
+    exited or binds another program, this raises BindError naming the group, the time waited
+    and the cause (`runtime.collective_failures`), not the store's own error.
+    """
+    world = tuple(range(mesh.world_size))
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=mesh.world_size,
-            timeout=timeout,
-            device_id=device_id,
-        )
+        with _creating("the default process group (every rank)", world, rank, timeout):
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=mesh.world_size,
+                timeout=timeout,
+                device_id=device_id,
+            )
     mine: dict[Axis, RankGroup] = {}
     for axis in Axis:
         for ranks in mesh.groups(axis):
@@ -61,12 +73,30 @@ def init_process_groups(
             elif len(ranks) == mesh.world_size:
                 handle = dist.group.WORLD
             else:
-                handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+                with _creating(f"the {axis.value} group {list(ranks)}", world, rank, timeout):
+                    handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle, rank=rank)
     others = {}
     for ranks in extra:
-        handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+        with _creating(f"the tied-parameter group {list(ranks)}", world, rank, timeout):
+            handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
         if rank in ranks:
             others[ranks] = RankGroup(axis=None, ranks=ranks, handle=handle, rank=rank)
     return mine, others
+
+
+@contextmanager
+def _creating(what: str, world: tuple[int, ...], rank: int, timeout: timedelta) -> Iterator[None]:
+    """Turn a failure to create `what` into a BindError that says why (module doc)."""
+    start = time.perf_counter()
+    try:
+        yield
+    except Exception as error:
+        cause = describe_failure(error, ranks=world, rank=rank,
+                                 waited=time.perf_counter() - start, timeout=timeout)
+        raise BindError(
+            f"program.bind() on rank {rank} could not create {clipped(what)}: creating it "
+            f"{cause}. Every rank must bind the same program at the same point; a peer that "
+            "exited or stopped earlier leaves the others here"
+        ) from error

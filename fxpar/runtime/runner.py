@@ -11,6 +11,10 @@ the rank's module (or, with a pipeline, the schedule's actions on its stage modu
 gradient buckets all-reduce during the last backward, and returns the global-batch mean loss,
 the same float on every rank. A batch comes in the form of the compile-time example: tensors
 in order, or a dict of keyword tensors (`runner.step(runner.local_batch(batch_dict))`).
+
+A runner is live from bind until `close()`, which ends every runner of the process (they share
+its process groups); binding a program whose parameters a live runner trains is refused
+(`runtime.live_runners` has the rules and why).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from fxpar.errors import BindError, PlanError
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
-from fxpar.runtime.environment import TorchrunEnvironment
+from fxpar.runtime import live_runners
+from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
 from fxpar.runtime.full_state import gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.module_executor import ModuleExecutor
@@ -75,6 +80,7 @@ class Runner:
         self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
         self._executor: ModuleExecutor | PipelineExecutor | None = None
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
+        self._closed_by: str | None = None  # which close() ended this runner (live_runners)
 
     @property
     def module(self) -> torch.fx.GraphModule:
@@ -107,13 +113,15 @@ class Runner:
         cls,
         program: CompiledProgram,
         *,
-        timeout: timedelta,
+        timeout: timedelta | float,
         device: torch.device | str | None,
         backend: str | None,
     ) -> Runner:
+        timeout = bind_timeout(timeout)
         check_runnable(program.plan)
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)
+        live_runners.check_can_bind(program)
         device = torch.device(device) if device is not None else _default_device(env.local_rank)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", env.local_rank)
@@ -135,6 +143,8 @@ class Runner:
         )
         runner._place_state()
         runner._bind_step()
+        buckets = runner._context.buckets  # the finalizer must not hold the runner itself
+        live_runners.register(runner, release=lambda: [b.remove() for b in buckets])
         return runner
 
     # -- binding ------------------------------------------------------------------------
@@ -248,7 +258,11 @@ class Runner:
         targets each piece holds (`runtime.step_loss`); for another loss, the average of the
         pieces' gradients.
         """
+        self._require_open("step")
         inputs = self.program.captured.arrange(local_batch, keywords)
+        if self.program.plan.sequence_parallel:  # an uneven shard would abort inside gloo
+            for length in self.program.captured.sequence_lengths(inputs):
+                self.program.plan.check_sequence(length, what="this step's sequence length")
         microbatches = self.program.plan.microbatches
         batch = inputs[0].shape[0]
         if batch % microbatches:
@@ -276,6 +290,7 @@ class Runner:
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **options: Any):
         """`optimizer_class` over this rank's parameters (each tied group once)."""
+        self._require_open("optimizer")
         return optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
 
     # -- observation ----------------------------------------------------------------------
@@ -303,11 +318,13 @@ class Runner:
         over the pp group, as the rank's state program says (`runtime.full_state`): every rank
         must call it.
         """
+        self._require_open("full_state_dict")
         return self._gather_full({self._stage(m): (m, m.state_dict()) for m in self.modules}, gradients=False)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on
         every rank; zeros for a parameter whose gradient is not there (no step since)."""
+        self._require_open("full_gradients")
         local = {}
         for module in self.modules:
             trained = {name for bucket in module.meta[meta.GRAPH_BUCKETS] for name in bucket.parameters}
@@ -329,20 +346,40 @@ class Runner:
         return module.meta.get(meta.GRAPH_STAGE, 0)
 
     def close(self) -> None:
-        """Remove hooks and destroy the process groups (all ranks must call it).
+        """End this runner and every other live one of the process, and destroy the process
+        groups they share (all ranks must call it; a second call does nothing).
 
-        Every reference to a group goes first: a gloo group that outlives
-        `destroy_process_group` until interpreter exit can abort the process there.
+        Each runner's hooks are removed and its axes unbound; using it to train afterwards is a
+        BindError, and `program.bind()` may bind again (`runtime.live_runners`). Every
+        reference to a group goes first: a gloo group that outlives `destroy_process_group`
+        until interpreter exit can abort the process there.
         """
+        if self._closed_by is not None:
+            return
+        closed_by = f"runner.close() of the runner of plan '{self.program.plan}'"
+        for runner in {*live_runners.end_all(), self}:
+            runner._end(closed_by)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+    def _end(self, closed_by: str) -> None:
         for buckets in self._context.buckets:
             buckets.remove()
         unbind_axes(self._axes)
         self.groups, self._tied_groups = {}, {}
         self._context, self._executor = replace(self._context, buckets=(), groups={}), None
         self._dp = replace(self._dp, handle=None)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()
+        self._closed_by = closed_by
+
+    def _require_open(self, method: str) -> None:
+        if self._closed_by is not None:
+            raise BindError(
+                f"runner.{method}() on a closed runner (plan '{self.program.plan}', rank "
+                f"{self.rank}): {self._closed_by} ended it and destroyed this process's groups, "
+                "so it would train without synchronising anything. Fix: bind again "
+                "(runner = program.bind()) and use the new runner"
+            )
 
 
 def _parameters(module: torch.fx.GraphModule) -> dict[str, torch.nn.Parameter]:
