@@ -8,6 +8,7 @@ Map of this module:
 - `str(plan)`, `Plan.to_dict`, `Plan.to_json`, `Plan.from_json`   exact round trips
 - `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
 - `Plan.check_batch`          the plan against the global batch
+- `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
 - `fxpar.plan_text`          the field table and the text form, with their errors
 
 The text form is what a command line or a config string holds::
@@ -344,6 +345,22 @@ class Plan:
             f"into {mb} equal microbatches. Fix: {', or '.join(fixes)}.",
             field="batch",
             value=batch,
+        )
+
+    def check_sequence(self, length: int, *, what: str = "the sequence length") -> None:
+        """Raise `PlanError` when sequence parallelism cannot split `length` tokens over tp.
+
+        >>> Plan(tp=2, sequence_parallel=True).check_sequence(16)  # 8 tokens per tp rank
+        """
+        if not self.sequence_parallel or length % self.tp == 0:
+            return
+        fits = [n for n in (length - length % self.tp, length + self.tp - length % self.tp) if n > 0]
+        raise PlanError(
+            f"plan sp=true shards the sequence over tp={self.tp} ranks, and {what} {length} is "
+            f"not divisible by {self.tp}. Fix: use sequences of {' or '.join(map(str, fits))} "
+            "tokens (a multiple of tp), or sp=false",
+            field="sequence_parallel",
+            value=True,
         )
 
 

@@ -110,6 +110,8 @@ def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
             field="dp",
             value=plan.dp,
         )
+    if (seq := captured.symbols.get("seq")) is not None:
+        plan.check_sequence(captured.example_sizes[seq], what="the example's sequence length")
 
 
 def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:
@@ -125,7 +127,15 @@ def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:
 
 
 class Program:
-    """The compiled job: the global annotated graph, the plan and the mesh (see module doc)."""
+    """The compiled job: the global annotated graph, the plan and the mesh (see module doc).
+
+    `pickle.dumps(program)` works, and `pickle.loads` compiles again from what it was made of:
+    the capture (which pickles as the model and its example inputs, `trace.CapturedGraph`),
+    the plan and the hardware profile. Compilation is deterministic, so the loaded program's
+    `rank_module(r).code` and `collectives(r)` are the original's; loading costs a capture
+    and a compile, and needs the model's class importable. Programs pickled together from one
+    capture load sharing one capture again.
+    """
 
     def __init__(
         self,
@@ -342,16 +352,22 @@ class Program:
     ) -> Runner:
         """Inside a torchrun worker: create the process groups and return this rank's Runner.
 
-        `timeout` bounds every collective and group creation (a float is seconds): a peer that
-        died makes the others fail with an error naming the group instead of hanging.
-        `device` defaults to `cuda:LOCAL_RANK` when CUDA is available, else the CPU; `backend`
-        to NCCL on CUDA devices and gloo otherwise.
+        `timeout` bounds every collective and group creation (a positive, finite number of
+        seconds, or a timedelta): a peer that died makes the others fail with an error naming
+        the group instead of hanging. `device` defaults to `cuda:LOCAL_RANK` when CUDA is
+        available, else the CPU; `backend` to NCCL on CUDA devices and gloo otherwise.
+
+        A program is bound once at a time: binding it again while its runner is live (or
+        binding another program of the same model) is a BindError, since both runners would
+        hook the same parameters; after `runner.close()` it may be bound again. Programs of
+        different models may be live together (`fxpar.runtime.live_runners`).
         """
         from fxpar.runtime.runner import Runner
 
-        if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=float(timeout))
         return Runner.create(self, timeout=timeout, device=device, backend=backend)
+
+    def __reduce__(self) -> tuple:
+        return (_compile_again, (self.captured, self.plan, self.hardware))
 
     def __repr__(self) -> str:
         params = self.captured.parameter_count()
@@ -362,6 +378,11 @@ class Program:
             f"Program(plan='{self.plan}', world_size={self.world_size}, parameters={params:,}, "
             f"{layout}, nodes={len(self.graph_module.graph.nodes)})"
         )
+
+
+def _compile_again(captured: CapturedGraph, plan: Plan, hardware: str) -> Program:
+    """What `pickle.loads` calls for a Program (`Program.__reduce__`)."""
+    return compile(captured, plan, hardware=hardware)
 
 
 def _replace_parameter(module: torch.nn.Module, dotted: str, value: torch.nn.Parameter) -> None:

@@ -1,6 +1,9 @@
 """Tier 1/4: compile, rank modules, predicted collectives and their static check, bind errors."""
 
+import pickle
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,84 @@ def test_the_pass_list_is_built_from_the_plan_and_printed():
         "normalise_loss", "shard_tensor_parallel", "place_data_parallel", "assign_stages",
         "defer_weight_gradients", "assign_gradient_buckets"]
     assert printed[0].startswith("graph: ") and printed[4].startswith("stage: ")
+
+
+# -- what bind is given ----------------------------------------------------------------------------
+
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "shown"),
+    [(0, ValueError, "0"), (-1, ValueError, "-1"), (float("nan"), ValueError, "nan"),
+     (float("inf"), ValueError, "inf"), ("5", TypeError, "'5'"), (True, TypeError, "True"),
+     (__import__("datetime").timedelta(0), ValueError, "datetime.timedelta(0)")],
+)
+def test_bind_timeout_must_be_positive_finite_seconds(monkeypatch, timeout, error, shown):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(error, match=rf"bind\(timeout={re.escape(shown)}\).*Fix: bind\(timeout=300\)"):
+        compile_gpt("dp=2").bind(timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("RANK", "2", "RANK=2 is outside WORLD_SIZE=2: ranks are 0 to 1"),
+        ("RANK", "-1", "RANK='-1' is not an integer of at least 0"),
+        ("RANK", "zero", "RANK='zero' is not an integer of at least 0"),
+        ("WORLD_SIZE", "0", "WORLD_SIZE='0' is not an integer of at least 1"),
+        ("LOCAL_RANK", "x", "LOCAL_RANK='x' is not an integer of at least 0"),
+        ("MASTER_PORT", "99999", "MASTER_PORT='99999' is not an integer from 1 to 65535"),
+        ("MASTER_PORT", "http", "MASTER_PORT='http' is not an integer from 1 to 65535"),
+        ("MASTER_ADDR", " ", "MASTER_ADDR is empty"),
+        ("LOCAL_WORLD_SIZE", "1", "LOCAL_RANK=1 is outside LOCAL_WORLD_SIZE=1"),
+    ],
+)
+def test_the_torchrun_environment_is_checked_before_any_group_exists(monkeypatch, name, value, expected):
+    for key, default in (TORCHRUN_ENV | {"RANK": "1", "LOCAL_RANK": "1"}).items():
+        monkeypatch.setenv(key, default)
+    monkeypatch.setenv(name, value)
+    start = time.perf_counter()
+    with pytest.raises(BindError, match=re.escape(expected)):
+        compile_gpt("dp=2").bind(timeout=30)
+    assert time.perf_counter() - start < 5  # no store, no network wait
+
+
+def test_sequence_parallelism_needs_a_sequence_divisible_by_tp():
+    tokens = torch.randint(0, 64, (8, 17))
+    with pytest.raises(PlanError, match=r"sp=true shards the sequence over tp=2 ranks, and the "
+                       r"example's sequence length 17 is not divisible by 2. Fix: use sequences "
+                       r"of 16 or 18 tokens") as caught:
+        fxpar.compile(GPT(CONFIG), "tp=2 sp=true", example_inputs=(tokens, tokens))
+    assert caught.value.field == "sequence_parallel"
+    fxpar.compile(GPT(CONFIG), "tp=2", example_inputs=(tokens, tokens))  # no sp: any length
+
+
+def test_a_batch_of_one_warns_that_export_fixes_it():
+    one = torch.randint(0, 64, (1, 16))
+    with pytest.warns(UserWarning, match=r"example input 'idx' has size 1 in dim 0 \(the batch\); "
+                      r"torch.export fixes sizes 0 and 1.*Fix: capture with an example of batch 2"):
+        program = fxpar.compile(GPT(CONFIG), "tp=2", example_inputs=(one, one))
+    assert program.captured.batch is None
+
+
+# -- pickling --------------------------------------------------------------------------------------
+
+
+def test_a_program_pickles_and_loads_by_compiling_again():
+    torch.manual_seed(0)
+    captured = fxpar.capture(GPT(CONFIG), (TOKENS, TOKENS))
+    programs = [fxpar.compile(captured, plan) for plan in ("dp=2 tp=2", "pp=2 mb=2")]
+    loaded = pickle.loads(pickle.dumps(programs))
+    assert loaded[0].captured is loaded[1].captured  # one capture again, exported once
+    for program, again in zip(programs, loaded):
+        assert again.plan == program.plan and again.hardware == program.hardware
+        for rank in range(program.world_size):
+            assert again.rank_module(rank).code == program.rank_module(rank).code
+            assert again.collectives(rank) == program.collectives(rank)
+            state, loaded_state = program.rank_module(rank).state_dict(), again.rank_module(rank).state_dict()
+            assert state.keys() == loaded_state.keys()
+            assert all(torch.equal(state[k], loaded_state[k]) for k in state)
+    assert loaded[0].estimate("h100").time["total"] == programs[0].estimate("h100").time["total"]
