@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,33 +17,42 @@ WORKERS = Path(__file__).parent / "workers"
 os.environ["FXPAR_CHECK_PASSES"] = "1"
 
 
-@pytest.fixture
-def torchrun(tmp_path):
+def launch_torchrun(
+    out_dir: Path, script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None
+) -> list:
     """Run `tests/workers/<script>` under torchrun with `nproc` gloo ranks; load each rank's file.
 
-    Returns a function `(script, nproc, *args) -> list[per-rank results]`: the worker gets
-    the output folder as its first argument and saves `rank{r}.pt` there.
+    The worker gets `out_dir` as its first argument and saves `rank{r}.pt` there.
     """
-
-    def launch(
-        script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None
-    ) -> list:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(WORKERS / script), str(tmp_path), *args,
-        ]
-        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=env, cwd=WORKERS
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", str(WORKERS / script), str(out_dir), *args,
+    ]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=WORKERS
+    )
+    if done.returncode != 0:
+        raise AssertionError(
+            f"torchrun {script} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+            f"{done.stderr[-6000:]}"
         )
-        if done.returncode != 0:
-            raise AssertionError(
-                f"torchrun {script} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
-                f"{done.stderr[-6000:]}"
-            )
-        return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
-    return launch
+
+@pytest.fixture
+def torchrun(tmp_path):
+    """`launch_torchrun` into this test's folder: `(script, nproc, *args) -> per-rank results`.
+
+    A module that asserts many things of one launch uses `module_torchrun` instead.
+    """
+    return partial(launch_torchrun, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_torchrun(tmp_path_factory):
+    """`torchrun` for a module-scoped fixture: one launch whose results several tests read."""
+    return partial(launch_torchrun, tmp_path_factory.mktemp("torchrun"))
 
 
 def pytest_collection_modifyitems(config, items):

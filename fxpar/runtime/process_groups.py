@@ -55,6 +55,7 @@ def init_process_groups(
     exited or binds another program, this raises BindError naming the group, the time waited
     and the cause (`runtime.collective_failures`), not the store's own error.
     """
+    global _default_groups_created
     world = tuple(range(mesh.world_size))
     if not dist.is_initialized():
         with _creating("the default process group (every rank)", world, rank, timeout):
@@ -64,7 +65,9 @@ def init_process_groups(
                 world_size=mesh.world_size,
                 timeout=timeout,
                 device_id=device_id,
+                store=_fresh_store(rank, mesh.world_size, timeout),
             )
+        _default_groups_created += 1
     mine: dict[Axis, RankGroup] = {}
     for axis in Axis:
         for ranks in mesh.groups(axis):
@@ -84,6 +87,25 @@ def init_process_groups(
         if rank in ranks:
             others[ranks] = RankGroup(axis=None, ranks=ranks, handle=handle, rank=rank)
     return mine, others
+
+
+# [Note: binding again after close] `destroy_process_group` resets torch's group counter, so
+# a second `init_process_group` in the process names its groups as the first did and meets the
+# first's keys, still in torchrun's store: a rank may read its peer's old address and connect
+# to nothing (pytorch/pytorch#55967; here a bind after close timed out one run in three).
+# Every default group after the first gets its own key prefix, the same on every rank because
+# all ranks bind and close in step.
+_default_groups_created = 0
+
+
+def _fresh_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """None for the process's first default group (torch's own env:// rendezvous), else the
+    env:// store under a prefix no earlier group used ([Note: binding again after close])."""
+    if _default_groups_created == 0:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"fxpar/bind{_default_groups_created}", store)
 
 
 @contextmanager
