@@ -10,6 +10,9 @@ Map of this module:
 - `Plan.check_batch`          the plan against the global batch
 - `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
 - `fxpar.plan_text`          the field table and the text form, with their errors
+- `fxpar.plan_file`          plan files read as untrusted input (size cap, no repeated keys or
+                              YAML aliases, nothing of the file echoed)
+- `fxpar.plan_world`         the valid plans `check_world_size` suggests for another world
 
 The text form is what a command line or a config string holds::
 
@@ -33,12 +36,13 @@ import json
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from os import PathLike
 from pathlib import Path
 
 from fxpar.errors import PlanError, shown
 from fxpar.plan_file import FILE_SUFFIXES, describe_file, parse_mapping, read_plan_file
+from fxpar.plan_world import plans_for_world
 from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
     DEGREE_FIELDS,
     FIELD_OF_KEY,
@@ -362,67 +366,6 @@ class Plan:
             field="sequence_parallel",
             value=True,
         )
-
-
-def plans_for_world(plan: Plan, world_size: int) -> list[Plan]:
-    """Valid plans like `plan` whose degrees multiply to `world_size`: the fixes
-    `check_world_size` suggests.
-
-    >>> [str(p) for p in plans_for_world(Plan(dp=4), 2)]
-    ['dp=2']
-    >>> [str(p) for p in plans_for_world(Plan(pp=2, tp=2, microbatches=2), 2)]
-    ['tp=2 mb=2', 'pp=2 mb=2']
-
-    The tensor-parallel degree is kept first (it is tied to the model's head counts), then the
-    pipeline's, and the data-parallel degree takes up the rest. When dp alone absorbs the
-    change one plan is given, otherwise two to choose between. Fields tied to a degree are
-    adjusted so that each suggestion is a valid plan (`_with_degrees`).
-    """
-    triples = [(dp, pp, world_size // (dp * pp)) for dp in _divisors(world_size)
-               for pp in _divisors(world_size // dp)]
-
-    def distance(triple: tuple[int, int, int]) -> tuple:
-        dp, pp, tp = triple
-        return (tp != plan.tp, pp != plan.pp, abs(math.log(tp / plan.tp)),
-                abs(math.log(pp / plan.pp)), abs(math.log(dp / plan.dp)))
-
-    found: list[Plan] = []
-    for dp, pp, tp in sorted(triples, key=distance):
-        candidate = _with_degrees(plan, dp=dp, pp=pp, tp=tp)
-        if candidate is not None and candidate not in found:
-            found.append(candidate)
-    # found is never empty: dp=world_size with pp=tp=1 is always a valid plan.
-    dp_alone = (found[0].tp, found[0].pp) == (plan.tp, plan.pp)
-    return found[:1] if dp_alone else found[:2]
-
-
-def _with_degrees(plan: Plan, *, dp: int, pp: int, tp: int) -> Plan | None:
-    """`plan` with these degrees and the fields tied to them adjusted; None if still invalid.
-
-    A `split` names stage starts for one number of stages (dropped when pp changes), sequence
-    parallelism needs tp > 1, the interleaved schedule pp > 1, and a pipeline schedule other
-    than GPipe at least pp microbatches (interleaved: a multiple of pp).
-    """
-    changes: dict[str, object] = {"dp": dp, "pp": pp, "tp": tp}
-    if tp == 1:
-        changes["sequence_parallel"] = False
-    if pp != plan.pp:
-        changes["split"] = ()
-    if pp == 1 and plan.schedule == "interleaved":
-        changes |= {"schedule": "1f1b", "virtual_stages": 1}
-    microbatches = plan.microbatches
-    if pp > 1 and plan.schedule != "gpipe":
-        microbatches = max(microbatches, pp)
-    if pp > 1 and plan.schedule == "interleaved":
-        microbatches = -(-microbatches // pp) * pp
-    try:
-        return replace(plan, **changes, microbatches=microbatches)
-    except PlanError:
-        return None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_runnable(plan: Plan) -> None:

@@ -38,7 +38,6 @@ a model built on the meta device (no memory) is captured just as well, for plann
 from __future__ import annotations
 
 import traceback
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,6 +52,7 @@ from fxpar.symbols import dim_symbol
 from fxpar.declared_plans import DeclaredPlans, declared_plans
 from fxpar.errors import CaptureError
 from fxpar.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
+from fxpar.export_checks import refuse_nested_graphs, warn_fixed_sizes
 from fxpar.state_writes import refuse_state_writes
 
 # Readable names of the dynamic dims, by position in an input tensor.
@@ -167,30 +167,12 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
     args, kwargs = ((), dict(zip(names, values))) if keyword else (values, {})
     exported = _export(model, args, kwargs)
     refuse_state_writes(model, exported)  # BatchNorm in train mode, buffer.add_(), ...
-    _refuse_regions(exported)
+    refuse_nested_graphs(exported)  # torch.no_grad() or autocast blocks
     source = (model, {k: v.detach().clone() for k, v in example_inputs.items()} if keyword
               else tuple(x.detach().clone() for x in example_inputs))
     captured = _unlift(model, exported, values, keyword=keyword, source=source)
-    _warn_fixed_sizes(captured)
+    warn_fixed_sizes(captured.input_names, captured.example_shapes)
     return captured
-
-
-def _warn_fixed_sizes(captured: CapturedGraph) -> None:
-    """Warn when an example's batch or sequence has size 0 or 1: export specialises those
-    sizes to constants (a SymInt of 1 cannot be told from a broadcast), so the graph would run
-    with that size only, and no plan could split the batch."""
-    for name, shape in zip(captured.input_names, captured.example_shapes):
-        for dim, size in enumerate(shape[:2]):
-            if size <= 1:
-                what = _DIM_NAMES[dim]
-                warnings.warn(
-                    f"fxpar: example input {name!r} has size {size} in dim {dim} (the {what}); "
-                    f"torch.export fixes sizes 0 and 1 as constants, so the captured graph "
-                    f"runs with {what} {size} only and no plan can split it. Fix: capture with "
-                    f"an example of {what} 2 or more (the {what} of one step)",
-                    stacklevel=3,
-                )
-                return
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
@@ -209,35 +191,6 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
             )
     except Exception as error:
         raise CaptureError(_explain_export_failure(model, error, positional=len(args))) from error
-
-
-# What each region export wraps in a higher-order op stands for in the model's code.
-_REGIONS = {
-    "wrap_with_set_grad_enabled": "a `with torch.no_grad()` (or `torch.enable_grad()`) block",
-    "wrap_with_autocast": "a `with torch.autocast(...)` block",
-}
-
-
-def _refuse_regions(exported: ExportedProgram) -> None:
-    """A CaptureError for the first region of forward that export keeps as a nested graph.
-
-    fxpar's passes work on one flat graph of aten ops; export keeps a block that changes grad
-    mode or autocast as a higher-order op calling a subgraph (`wrap_with_set_grad_enabled(False,
-    submod_1, x)`), which no pass can see into yet.
-    """
-    for node in exported.graph_module.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-            name = node.target.name()
-            what = _REGIONS.get(name, f"a {name} region (torch.cond, a loop, a checkpoint)")
-            path = meta.exported_module_path(node)
-            where = f"module {path!r}" if path else "the root module's forward"
-            raise CaptureError(
-                f"the model's forward has {what} in {where}, which torch.export keeps as a "
-                f"nested graph (torch.ops.higher_order.{name}) and fxpar does not capture yet. "
-                "Fix: move that computation out of forward, or write it without the block: "
-                "`.detach()` a result instead of computing it under torch.no_grad(), cast "
-                "dtypes explicitly instead of autocasting"
-            )
 
 
 def _explain_export_failure(model: torch.nn.Module, error: Exception, *, positional: int) -> str:

@@ -1,8 +1,10 @@
 """The runtime: binds a compiled Program to one torchrun worker.
 
-    environment.py       the torchrun variables, or an error that shows the command to use
+    environment.py       the torchrun variables and bind's timeout, checked, or an error with the fix
     process_groups.py    the default group and one group per mesh axis, all with a timeout
     communicator.py      every collective fxpar issues, counted and with errors that name the group
+    collective_failures.py  what a failure says: the time really waited, timeout or gone peer
+    live_runners.py      the lifecycle: one live runner per parameter, close ends them all
     gradient_buckets.py  data parallelism's hooks: bucketed all-reduce overlapping backward
     step_loss.py         valid-target counts and each microbatch's share of the step's loss
     step_context.py      StepContext: everything of the bound rank an executor reads
