@@ -134,7 +134,8 @@ class Program:
     the plan and the hardware profile. Compilation is deterministic, so the loaded program's
     `rank_module(r).code` and `collectives(r)` are the original's; loading costs a capture
     and a compile, and needs the model's class importable. Programs pickled together from one
-    capture load sharing one capture again.
+    capture load sharing one capture again; step programs set by `replace_step_program` come
+    back with them.
     """
 
     def __init__(
@@ -367,7 +368,7 @@ class Program:
         return Runner.create(self, timeout=timeout, device=device, backend=backend)
 
     def __reduce__(self) -> tuple:
-        return (_compile_again, (self.captured, self.plan, self.hardware))
+        return (_compile_again, (self.captured, self.plan, self.hardware, dict(self._edited)))
 
     def __repr__(self) -> str:
         params = self.captured.parameter_count()
@@ -380,9 +381,15 @@ class Program:
         )
 
 
-def _compile_again(captured: CapturedGraph, plan: Plan, hardware: str) -> Program:
-    """What `pickle.loads` calls for a Program (`Program.__reduce__`)."""
-    return compile(captured, plan, hardware=hardware)
+def _compile_again(
+    captured: CapturedGraph, plan: Plan, hardware: str, edited: dict[int, StepProgram]
+) -> Program:
+    """What `pickle.loads` calls for a Program (`Program.__reduce__`): compile again, and put
+    back the step programs `replace_step_program` edited (they are data, and pickle as such)."""
+    program = compile(captured, plan, hardware=hardware)
+    for rank, step_program in edited.items():
+        program.replace_step_program(rank, step_program)
+    return program
 
 
 def _replace_parameter(module: torch.nn.Module, dotted: str, value: torch.nn.Parameter) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import BindError, PlanError
 from fxpar.collectives import Collective, check_collectives
+from fxpar.step_program import resize_call
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -223,3 +224,7 @@ def test_a_program_pickles_and_loads_by_compiling_again():
             assert state.keys() == loaded_state.keys()
             assert all(torch.equal(state[k], loaded_state[k]) for k in state)
     assert loaded[0].estimate("h100").time["total"] == programs[0].estimate("h100").time["total"]
+    # A step program edited by replace_step_program is data, and comes back with its program.
+    programs[0].replace_step_program(1, resize_call(programs[0].step_program(1), 0, 7))
+    again = pickle.loads(pickle.dumps(programs[0]))
+    assert again.collectives(1) == programs[0].collectives(1) != loaded[0].collectives(1)
