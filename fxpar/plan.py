@@ -247,11 +247,11 @@ class Plan:
         mapping, _ = read_plan_file(path)
         try:
             return cls._from_entries(mapping.items(), echo=False)
-        except InvalidPlanValue as error:  # made again without the value the file holds
-            error = invalid_value(error.field, error.value, echo=False)
-            raise PlanError(f"{describe_file(path)}: {error}", field=error.field, value=error.value) from None
         except PlanError as error:  # say which file the bad entry is in
-            raise PlanError(f"{describe_file(path)}: {error}", field=error.field, value=error.value) from None
+            if isinstance(error, InvalidPlanValue):  # made again without the file's value
+                error = invalid_value(error.field, error.value, echo=False)
+            where = describe_file(path)
+            raise PlanError(f"{where}: {error}", field=error.field, value=error.value) from None
 
     @classmethod
     def _from_entries(cls, entries: Iterable[tuple[object, object]], *, echo: bool = True) -> Plan:

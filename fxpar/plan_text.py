@@ -154,7 +154,7 @@ def value_from_text(name: str, text: str, *, echo: bool = True) -> object:
             return float(text)
         except ValueError:
             raise invalid_value(name, text, echo=echo) from None
-    if re.fullmatch(r"[+-]?\d{1,18}", text.strip()):  # longer is no degree, and int() is slow
+    if re.fullmatch(r"[+-]?\d{1,18}", text.strip()):  # longer is no degree (int() refuses 4,300 digits)
         return int(text)
     raise invalid_value(name, text, echo=echo)
 
@@ -193,7 +193,9 @@ def unknown_key(key: str, value: object, *, echo: bool = True) -> PlanError:
     )
 
 
-def given_twice(name: str, first: tuple[str, object], second: tuple[str, object], *, echo: bool = True) -> PlanError:
+def given_twice(
+    name: str, first: tuple[str, object], second: tuple[str, object], *, echo: bool = True
+) -> PlanError:
     """Field `name` written under two keys (`mb` and `microbatches`), or one key twice."""
     if echo:
         both = f"{clipped(f'{first[0]}={first[1]}')} and {clipped(f'{second[0]}={second[1]}')}"

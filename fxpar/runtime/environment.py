@@ -53,8 +53,8 @@ class TorchrunEnvironment:
                 f"are 0 to {world_size - 1}, and a rank outside would wait for peers that never "
                 f"come. Fix: let torchrun set both; launch with:\n{launch}"
             )
-        local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        if local_world is not None and local_world.strip().isdigit() and local_rank >= int(local_world):
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        if local_world.isdigit() and local_rank >= int(local_world):
             raise BindError(
                 f"environment variable LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE="
                 f"{int(local_world)} (the processes on this node). Fix: let torchrun set both"
