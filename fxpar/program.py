@@ -51,6 +51,7 @@ from fxpar.schedules import Schedule, schedule
 from fxpar.placement import global_shape, local_slice
 from fxpar.plan import Plan, check_runnable
 from fxpar.model_io import ExampleInputs
+from fxpar.state_writes import batch_statistics_modules
 from fxpar.trace import CapturedGraph, capture, restore_state_layout
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ def compile(
     passes = pass_list(plan, captured, mesh=mesh, hardware=hardware)
     graph_module = run_passes(captured.graph_module, passes.graph)
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
+    _warn_of_batch_statistics(plan, captured)
     stages = build_stages(graph_module, stage_passes=passes.stage) if passes.stage else None
     return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
                    stages=stages, hardware=hardware, passes=passes)
@@ -124,6 +126,22 @@ def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:
         "(F.cross_entropy, Hugging Face's loss) is exact under any split",
         stacklevel=3,
     )
+
+
+def _warn_of_batch_statistics(plan: Plan, captured: CapturedGraph) -> None:
+    pieces = plan.dp * plan.microbatches
+    if pieces > 1 and (modules := batch_statistics_modules(captured.graph_module.graph)):
+        named = f"module {modules[0]!r} normalises" if len(modules) == 1 else (
+            f"modules {', '.join(repr(m) for m in modules[:3])} normalise")
+        warnings.warn(
+            f"fxpar: {named} with the statistics of its input batch (BatchNorm in training "
+            "mode), and the plan splits each batch "
+            f"into {pieces} pieces (dp x microbatches): each piece is normalised by its own "
+            "statistics, so the step differs from one device's (SyncBatchNorm is not "
+            "supported). Fix: `.eval()` on the module before capture (it then normalises with its "
+            "running statistics), or LayerNorm / GroupNorm",
+            stacklevel=3,
+        )
 
 
 class Program:

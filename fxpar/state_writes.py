@@ -95,6 +95,22 @@ def find_state_writes(exported: ExportedProgram) -> list[StateWrite]:
     return list(first.values())
 
 
+def batch_statistics_modules(graph: fx.Graph) -> list[str]:
+    """Module paths of the normalisations that use the statistics of their input batch
+    (`batch_norm` in training mode, with or without running statistics).
+
+    They write nothing once `track_running_stats=False`, yet a plan that splits the batch
+    (dp x microbatches > 1) normalises each piece by its own statistics, not the global batch's,
+    as DDP without SyncBatchNorm does: `fxpar.compile` warns."""
+    found = []
+    for node in graph.nodes:
+        batch_norm = node.target in (aten.batch_norm.default, aten.native_batch_norm.default)
+        if node.op == "call_function" and batch_norm and node.args[5] is True:
+            if (path := exported_module_path(node)) not in found:
+                found.append(path)
+    return found
+
+
 def refuse_state_writes(model: torch.nn.Module, exported: ExportedProgram) -> None:
     """Raise CaptureError naming the first tensor forward writes, its module and the fix."""
     writes = find_state_writes(exported)

@@ -3,12 +3,15 @@ rescaled under no_grad) is refused at capture, naming the tensor, its module and
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.export import Dim
 
+import fxpar
 from fxpar import CaptureError
 from fxpar.state_writes import find_state_writes
 from fxpar.trace import capture
@@ -93,6 +96,19 @@ def test_batch_norm_that_writes_nothing_is_captured():
     for model in (eval_mode, _Normed(track_running_stats=False)):
         captured = capture(model, (X, X.clone()))
         torch.testing.assert_close(captured.graph_module(X, X), model(X, X))
+
+
+def test_batch_statistics_under_a_split_batch_warn_at_compile():
+    # Without running statistics BatchNorm writes nothing, but a split batch changes its math.
+    with pytest.warns(UserWarning, match=r"module 'block.1' normalises with the statistics of its "
+                      r"input batch.*splits each batch into 2 pieces"):
+        fxpar.compile(_Normed(track_running_stats=False), "dp=2", example_inputs=(X, X.clone()))
+    eval_mode = _Normed()
+    eval_mode.block[1].eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*normalise with the statistics")
+        fxpar.compile(eval_mode, "dp=2", example_inputs=(X, X.clone()))
+        fxpar.compile(_Normed(track_running_stats=False), "dp=1", example_inputs=(X, X.clone()))
 
 
 @pytest.mark.parametrize(
