@@ -151,17 +151,25 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR"
                 "MASTER_PORT": "29500"}
 
 
+@pytest.fixture(scope="module")
+def data_parallel():
+    """One dp=2 program for the bind checks, which all refuse before anything is bound."""
+    return compile_gpt("dp=2")
+
+
 @pytest.mark.parametrize(
     ("timeout", "error", "shown"),
     [(0, ValueError, "0"), (-1, ValueError, "-1"), (float("nan"), ValueError, "nan"),
      (float("inf"), ValueError, "inf"), ("5", TypeError, "'5'"), (True, TypeError, "True"),
      (__import__("datetime").timedelta(0), ValueError, "datetime.timedelta(0)")],
 )
-def test_bind_timeout_must_be_positive_finite_seconds(monkeypatch, timeout, error, shown):
+def test_bind_timeout_must_be_positive_finite_seconds(
+    monkeypatch, data_parallel, timeout, error, shown
+):
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(error, match=rf"bind\(timeout={re.escape(shown)}\).*Fix: bind\(timeout=300\)"):
-        compile_gpt("dp=2").bind(timeout=timeout)
+        data_parallel.bind(timeout=timeout)
 
 
 @pytest.mark.parametrize(
@@ -178,13 +186,15 @@ def test_bind_timeout_must_be_positive_finite_seconds(monkeypatch, timeout, erro
         ("LOCAL_WORLD_SIZE", "1", "LOCAL_RANK=1 is outside LOCAL_WORLD_SIZE=1"),
     ],
 )
-def test_the_torchrun_environment_is_checked_before_any_group_exists(monkeypatch, name, value, expected):
+def test_the_torchrun_environment_is_checked_before_any_group_exists(
+    monkeypatch, data_parallel, name, value, expected
+):
     for key, default in (TORCHRUN_ENV | {"RANK": "1", "LOCAL_RANK": "1"}).items():
         monkeypatch.setenv(key, default)
     monkeypatch.setenv(name, value)
     start = time.perf_counter()
     with pytest.raises(BindError, match=re.escape(expected)):
-        compile_gpt("dp=2").bind(timeout=30)
+        data_parallel.bind(timeout=30)
     assert time.perf_counter() - start < 5  # no store, no network wait
 
 
