@@ -9,6 +9,10 @@ resolves the axes to one rank's groups. Without a pipeline there is one row:
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
     PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
 
+Under ZeRO-1/2 the buckets are reduce-scattered, the held ones (`Bucket.held`) after the
+partial and tied sums, the loss is all-reduced alone, and the program's `optimizer` part
+all-gathers each bucket's updated parameters.
+
 With a pipeline, the schedule's row for this pipeline rank, with an `Exchange` before each
 compute action (the previous action's sends, the receives due: `issue_order`), then each
 local stage's buckets in the order they complete, partial and tied gradients, and the loss
@@ -95,59 +99,75 @@ def valid_targets_action(mesh: Mesh, *, counted: bool) -> list[Action]:
 
 
 def bucket_actions(
-    buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0, carry_loss: bool = True
+    buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0, carry_loss: bool = True,
+    held: bool = False,
 ) -> list[Action]:
-    """What one data-parallel rank issues for its gradients, by ZeRO stage (Rajbhandari et
-    al. 2020), buckets in launch order:
+    """What one data-parallel rank issues to reduce its gradients, by ZeRO stage (Rajbhandari
+    et al. 2020), buckets in launch order (`held`: only the held buckets, else the others):
 
     * stage 0 (DDP): one all-reduce per gradient bucket. The step's loss rides along as one
-      extra element of the last bucket, so `runner.step` returns the global-batch mean
-      without a call of its own.
-    * stages 1 and 2: a reduce-scatter per bucket (each rank keeps the gradient shard its
-      optimizer-state shard needs), the loss all-reduce, then an all-gather per bucket of the
-      updated parameters after the optimizer step: 2P moved, like DDP.
+      extra element of the last bucket (`carry_loss`), so `runner.step` returns the
+      global-batch mean without a call of its own.
+    * stages 1 and 2: a reduce-scatter per bucket: each rank keeps the reduced shard of the
+      gradients its shard of the optimizer state needs (`optimizer_actions` gathers the
+      updated parameters back): 2P moved, like DDP.
     * stage 3: parameters live sharded, so each bucket is all-gathered before its first use
       in forward (the last bucket first) and again in backward, then its gradients are
       reduce-scattered: 3P moved (ZeRO Sec. 7).
 
-    Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs.
+    Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs
+    (`Bucket.padded`).
     """
     n = mesh.dp
     if n == 1:
         return []
     actions: list[Action] = []
+    mine = [b for b in buckets if b.held == held]
 
     def add(purpose, kind, numel, dtype, tag, phase, index=0, op="sum") -> None:
         call = Call(kind=kind, numel=numel, dtype=dtype, axis="dp", op=op, tag=tag, phase=phase)
         actions.append(Communicate(purpose, (call,), stage=stage, index=index))
 
-    padded = {b.index: -(-b.numel // n) * n for b in buckets}
-    loss_dtype = buckets[-1].dtype if buckets else torch.float32
     if zero == 0:
-        for b in buckets:
+        for b in mine:
             last = b.index == len(buckets) - 1 and carry_loss
             add(Purpose.GRADIENT_BUCKET, "all_reduce", b.numel + (1 if last else 0), b.dtype,
                 f"gradient bucket {b.index}" + (" + loss" if last else ""), "backward", b.index)
         if not buckets and carry_loss:
-            add(Purpose.LOSS, "all_reduce", 1, loss_dtype, "loss", "backward")
+            actions += loss_actions(mesh, phase="backward")
         return actions
     if zero == 3:
-        for b in reversed(buckets):
-            add(Purpose.PARAMETER_GATHER, "all_gather", padded[b.index], b.dtype,
+        for b in reversed(mine):
+            add(Purpose.PARAMETER_GATHER, "all_gather", b.padded(n), b.dtype,
                 f"parameters of bucket {b.index}", "forward", b.index, op="none")
-    for b in buckets:
+    for b in mine:
         if zero == 3:
-            add(Purpose.PARAMETER_GATHER, "all_gather", padded[b.index], b.dtype,
+            add(Purpose.PARAMETER_GATHER, "all_gather", b.padded(n), b.dtype,
                 f"parameters of bucket {b.index}", "backward", b.index, op="none")
-        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", padded[b.index], b.dtype,
-            f"gradient bucket {b.index}", "backward", b.index)
-    if carry_loss:
-        add(Purpose.LOSS, "all_reduce", 1, loss_dtype, "loss", "backward")
-    if zero in (1, 2):
-        for b in buckets:
-            add(Purpose.UPDATED_PARAMETERS, "all_gather", padded[b.index], b.dtype,
-                f"updated parameters of bucket {b.index}", "step", b.index, op="none")
+        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.dtype, f"gradient bucket {b.index}",
+            "backward", b.index)
     return actions
+
+
+def optimizer_actions(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0) -> list[Action]:
+    """ZeRO-1/2, after the optimizer stepped its shard: each bucket's updated parameters
+    all-gathered over dp into the whole flat bucket."""
+    if zero not in (1, 2) or mesh.dp == 1:
+        return []
+    return [
+        Communicate(Purpose.UPDATED_PARAMETERS, (Call(
+            kind="all_gather", numel=b.padded(mesh.dp), dtype=b.dtype, axis="dp", op="none",
+            tag=f"updated parameters of bucket {b.index}", phase="step"),), stage=stage, index=b.index)
+        for b in buckets
+    ]
+
+
+def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[Action]:
+    """The step's loss summed (dp's divisor first) over dp, where no bucket carries it."""
+    if mesh.dp == 1:
+        return []
+    call = Call(kind="all_reduce", numel=1, dtype=torch.float32, axis="dp", tag="loss", phase=phase)
+    return [Communicate(Purpose.LOSS, (call,))]
 
 
 def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[Action]:
@@ -163,27 +183,34 @@ def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) 
     return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]
 
 
-def lower_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
-    """The actions of every rank on pipeline rank `pp` (module doc); `ahead`: how many actions
-    ahead receives are posted (`pipeline_program.receives_ahead`)."""
+def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+    """The actions of every rank on pipeline rank `pp` (module doc), those of `runner.step` and
+    those around the optimizer step; `ahead`: how many actions ahead receives are posted
+    (`pipeline_program.receives_ahead`)."""
     if program.stages is None:
         return _single_stage_row(program)
     return _pipeline_row(program, pp, ahead)
 
 
-def _single_stage_row(program) -> tuple[Action, ...]:
-    mesh, gm = program.mesh, program.graph_module
+def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+    mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = valid_targets_action(mesh, counted=program.loss_reduction.sums)
     forward, backward = graph_calls(gm, mesh)
     for microbatch in range(program.plan.microbatches):
         actions += [Compute("F", 0, microbatch, forward), Compute("B", 0, microbatch, backward)]
-    actions += bucket_actions(program.buckets, mesh, zero=program.plan.zero)
+    if zero == 0:  # the loss rides in the last bucket
+        actions += bucket_actions(buckets, mesh, zero=0)
+        actions += partial_gradient_actions(gm, mesh)
+        return tuple(actions), ()
+    actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False)
     actions += partial_gradient_actions(gm, mesh)
-    return tuple(actions)
+    actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False, held=True)
+    actions += loss_actions(mesh)
+    return tuple(actions), tuple(optimizer_actions(buckets, mesh, zero=zero))
 
 
-def _pipeline_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
-    mesh, schedule, stages = program.mesh, program.schedule, program.stages
+def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+    mesh, schedule, stages, zero = program.mesh, program.schedule, program.stages, program.plan.zero
     last = len(stages) - 1
     local = [s for s in stages if schedule.rank_of(s.index) == pp]
     calls = {s.index: graph_calls(s.graph_module, mesh) for s in local}
@@ -232,7 +259,7 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
     if previous is not None and (outgoing := sends(previous)):
         actions.append(Exchange(outgoing, ()))
     for stage in sorted(local, key=lambda s: _bucket_completion(s, row)):
-        actions += bucket_actions(stage.buckets, mesh, zero=program.plan.zero, stage=stage.index, carry_loss=False)
+        actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False)
     for stage in local:
         actions += partial_gradient_actions(stage.graph_module, mesh, stage=stage.index)
     for name, owners in tied_stage_owners(program).items():
@@ -242,12 +269,13 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[Action, ...]:
             call = Call(kind="all_reduce", numel=numel, dtype=node.meta["val"].dtype, tied=name,
                         tag=f"tied {name} gradient", phase="step")
             actions.append(Communicate(Purpose.TIED_GRADIENT, (call,), name=name))
+    for stage in local:  # ZeRO: the buckets reduced after those sums
+        actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False, held=True)
     actions.append(Communicate(Purpose.PIPELINE_LOSS, (Call(
         kind="all_reduce", numel=1, dtype=torch.float32, axis="pp", tag="pipeline loss", phase="step"),)))
-    if mesh.dp > 1:
-        actions.append(Communicate(Purpose.LOSS, (Call(
-            kind="all_reduce", numel=1, dtype=torch.float32, axis="dp", tag="loss", phase="step"),)))
-    return tuple(actions)
+    actions += loss_actions(mesh)
+    optimizer = [a for stage in local for a in optimizer_actions(stage.buckets, mesh, zero=zero, stage=stage.index)]
+    return tuple(actions), tuple(optimizer)
 
 
 def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[Action, ...]:
@@ -256,6 +284,12 @@ def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[Action, ...]
     mesh = program.mesh
     rows = {q: _state_entries(program, q, gradients=gradients) for q in range(mesh.pp)}
     actions: list[Action] = []
+    if gradients and program.plan.zero in (1, 2) and mesh.dp > 1:  # each rank holds a shard
+        for stage, gm in _local_graphs(program, pp):
+            for b in gm.meta[meta.GRAPH_BUCKETS]:
+                call = Call(kind="all_gather", numel=b.padded(mesh.dp), dtype=b.dtype, axis="dp", op="none",
+                            tag=f"full state: gradient bucket {b.index}", phase="step")
+                actions.append(Communicate(Purpose.GRADIENT_SHARDS, (call,), stage=stage, index=b.index))
     for stage, key, node, value in rows[pp]:
         if mesh.tp > 1 and node is not None and meta.placement(node, "tp") != R:
             call = Call(kind="all_gather", numel=value.numel(), dtype=value.dtype, axis="tp", op="none",
@@ -277,12 +311,8 @@ def _state_entries(program, pp: int, *, gradients: bool) -> list[tuple[int, str,
     """(stage, key, its parameter node or None, its global value) of every tensor the ranks of
     pipeline rank `pp` hold, in stage then state-dict order: the state dict's keys, or for
     gradients the trained parameters (those in a gradient bucket)."""
-    if program.stages is None:
-        graphs = [(0, program.graph_module)]
-    else:
-        graphs = [(s.index, s.graph_module) for s in program.stages if program.schedule.rank_of(s.index) == pp]
     entries = []
-    for stage, gm in graphs:
+    for stage, gm in _local_graphs(program, pp):
         nodes = meta.parameter_nodes(gm.graph)
         aliases = gm.meta.get(meta.GRAPH_ALIASES, {})
         if gradients:
@@ -293,6 +323,13 @@ def _state_entries(program, pp: int, *, gradients: bool) -> list[tuple[int, str,
         for key, value in tensors.items():
             entries.append((stage, key, nodes.get(aliases.get(key, key)), value))
     return entries
+
+
+def _local_graphs(program, pp: int) -> list[tuple[int, fx.GraphModule]]:
+    """(stage, graph) of each stage pipeline rank `pp` holds (the one graph without a pipeline)."""
+    if program.stages is None:
+        return [(0, program.graph_module)]
+    return [(s.index, s.graph_module) for s in program.stages if program.schedule.rank_of(s.index) == pp]
 
 
 def _boundary_numel(boundary, mesh: Mesh) -> sympy.Expr | int:

@@ -14,6 +14,8 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
                                                 partial sum over the tp group
     fxpar.stage               pipeline          the pipeline stage that computes the node
+    fxpar.tied_across_stages  pipeline_program  a parameter several stages read (a tied
+                                                embedding and head), summed over them
 
 Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
 """
@@ -31,6 +33,7 @@ PLACEMENT = "fxpar.placement"
 REQUIRES_GRAD = "fxpar.requires_grad"
 GRAD_PARTIAL = "fxpar.grad_partial"
 STAGE = "fxpar.stage"
+TIED_ACROSS_STAGES = "fxpar.tied_across_stages"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]

@@ -31,7 +31,8 @@ from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
-from fxpar.passes.data_parallel import assign_gradient_buckets, place_data_parallel
+from fxpar.passes.data_parallel import assign_gradient_buckets
+from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
 from fxpar.passes.loss_normalisation import normalise_loss
 from fxpar.passes.pipeline import assign_stages
@@ -70,7 +71,8 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
             gathered_outputs=placements.gathered_outputs,
         ))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
-    buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh)
+    buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
+                      hold=plan.zero >= 1)
     stages = plan.pp * plan.virtual_stages
     if stages == 1:
         return PassList(graph=(*graph, buckets))

@@ -30,12 +30,16 @@ from fxpar.simulation import DeadlockError, simulate
 
 
 def build_stages(graph_module: fx.GraphModule, *, stage_passes: Sequence[GraphPass]) -> tuple[Stage, ...]:
-    """Cut the annotated graph into its stages (`passes.pipeline.split_stages`) and run
-    `stage_passes` on each (its gradient buckets: each stage reduces its own parameters)."""
-    return tuple(
-        replace(stage, graph_module=run_passes(stage.graph_module, stage_passes))
-        for stage in split_stages(graph_module)
-    )
+    """Cut the annotated graph into its stages (`passes.pipeline.split_stages`), mark the
+    parameters several stages read (`fxpar.tied_across_stages`), and run `stage_passes` on
+    each (its gradient buckets: each stage reduces its own parameters)."""
+    stages = split_stages(graph_module)
+    tied = shared_parameters(stages)
+    for stage in stages:
+        for name, node in meta.parameter_nodes(stage.graph_module.graph).items():
+            if name in tied:
+                node.meta[meta.TIED_ACROSS_STAGES] = True
+    return tuple(replace(stage, graph_module=run_passes(stage.graph_module, stage_passes)) for stage in stages)
 
 
 def shared_parameters(stages: tuple[Stage, ...]) -> dict[str, tuple[int, ...]]:

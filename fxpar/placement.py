@@ -18,7 +18,7 @@ one pipeline rank whole rather than split across the axis.
 Placements are data on graph nodes (`fxpar.meta.placements`). The tensor-parallel pass derives
 the tp axis op by op (`passes.tp_propagation`) and, where an op needs its input laid out
 otherwise, inserts the op that `fxpar.redistribution`'s table names for the move; the
-data-parallel pass derives the dp axis (`passes.data_parallel.place_data_parallel`).
+data-parallel pass derives the dp axis (`passes.dp_placement.place_data_parallel`).
 
 `local_shape` (and `local_numel`, `local_slice`) is the one place that turns a global shape into
 one rank's piece: nothing else divides by a degree. `global_shape` is its inverse.

@@ -371,11 +371,11 @@ class Plan:
 def check_runnable(plan: Plan) -> None:
     """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
     by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
-    if plan.zero != 0:
+    if plan.zero == 3:
         raise PlanError(
-            f"plan zero={plan.zero}: the runtime does not shard optimizer state, gradients or "
-            "parameters yet; program.estimate() already predicts ZeRO's memory. Fix: bind a "
-            "plan with zero=0 to train",
+            "plan zero=3: the runtime does not shard parameters yet (ZeRO-1 and ZeRO-2 shard "
+            "optimizer state and gradients); program.estimate() already predicts ZeRO-3's "
+            "memory. Fix: bind a plan with zero=2 (or 1, 0) to train",
             field="zero",
             value=plan.zero,
         )

@@ -268,8 +268,9 @@ class Program:
         if self._tied_groups is None:
             self._tied_groups = tied_groups(self)
         stage_ranks = tuple(self.schedule.rank_of(s.index) for s in self.stages) if self.stages else ()
-        return StepProgram(rank=rank, mesh=self.mesh, actions=self._rows[key], stage_ranks=stage_ranks,
-                           tied_groups=self._tied_groups.get(rank, {}))
+        actions, optimizer = self._rows[key]
+        return StepProgram(rank=rank, mesh=self.mesh, actions=actions, optimizer=optimizer,
+                           stage_ranks=stage_ranks, tied_groups=self._tied_groups.get(rank, {}))
 
     def state_program(self, rank: int, *, gradients: bool = False) -> StepProgram:
         """What `rank` issues to gather the whole model state (`runner.full_state_dict()`) or,

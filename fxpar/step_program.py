@@ -9,6 +9,8 @@ list of actions, and each action lists the communication calls it makes:
     Compute      B  stage 0  mb 0      tp backward all-reduces
     Communicate  GRADIENT_BUCKET 0     all_reduce(n x f32) on dp       DDP's bucket
     Communicate  PIPELINE_LOSS         all_reduce(1 x f32) on pp
+    and, around the optimizer step (`optimizer`, ZeRO-1/2):
+    Communicate  UPDATED_PARAMETERS 0  all_gather(n x f32) on dp       a bucket's new values
 
 A call (`Call`) names its mesh axis, not a group, and its payload is a formula in export's
 size symbols at one microbatch of the global batch, so one list of actions serves every rank
@@ -55,6 +57,7 @@ class Purpose(enum.Enum):
     PIPELINE_LOSS = "the loss summed over the pipeline"
     LOSS = "the loss summed over data-parallel ranks"
     # Gathering the full state (`Program.state_program`), outside a step:
+    GRADIENT_SHARDS = "a bucket's reduced gradient shards gathered whole (ZeRO)"
     TP_SHARDS = "a tensor's tensor-parallel shards gathered whole"
     STAGE_STATE = "a pipeline rank's whole tensors broadcast to its pipeline group"
 
@@ -130,6 +133,7 @@ class Communicate:
 
 
 Action = Compute | Exchange | Communicate
+Part = Literal["step", "optimizer", "all"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,10 +147,13 @@ class StepProgram:
     actions: tuple[Action, ...]
     stage_ranks: tuple[int, ...] = ()
     tied_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    optimizer: tuple[Action, ...] = ()  # around the optimizer step (ZeRO's parameter gathers)
 
-    def calls(self) -> list[Call]:
-        """Every call of the step, in issue order."""
-        return [call for action in self.actions for call in action.calls]
+    def calls(self, part: Part = "all") -> list[Call]:
+        """Every call of the step, in issue order: of `runner.step` ("step"), of the optimizer's
+        step ("optimizer"), or both, in that order ("all")."""
+        actions = {"step": self.actions, "optimizer": self.optimizer, "all": (*self.actions, *self.optimizer)}[part]
+        return [call for action in actions for call in action.calls]
 
     def computes(self) -> list[Compute]:
         """The compute actions, in order: the schedule row this rank runs."""
@@ -162,13 +169,13 @@ class StepProgram:
             return self.tied_groups[call.tied]
         return self.mesh.group(self.rank, Axis(call.axis))
 
-    def collectives(self, sizes: Mapping[sympy.Symbol, int]) -> tuple[Collective, ...]:
-        """Every call resolved for this rank at `sizes` (export's symbols -> one microbatch
-        of the global batch), in issue order."""
+    def collectives(self, sizes: Mapping[sympy.Symbol, int], part: Part = "all") -> tuple[Collective, ...]:
+        """The calls of `part` (`calls`) resolved for this rank at `sizes` (export's symbols ->
+        one microbatch of the global batch), in issue order."""
         groups: dict[tuple, tuple[int, ...]] = {}
         numels: dict[object, int] = {}
         result = []
-        for call in self.calls():
+        for call in self.calls(part):
             where = (call.axis, call.peer_stage, call.tied)
             if where not in groups:
                 groups[where] = self.group(call)

@@ -1,13 +1,4 @@
-"""Data parallelism: placements on the dp axis, and gradient buckets in the exact order
-backward produces gradients.
-
-`place_data_parallel` lays every value out on the data-parallel axis. Each rank runs the
-whole model on its slice of the batch, so a value with a batch dim is `Shard(d)` on dp (d
-where its size involves the batch), a value computed from such slices without one (the
-loss's sum, the count of valid targets) is `Partial` (a summand per rank), and parameters,
-buffers and what only they make are `Replicate`. A local shape then follows from the
-placements (`placement.local_shape`), as it does on the tp axis: a collective's payload or a
-pipeline boundary is the global microbatch's shape cut by both axes.
+"""Data parallelism: gradient buckets in the exact order backward produces gradients.
 
 DDP (Li et al. 2020, "PyTorch Distributed", Sec. 3.2) groups gradients into buckets so that
 one all-reduce moves many of them, and launches each bucket's all-reduce as soon as its last
@@ -36,59 +27,7 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.mesh import Mesh
 from fxpar.passes.contracts import broken, ensures
-from fxpar.placement import P, R, Shard, local_numel
-
-AXIS = "dp"
-
-
-def batch_dim(node: fx.Node, batch: frozenset) -> int | None:
-    """The first dim of `node`'s value whose size involves one of export's `batch` symbols."""
-    for dim, size in enumerate(node.meta["val"].shape):
-        if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & batch:
-            return dim
-    return None
-
-
-def batch_sharded_on_dp(gm: fx.GraphModule) -> None:
-    """Ensures: every tensor node carries placements, and a value with a batch dim is Shard
-    there on dp (`fxpar.dp_batch` names export's batch symbols)."""
-    batch = gm.meta.get(meta.GRAPH_BATCH, frozenset())
-    for node in gm.graph.nodes:
-        if not isinstance(node.meta.get("val"), torch.Tensor) or node.op == "output":
-            continue
-        if meta.PLACEMENT not in node.meta:
-            raise broken("every tensor node has placements (fxpar.placement)", node)
-        dim = batch_dim(node, batch)
-        if dim is not None and meta.placement(node, AXIS) != Shard(dim):
-            raise broken(f"a value with its batch in dim {dim} is Shard({dim}) on dp", node)
-
-
-@ensures(batch_sharded_on_dp)
-def place_data_parallel(gm: fx.GraphModule, *, batch: frozenset) -> fx.GraphModule:
-    """Set every tensor value's placement on the dp axis (module doc).
-
-    Requires: `batch`, export's symbols of the batch size (`CapturedGraph.export_symbols`);
-    empty when the capture fixed the batch (then nothing is split: dp must be 1).
-    Ensures: `fxpar.placement` on every tensor node with its dp axis set: Shard(d) where d is
-    its first dim sized by the batch, Partial for a batch-free value computed from split or
-    partial ones, Replicate otherwise; `gm.meta["fxpar.dp_batch"] = batch`.
-    """
-    for node in gm.graph.nodes:
-        if not isinstance(node.meta.get("val"), torch.Tensor) or node.op == "output":
-            continue
-        dim = batch_dim(node, batch)
-        if dim is not None:
-            placement = Shard(dim)
-        elif node.op == "call_function" and any(
-            meta.placement(source, AXIS) != R for source in node.all_input_nodes if meta.PLACEMENT in source.meta
-        ):
-            placement = P
-        else:
-            placement = R
-        meta.set_placement(node, AXIS, placement)
-    gm.meta[meta.GRAPH_BATCH] = batch
-    return gm
-
+from fxpar.placement import local_numel
 
 @dataclass(frozen=True)
 class Bucket:
@@ -98,10 +37,21 @@ class Bucket:
     parameters: tuple[str, ...]  # canonical parameter names
     numel: int
     dtype: torch.dtype
+    held: bool = False  # reduced only after a step-end sum of its gradient (ZeRO; see below)
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def padded(self, ranks: int) -> int:
+        """Its elements rounded up to a multiple of `ranks`: a flat buffer that splits into
+        `ranks` equal shards, as a reduce-scatter needs (ZeRO)."""
+        return -(-self.numel // ranks) * ranks
+
+    def shard(self, ranks: int, index: int) -> slice:
+        """Which elements of the padded flat buffer the rank at `index` of `ranks` owns."""
+        size = self.padded(ranks) // ranks
+        return slice(index * size, (index + 1) * size)
 
 
 def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
@@ -121,7 +71,9 @@ def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
 
 
 @ensures(every_parameter_in_one_bucket)
-def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh = Mesh()) -> fx.GraphModule:
+def assign_gradient_buckets(
+    gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh = Mesh(), hold: bool = False
+) -> fx.GraphModule:
     """Put every parameter that receives a gradient into a bucket of about `bucket_bytes`.
 
     Requires: `fxpar.parameter` on the get_attr node of each parameter (trace.capture);
@@ -131,6 +83,12 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh
     `fxpar.bucket`, and `gm.meta["fxpar.buckets"]` lists the buckets in launch order:
     bucket 0 holds the gradients that become ready first. A bucket is closed once it holds
     at least `bucket_bytes` (DDP's rule), and never mixes dtypes.
+
+    `hold` (ZeRO): a parameter whose gradient is summed at the end of the step before it is
+    whole (`fxpar.grad_partial` over tp, `fxpar.tied_across_stages` over the pipeline) gets a
+    bucket of its own, `held`: the runtime reduce-scatters it over dp after that sum, where
+    the other buckets go out as their gradients are ready. (An all-reduce commutes with the
+    sum; a reduce-scatter, which leaves each rank one shard, does not.)
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -159,11 +117,17 @@ def assign_gradient_buckets(gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh
         names, numel = [], 0
 
     for _, name, node, value in ready_order:
+        size = local_numel(value.shape, meta.placements(node), mesh.sizes)
+        if hold and (node.meta.get(meta.GRAD_PARTIAL) or node.meta.get(meta.TIED_ACROSS_STAGES)):
+            close()
+            node.meta[meta.BUCKET] = len(buckets)
+            buckets.append(Bucket(len(buckets), (name,), size, value.dtype, held=True))
+            continue
         if dtype is not None and value.dtype != dtype:
             close()
         dtype = value.dtype
         names.append(name)
-        numel += local_numel(value.shape, meta.placements(node), mesh.sizes)
+        numel += size
         node.meta[meta.BUCKET] = len(buckets)
         if numel * dtype.itemsize >= bucket_bytes:
             close()

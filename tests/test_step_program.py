@@ -128,3 +128,32 @@ def test_gathering_the_full_state_is_a_program_too():
     assert {key for a in gradients if a.purpose is Purpose.STAGE_STATE for key, _ in a.entries} == {
         n for n, p in model.named_parameters()}
     program.check()  # the state programs match across ranks too
+
+
+def test_zero_lowers_reduce_scatters_then_held_buckets_then_the_optimizers_gathers():
+    """ZeRO-1/2: buckets reduce-scatter (padded to a multiple of dp); a parameter summed at the
+    step's end (tp partial gradients under sp) is held in a bucket of its own until after that
+    sum; the optimizer part gathers every bucket's updated parameters."""
+    program = fxpar.compile(build_model(), "dp=2 tp=2 sp=true zero=2", (TOKENS, LABELS))
+    step = program.step_program(0)
+    purposes = [a.purpose for a in step.actions if isinstance(a, Communicate)]
+    partial = purposes.index(Purpose.PARTIAL_GRADIENTS)
+    held = {b.index for b in program.buckets if b.held}
+    assert held and all(not b.held or len(b.parameters) == 1 for b in program.buckets)
+    buckets = [a for a in step.actions if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET]
+    assert [a.index in held for a in buckets] == sorted(a.index in held for a in buckets)  # held last
+    assert purposes.index(next(p for p in purposes if p is Purpose.GRADIENT_BUCKET)) < partial
+    assert all(a.calls[0].kind == "reduce_scatter" and a.calls[0].numel % 2 == 0 for a in buckets)
+    assert [a.index for a in step.optimizer] == [b.index for b in program.buckets]
+    assert all(a.purpose is Purpose.UPDATED_PARAMETERS for a in step.optimizer)
+    program.check()
+
+
+def test_an_optimizer_that_reads_whole_tensors_is_refused_under_zero():
+    from types import SimpleNamespace
+
+    from fxpar.runtime.sharded_optimizer import ShardedOptimizer
+
+    context = SimpleNamespace(buckets=[SimpleNamespace(zero=1)])
+    with pytest.raises(PlanError, match="zero=1 .* LBFGS is not known to .* elementwise=True"):
+        ShardedOptimizer(torch.optim.LBFGS, {}, context=context, flats=[])

@@ -105,6 +105,15 @@ class Communicator:
         work = dist.all_reduce(tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 
+    def reduce_scatter(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str
+    ) -> PendingCollective:
+        """Start summing `tensor` over `group` into this rank's dim-0 slice, `output` (which
+        may be that slice of `tensor` itself: the reduction is then in place)."""
+        call = self._record("reduce_scatter", tensor, group, tag)
+        work = dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True)
+        return PendingCollective(work, call, group, self.timeout)
+
     def all_reduce_now(
         self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str
     ) -> None:
@@ -115,10 +124,12 @@ class Communicator:
         PendingCollective(work, call, group, self.timeout).wait()
 
     def all_gather_now(
-        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str,
+        log: bool = True,
     ) -> None:
-        """Concatenate every rank's `tensor` along dim 0 into `output`, and wait."""
-        call = self._record("all_gather", output, group, tag, op="none", phase=phase)
+        """Concatenate every rank's `tensor` along dim 0 into `output` (`tensor` may be this
+        rank's slice of it), and wait; `log=False` outside a step."""
+        call = self._record("all_gather", output, group, tag, op="none", phase=phase, log=log)
         work = dist.all_gather_into_tensor(output, tensor, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
 
@@ -189,10 +200,11 @@ class Communicator:
         self.log.clear()
         self._guard = guard
 
-    def end_step(self) -> None:
-        """The step is over: its guard checks that no listed call was left out."""
+    def end_step(self, *, check: bool = True) -> None:
+        """The step is over: its guard checks that no listed call was left out (`check=False`
+        for a step that failed: its error says what went wrong)."""
         guard, self._guard = self._guard, None
-        if guard is not None:
+        if guard is not None and check:
             guard.finish()
 
     @contextlib.contextmanager

@@ -4,6 +4,8 @@
 (`Program.state_program`, written by `lowering.lower_full_state`) over its stage modules'
 local tensors (their state dicts, or their trained parameters' gradients):
 
+0. GRADIENT_SHARDS, under ZeRO-1/2: each bucket's reduced gradient shards all-gathered over
+   dp (`Runner.full_gradients` does it, from its buckets);
 1. TP_SHARDS: each tensor-parallel shard all-gathered over the tp group and put back
    together (`placement.global_tensor`, by the placement on its parameter node);
 2. every tensor copied to the CPU;
@@ -19,7 +21,7 @@ not list it. It is collective: every rank must call it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -30,7 +32,7 @@ from fxpar.placement import global_tensor
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step_guard import StepGuard
-from fxpar.step_program import Purpose, StepProgram
+from fxpar.step_program import Communicate, Purpose, StepProgram
 
 
 def gather_full_tensors(
@@ -40,16 +42,24 @@ def gather_full_tensors(
     groups: Mapping[Axis, RankGroup],
     communicator: Communicator,
     key_order: Iterable[str],
+    gradient_shards: Callable[[Communicate], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Whole CPU copies of every rank's tensors (`local`: stage -> its module and its local
-    tensors by name), the same dict on every rank, ordered as `key_order` (the rest after)."""
+    tensors by name), the same dict on every rank, ordered as `key_order` (the rest after).
+    `gradient_shards` runs a GRADIENT_SHARDS action (ZeRO: a bucket's reduced gradient
+    gathered over dp) and returns the bucket's gradients by name, its stage's local tensors."""
+    local = {stage: (module, dict(tensors)) for stage, (module, tensors) in local.items()}
     whole = {key: tensor.detach() for _, tensors in local.values() for key, tensor in tensors.items()}
     merged: dict[str, torch.Tensor] = {}
     guard = StepGuard(program)
     guard.start({})
     with communicator.held_to(guard):
         for action in program.actions:
-            if action.purpose is Purpose.TP_SHARDS:
+            if action.purpose is Purpose.GRADIENT_SHARDS:
+                gathered = gradient_shards(action)
+                local[action.stage][1].update(gathered)
+                whole.update({key: tensor.detach() for key, tensor in gathered.items()})
+            elif action.purpose is Purpose.TP_SHARDS:
                 module, tensors = local[action.stage]
                 pieces = communicator.all_gather_pieces(tensors[action.name].detach(), groups[Axis.TP],
                                                         tag=action.calls[0].tag)

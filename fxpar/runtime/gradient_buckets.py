@@ -33,21 +33,37 @@ from fxpar.runtime.process_groups import RankGroup
 
 
 class _BucketState:
-    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], extra: int):
+    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], size: int, shard: slice | None):
         self.bucket = bucket
         self.parameters = parameters
-        device = parameters[0].device if parameters else torch.device("cpu")
-        self.buffer = torch.zeros(bucket.numel + extra, dtype=bucket.dtype, device=device)
+        self.device = parameters[0].device if parameters else torch.device("cpu")
+        self.size = size  # elements of the flat buffer (with the loss slot, or ZeRO's padding)
+        self.shard = shard  # ZeRO: this rank's elements of the buffer, else None
+        self.reduced: torch.Tensor | None = None  # ZeRO: the reduced gradient shard
+        self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in parameters:
+        self.allocate()
+        self.pending = len(parameters)
+
+    def allocate(self) -> None:
+        """The flat buffer the parameters' gradients accumulate in, and their views into it."""
+        self.buffer = torch.zeros(self.size, dtype=self.bucket.dtype, device=self.device)
+        self.views, offset = [], 0
+        for p in self.parameters:
             self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.pending = len(parameters)
 
 
 class GradientBuckets:
-    """Hooks and buffers for one data-parallel group (see module doc)."""
+    """Hooks and buffers for one data-parallel group (see module doc).
+
+    `zero` (ZeRO-1/2, Rajbhandari et al. 2020): each bucket's buffer is padded to a multiple
+    of the group size (`Bucket.padded`) and reduce-scattered, so each rank gets the reduced
+    shard its optimizer-state shard needs (`shard_gradient`): under ZeRO-1 into the buffer's
+    own shard (the rest keeps this rank's unreduced gradients, 4P bytes in all), under ZeRO-2
+    into a shard of its own, after which the whole buffer is freed (4P/N held). A held
+    bucket (`Bucket.held`) waits for its step-end sum and goes out in `finish_bucket`.
+    """
 
     def __init__(
         self,
@@ -58,27 +74,33 @@ class GradientBuckets:
         *,
         carry_loss: bool = True,
         average: bool = True,
+        zero: int = 0,
     ):
         self.group = group
         self.communicator = communicator
-        self.carry_loss = carry_loss
+        self.carry_loss = carry_loss and zero == 0
         self.average = average
-        extra = 1 if carry_loss else 0
-        self.states = [
-            _BucketState(b, [parameters[n] for n in b.parameters], extra if i == len(buckets) - 1 else 0)
-            for i, b in enumerate(buckets)
-        ]
-        self._pending: list[PendingCollective] = []  # bucket i's all-reduce, once launched
-        self._next = 0
+        self.zero = zero
+        self.states = []
+        for i, b in enumerate(buckets):
+            if zero:
+                size, shard = b.padded(group.size), b.shard(group.size, group.index)
+            else:
+                size, shard = b.numel + (1 if self.carry_loss and i == len(buckets) - 1 else 0), None
+            self.states.append(_BucketState(b, [parameters[n] for n in b.parameters], size, shard))
+        self._hooked = [i for i, s in enumerate(self.states) if not s.bucket.held]  # launch order
+        self._pending: dict[int, PendingCollective] = {}  # bucket index -> its reduction
+        self._next = 0  # into `_hooked`
         self._handles = []
         for state in self.states:
-            for param, view in zip(state.parameters, state.views):
-                self._handles.append(
-                    param.register_post_accumulate_grad_hook(self._hook(state, param, view))
-                )
+            for position, param in enumerate(state.parameters):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(state, position)))
 
-    def _hook(self, state: _BucketState, param: torch.nn.Parameter, view: torch.Tensor):
+    def _hook(self, state: _BucketState, position: int):
+        param = state.parameters[position]
+
         def gradient_ready(_: torch.Tensor) -> None:
+            view = state.views[position]  # (ZeRO-2 makes new views each step)
             if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient, not accumulated in place
                 view.copy_(param.grad)
                 param.grad = view
@@ -92,6 +114,8 @@ class GradientBuckets:
         """Arm the hooks for a step of `microbatches` backwards, before the first of them."""
         for state in self.states:
             state.pending = microbatches * len(state.parameters)
+            if state.buffer is None:  # ZeRO-2 freed it after the last step's reduction
+                state.allocate()
         self._next = 0
         self._pending.clear()
 
@@ -101,33 +125,53 @@ class GradientBuckets:
             self.states[-1].buffer[-1].copy_(loss.detach())
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.states) and self.states[self._next].pending == 0:
-            state = self.states[self._next]
-            if self.average:
-                state.buffer.div_(self.group.size)
-            tag = f"gradient bucket {state.bucket.index}"
-            if self._next == len(self.states) - 1 and self.carry_loss:
-                tag += " + loss"
-            self._pending.append(self.communicator.all_reduce(state.buffer, self.group, tag=tag))
+        while self._next < len(self._hooked) and self.states[self._hooked[self._next]].pending == 0:
+            self._launch(self._hooked[self._next])
             self._next += 1
 
+    def _launch(self, index: int) -> None:
+        state = self.states[index]
+        if self.average:
+            state.buffer.div_(self.group.size)
+        tag = f"gradient bucket {state.bucket.index}"
+        if not self.zero:
+            if index == len(self.states) - 1 and self.carry_loss:
+                tag += " + loss"
+            self._pending[index] = self.communicator.all_reduce(state.buffer, self.group, tag=tag)
+            return
+        if self.zero == 1:
+            state.reduced = state.buffer[state.shard]
+        elif state.reduced is None:
+            state.reduced = state.buffer.new_empty(state.shard.stop - state.shard.start)
+        self._pending[index] = self.communicator.reduce_scatter(state.reduced, state.buffer, self.group, tag=tag)
+
     def finish_bucket(self, index: int) -> None:
-        """Wait for bucket `index`'s all-reduce (launching what is ready first); raise
-        CollectiveError naming the parameters that never received a gradient."""
+        """Wait for bucket `index`'s reduction (launching what is ready first, and a held
+        bucket now); raise CollectiveError naming the parameters that never got a gradient."""
         self._launch_ready()
-        if index >= self._next:
+        state = self.states[index]
+        if index not in self._pending and state.bucket.held and state.pending == 0:
+            self._launch(index)
+        if index not in self._pending:
             missing = [
                 name
-                for state in self.states[self._next :]
-                if state.pending
-                for name, p in zip(state.bucket.parameters, state.parameters)
+                for s in self.states if s.pending
+                for name, p in zip(s.bucket.parameters, s.parameters)
                 if p.grad is None
             ]
             raise CollectiveError(
                 f"backward produced no gradient for {missing[:5]} although the graph uses them; "
-                f"bucket {index} was never all-reduced. Are they detached or frozen mid-step?"
+                f"bucket {index} was never reduced. Are they detached or frozen mid-step?"
             )
         self._pending[index].wait()
+        if self.zero == 2:  # only the shard is kept: the whole gradients go (ZeRO-2)
+            for param in state.parameters:
+                param.grad = None
+            state.buffer, state.views = None, []
+
+    def shard_gradient(self, index: int) -> torch.Tensor:
+        """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`)."""
+        return self.states[index].reduced
 
     def loss(self) -> float:
         """The global-batch mean loss the last bucket carried (after `finish_bucket` of it)."""

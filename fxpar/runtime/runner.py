@@ -33,6 +33,7 @@ from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
 from fxpar.distributed_ops import lower_for_eager
 from fxpar.errors import BindError, PlanError
+from fxpar import lowering
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
@@ -40,11 +41,13 @@ from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
 from fxpar.runtime.full_state import gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
 from fxpar.pipeline_program import receives_ahead
 from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
+from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters
 from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
@@ -71,6 +74,7 @@ class Runner:
         self.modules = program.stage_modules(rank)  # one, or one per pipeline chunk
         self._dp = groups[Axis.DP]
         self._tied_groups = tied_groups
+        self._step_program = program.step_program(rank, backend=backend)
         self.loss = StepLoss(
             program.loss_reduction,
             holds_loss=program.holds_loss(rank),
@@ -80,6 +84,7 @@ class Runner:
         self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
         self._executor: ModuleExecutor | PipelineExecutor | None = None
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
+        self._optimizers: list = []  # what `optimizer` made, for `memory_stats`
         self._closed_by: str | None = None  # which close() ended this runner (live_runners)
 
     @property
@@ -173,8 +178,9 @@ class Runner:
             # DDP does the same at construction: every replica starts from the first rank's
             # values, whatever seed each process used.
             self._broadcast(state, self._dp)
-        for name, group in self.program.step_program(self.rank).tied_groups.items():
-            self._broadcast([dict(_parameters_of(self.modules))[name]], self._tied_groups[group])
+        mine = dict(_parameters_of(self.modules))
+        for name, group in self._step_program.tied_groups.items():
+            self._broadcast([mine[name]], self._tied_groups[group])
         self.communicator.reset()
 
     def _bind_step(self) -> None:
@@ -184,10 +190,11 @@ class Runner:
             assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
             buckets.append(GradientBuckets(
                 assignment, _parameters(module), self._dp, self.communicator,
-                carry_loss=stages is None, average=not self.loss.sums,
+                carry_loss=stages is None, average=not self.loss.sums, zero=self.program.plan.zero,
             ))
-        step_program = self.program.step_program(self.rank, backend=self.backend)
-        mine = dict(_parameters_of(self.modules))
+        # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
+        self._flat_parameters = [flatten_parameters(b) for b in buckets] if self.program.plan.zero else []
+        step_program, mine = self._step_program, dict(_parameters_of(self.modules))
         self._context = StepContext(
             rank=self.rank, device=self.device, step_program=step_program,
             guard=StepGuard(step_program), modules=tuple(self.modules),
@@ -283,15 +290,31 @@ class Runner:
         try:
             loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
-            self.communicator.start_step()  # a failed step leaves no guard behind
+            self.communicator.end_step(check=False)  # a failed step leaves no guard behind
             raise
         self.communicator.end_step()
         return loss
 
-    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **options: Any):
-        """`optimizer_class` over this rank's parameters (each tied group once)."""
+    def optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], *, elementwise: bool = False, **options: Any
+    ):
+        """`optimizer_class` over this rank's parameters (each tied group once); under ZeRO-1/2
+        over this rank's shards of them (`runtime.sharded_optimizer`: it must be elementwise,
+        which `elementwise=True` vouches for a class fxpar does not know)."""
         self._require_open("optimizer")
-        return optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
+        if self._flat_parameters:
+            optimizer = ShardedOptimizer(optimizer_class, options, context=self._context,
+                                         flats=self._flat_parameters, elementwise=elementwise)
+        else:
+            optimizer = optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def memory_stats(self) -> dict[str, int | None]:
+        """Bytes this rank holds: `params`, `grads`, `optimizer` (the state of the optimizers
+        `runner.optimizer` made), counted from its tensors, and the allocator's `peak` on CUDA
+        (`runtime.memory_stats`); `program.estimate().memory` predicts them."""
+        return model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device)
 
     # -- observation ----------------------------------------------------------------------
 
@@ -323,22 +346,36 @@ class Runner:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on
-        every rank; zeros for a parameter whose gradient is not there (no step since)."""
+        every rank; zeros for a parameter whose gradient is not there (no step since). Under
+        ZeRO-1/2 the reduced shards are gathered from the data-parallel ranks."""
         self._require_open("full_gradients")
         local = {}
         for module in self.modules:
             trained = {name for bucket in module.meta[meta.GRAPH_BUCKETS] for name in bucket.parameters}
-            local[self._stage(module)] = (module, {
+            local[self._stage(module)] = (module, {} if self._flat_parameters else {
                 n: p.grad if p.grad is not None else torch.zeros_like(p)
                 for n, p in _parameters(module).items() if n in trained
             })
         return self._gather_full(local, gradients=True)
+
+    def _gradient_shards(self, action) -> dict[str, torch.Tensor]:
+        """ZeRO: bucket `action.index` of stage `action.stage`'s reduced gradient, whole."""
+        buckets = self._context.buckets[self._context.module_of_stage[action.stage]]
+        state = buckets.states[action.index]
+        shard = buckets.shard_gradient(action.index)
+        if shard is None:  # no step since bind
+            shard = torch.zeros(state.size // buckets.group.size, dtype=state.bucket.dtype, device=state.device)
+        flat = shard.new_empty(state.size)
+        self.communicator.all_gather_now(flat, shard, buckets.group, tag=action.calls[0].tag, phase="step", log=False)
+        pieces = flat[: state.bucket.numel].split([p.numel() for p in state.parameters])
+        return {name: piece.view_as(p) for name, piece, p in zip(state.bucket.parameters, pieces, state.parameters)}
 
     def _gather_full(self, local: dict, *, gradients: bool) -> dict[str, torch.Tensor]:
         return gather_full_tensors(
             self.program.state_program(self.rank, gradients=gradients), local,
             groups=self.groups, communicator=self.communicator,
             key_order=self.program.captured.graph_module.state_dict().keys(),
+            gradient_shards=self._gradient_shards,
         )
 
     @staticmethod
@@ -400,9 +437,7 @@ def _all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:
     """Every group of ranks that keeps a tied parameter identical, in one order on all ranks."""
     if program.stages is None:
         return ()
-    from fxpar.lowering import tied_groups
-
-    return tuple(sorted({g for by_name in tied_groups(program).values() for g in by_name.values()}))
+    return tuple(sorted({g for by_name in lowering.tied_groups(program).values() for g in by_name.values()}))
 
 
 def _place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from fxpar.collectives import Collective
 from fxpar.errors import StepProgramError
-from fxpar.step_program import StepProgram
+from fxpar.step_program import Part, StepProgram
 
 
 def _key(call: Collective) -> tuple:
@@ -28,8 +28,11 @@ def _key(call: Collective) -> tuple:
 
 
 class StepGuard:
-    def __init__(self, program: StepProgram):
-        self.program = program
+    """Holds the calls of one part of a rank's step program ("step": `runner.step`,
+    "optimizer": the optimizer's step) to the calls made (module doc)."""
+
+    def __init__(self, program: StepProgram, part: Part = "step"):
+        self.program, self.part = program, part
         self._resolved: dict[tuple, dict[tuple, list[Collective]]] = {}  # per step size
         self._expected: dict[tuple, list[Collective]] = {}
         self._next: dict[tuple, int] = {}
@@ -40,7 +43,7 @@ class StepGuard:
         size_key = tuple(sorted((str(k), int(v)) for k, v in sizes.items()))
         if size_key not in self._resolved:
             by_group: dict[tuple, list[Collective]] = {}
-            for call in self.program.collectives(sizes):
+            for call in self.program.collectives(sizes, self.part):
                 by_group.setdefault(_key(call), []).append(call)
             self._resolved[size_key] = by_group
         self._expected = self._resolved[size_key]

@@ -37,16 +37,17 @@ for plan in plans:
     small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
     resized_loss = runner.step(*[t.to(runner.device) for t in runner.local_batch(*small)])
     optimizer.zero_grad()
-    losses, first_grads, step_logs = [], None, []
+    losses, first_grads, step_logs, memory = [], None, [], None
     runner.record_timeline = True  # what the pipeline executor ran (the last step's is kept)
     for tokens, labels in global_batches():
         runner.reset_comm_stats()
         local = [t.to(runner.device) for t in runner.local_batch(tokens, labels)]
         losses.append(runner.step(*local))
+        optimizer.step()  # (ZeRO gathers the updated parameters: part of the step's calls)
         step_logs.append((runner.comm_log(), runner.comm_stats()))
-        if first_grads is None:
+        if first_grads is None:  # the step's gradients, still there until zero_grad
             first_grads = runner.full_gradients()
-        optimizer.step()
+            memory = runner.memory_stats()
         optimizer.zero_grad()
     results[plan] = {
         "losses": losses,
@@ -58,6 +59,8 @@ for plan in plans:
                                          receives_ahead=runner.receives_ahead),
         "estimated_comm": (estimate := program.estimate("h100")).comm,
         "estimated_rank": estimate.rank,
+        "estimated_memory": estimate.memory,
+        "memory": memory,
         "rank": runner.rank,
         "executed": [action for action, _, _ in runner.timeline()],
         "schedule_row": [] if program.stages is None else
