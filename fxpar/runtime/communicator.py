@@ -114,6 +114,15 @@ class Communicator:
         work = dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 
+    def all_gather(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str
+    ) -> PendingCollective:
+        """Start concatenating every rank's `tensor` along dim 0 into `output` (`tensor` may be
+        this rank's slice of it)."""
+        call = self._record("all_gather", output, group, tag, op="none", phase=phase)
+        work = dist.all_gather_into_tensor(output, tensor, group=group.handle, async_op=True)
+        return PendingCollective(work, call, group, self.timeout)
+
     def all_reduce_now(
         self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str
     ) -> None:

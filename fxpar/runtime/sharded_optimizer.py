@@ -112,6 +112,7 @@ class ShardedOptimizer:
         self._guard.start({})
         communicator = self.context.communicator
         with communicator.held_to(self._guard):
+            gathers = []  # all in flight at once, then waited for
             for action in self.context.step_program.optimizer:
                 if action.purpose is not Purpose.UPDATED_PARAMETERS:
                     raise AssertionError(f"an optimizer action of purpose {action.purpose}")
@@ -119,7 +120,9 @@ class ShardedOptimizer:
                 buckets, flat = self.context.buckets[module], self._flats[module][action.index]
                 state = buckets.states[action.index]
                 shard = flat[state.bucket.shard(buckets.group.size, buckets.group.index)]
-                communicator.all_gather_now(flat, shard, buckets.group, tag=action.calls[0].tag, phase="step")
+                gathers.append(communicator.all_gather(flat, shard, buckets.group, tag=action.calls[0].tag, phase="step"))
+            for gather in gathers:
+                gather.wait()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
