@@ -40,6 +40,7 @@ from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.pipeline_program import node_memory, node_time, schedule_in_flight
+from fxpar.placement import Placements, Shard, local_shape
 from fxpar.plan import Plan
 from fxpar.schedules import schedule
 from fxpar.trace import CapturedGraph
@@ -80,11 +81,17 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     graph.append(partial(
         assign_stages, stages=stages, split=plan.split,
         cost=node_time(captured, hardware_profile(hardware, measured=False), precision=plan.compute_precision),
-        memory=node_memory(captured, microbatch=captured.example_batch // (plan.dp * plan.microbatches), plan=plan),
+        memory=node_memory(captured, microbatch=_rank_microbatch(plan, captured, mesh), plan=plan),
         in_flight=schedule_in_flight(pipeline),
     ))
     per_stage = (defer_weight_gradients, buckets) if pipeline.splits_backward else (buckets,)
     return PassList(graph=tuple(graph), stage=per_stage)
+
+
+def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:
+    """A rank's share of one microbatch of the example's batch (`placement.local_shape`)."""
+    (batch,) = local_shape((captured.example_batch // plan.microbatches,), Placements(dp=Shard(0)), mesh.sizes)
+    return batch
 
 
 def _bucket_bytes(plan: Plan, mesh: Mesh, hardware: str) -> int:

@@ -43,7 +43,7 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.distributed_ops import DistributedOp
 from fxpar.errors import PlanError
-from fxpar.placement import Placement, R, Replicate, Shard
+from fxpar.placement import Placement, Placements, R, Replicate, Shard, local_shape
 from fxpar.redistribution import Via, conversion_dim, converted_placement, redistribution
 import fxpar.vocab_parallel_ops  # noqa: F401  (registers torch.ops.fxpar.vocab_parallel_embedding)
 from fxpar.passes.contracts import broken, ensures
@@ -239,7 +239,7 @@ class _Walk:
                     field="tp",
                     value=self.ctx.tp,
                 )
-            sizes[out_dim] = size // self.ctx.tp
+            sizes[out_dim] = self._local(size)
         elif isinstance(size, fx.Node):
             raise PlanError(
                 f"{meta.describe(node)} shards a dim whose size is computed at run time; "
@@ -254,8 +254,12 @@ class _Walk:
         """A fused projection's split sizes for the local shard: split(qkv, C) -> split(qkv, C/t)."""
         args = list(node.args)
         sizes = args[1]
-        args[1] = [s // self.ctx.tp for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // self.ctx.tp
+        args[1] = [self._local(s) for s in sizes] if isinstance(sizes, (list, tuple)) else self._local(sizes)
         node.args = tuple(args)
+
+    def _local(self, size: int) -> int:
+        """One rank's share of a size along a dim split over tp (`placement.local_shape`)."""
+        return local_shape((size,), Placements(tp=Shard(0)), {AXIS: self.ctx.tp})[0]
 
     def _bias_after_reduction(self, node: fx.Node, decision: Decision) -> None:
         """A row-parallel projection's bias, added once after the sum of the partials:

@@ -173,6 +173,18 @@ class GradientBuckets:
         """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`)."""
         return self.states[index].reduced
 
+    def whole_gradients(self, index: int, *, tag: str) -> dict[str, torch.Tensor]:
+        """ZeRO: bucket `index`'s reduced gradient gathered whole over dp, by parameter name
+        (zeros before the first step); outside a step (not in the step's log)."""
+        state = self.states[index]
+        shard = state.reduced
+        if shard is None:
+            shard = torch.zeros(state.size // self.group.size, dtype=state.bucket.dtype, device=state.device)
+        flat = shard.new_empty(state.size)
+        self.communicator.all_gather_now(flat, shard, self.group, tag=tag, phase="step", log=False)
+        pieces = flat[: state.bucket.numel].split([p.numel() for p in state.parameters])
+        return {name: piece.view_as(p) for name, piece, p in zip(state.bucket.parameters, pieces, state.parameters)}
+
     def loss(self) -> float:
         """The global-batch mean loss the last bucket carried (after `finish_bucket` of it)."""
         return float(self.states[-1].buffer[-1])

@@ -361,14 +361,7 @@ class Runner:
     def _gradient_shards(self, action) -> dict[str, torch.Tensor]:
         """ZeRO: bucket `action.index` of stage `action.stage`'s reduced gradient, whole."""
         buckets = self._context.buckets[self._context.module_of_stage[action.stage]]
-        state = buckets.states[action.index]
-        shard = buckets.shard_gradient(action.index)
-        if shard is None:  # no step since bind
-            shard = torch.zeros(state.size // buckets.group.size, dtype=state.bucket.dtype, device=state.device)
-        flat = shard.new_empty(state.size)
-        self.communicator.all_gather_now(flat, shard, buckets.group, tag=action.calls[0].tag, phase="step", log=False)
-        pieces = flat[: state.bucket.numel].split([p.numel() for p in state.parameters])
-        return {name: piece.view_as(p) for name, piece, p in zip(state.bucket.parameters, pieces, state.parameters)}
+        return buckets.whole_gradients(action.index, tag=action.calls[0].tag)
 
     def _gather_full(self, local: dict, *, gradients: bool) -> dict[str, torch.Tensor]:
         return gather_full_tensors(
