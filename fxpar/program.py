@@ -55,6 +55,10 @@ from fxpar.state_writes import batch_statistics_modules
 from fxpar.trace import CapturedGraph, capture, restore_state_layout
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+    from typing import Literal
+
     from fxpar.cost.estimate import Estimate
     from fxpar.runtime.runner import Runner
 
@@ -398,6 +402,26 @@ class Program:
             f"Program(plan='{self.plan}', world_size={self.world_size}, parameters={params:,}, "
             f"{layout}, nodes={len(self.graph_module.graph.nodes)})"
         )
+
+    def visualize(
+        self,
+        path: str | Path,
+        *,
+        rank: int | None = None,
+        detail: Literal["module", "node"] = "module",
+        expand: Sequence[str] = (),
+    ) -> Path:
+        """Draw the partitioned graph with graphviz to `path` (.svg, .png or .pdf): stages as
+        clusters, every collective and transfer as its own box (`fxpar.visualize`)."""
+        from fxpar.visualize import visualize
+
+        return visualize(self, path, rank=rank, detail=detail, expand=expand)
+
+    def report(self, path: str | Path, *, rank: int = 0, hardware: str = "h100") -> Path:
+        """Write the one-page HTML report of this plan to `path` (`fxpar.report`)."""
+        from fxpar.report import write_report
+
+        return write_report(self, path, rank=rank, hardware=hardware)
 
 
 def _compile_again(

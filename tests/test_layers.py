@@ -6,26 +6,42 @@
     passes   fxpar.passes: graph rewrites, which may price with cost
     program  compile, Program, the pipeline program and the lowering to step programs
     runtime  fxpar.runtime: one torchrun worker
+    tools    what reads a compiled program for people: pictures, charts, the report, the plan
+             diff, the command line
 
 A module may import its own layer and those below it. Every import counts: module level,
 inside functions and under `if TYPE_CHECKING:` (a type-only import is still a dependency a
 reader must follow, and the cycles it hides are the ones that break refactors). The one
 upward edge is the entry point `Program.bind`, a function-level import of the runner, kept
-acyclic because nothing in the runtime imports the program module.
+acyclic because nothing in the runtime imports the program module. `Program.visualize` and
+`Program.report` are the same kind of entry point into the tools layer, acyclic because the
+tools take the program as data (`CompiledProgram`) and never import the program module back;
+only the command line, which nothing imports, calls `compile`.
 """
 
 import ast
 from pathlib import Path
 
-LAYERS = ("core", "cost", "passes", "program", "runtime")
+LAYERS = ("core", "cost", "passes", "program", "runtime", "tools")
 PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.pass_list", "fxpar.pipeline_program"}
-ALLOWED_UPWARD = {("fxpar.program", "fxpar.runtime.runner")}  # Program.bind, function-level
+TOOLS = {
+    "fxpar.payloads", "fxpar.picture_units", "fxpar.picture_transfers", "fxpar.picture",
+    "fxpar.visualize", "fxpar.rank_memory", "fxpar.charts", "fxpar.plan_diff", "fxpar.report",
+    "fxpar.model_loading", "fxpar.explain", "fxpar.cli", "fxpar.__main__",
+}
+ALLOWED_UPWARD = {  # function-level entry points
+    ("fxpar.program", "fxpar.runtime.runner"),  # Program.bind
+    ("fxpar.program", "fxpar.visualize"),  # Program.visualize
+    ("fxpar.program", "fxpar.report"),  # Program.report
+}
 
 
 def layer(module: str) -> str:
     for prefix in ("fxpar.cost", "fxpar.passes", "fxpar.runtime"):
         if module == prefix or module.startswith(prefix + "."):
             return prefix.split(".")[1]
+    if module in TOOLS:
+        return "tools"
     return "program" if module in PROGRAM else "core"
 
 

@@ -1,0 +1,399 @@
+"""The partitioned graph as a picture, before any drawing: boxes, arrows and stage clusters.
+
+`build_picture(program, rank=None, detail="module", expand=())` reads a compiled Program and
+returns a `Picture`, plain data that `fxpar.visualize` hands to graphviz and that tests read
+without rendering. What becomes a box:
+
+    box kind     one per                                        drawn as
+    input        tensor input of the step                       ellipse
+    module       module unit and stage (`picture_units`)        box
+    node         aten node (detail="node", or an expanded one)  box, small
+    parameter    parameter (detail="node" only)                 note
+    collective   torch.ops.fxpar op the passes inserted         by primitive, on its mesh axis
+    transfer     tensor crossing a pipeline cut (send/recv)     cds
+    step         a collective of `program.collectives(r)` that  by primitive, hung on the box
+                 no graph node runs: gradient buckets (and       it follows (dashed arrow)
+                 ZeRO's gathers and reduce-scatters), the count
+                 of valid targets, tied-gradient sums, losses
+    output       the loss                                       double octagon
+
+Arrows are data flow between boxes, labelled with the value's placement on each mesh axis
+(`payloads.placement_text`); a cut's crossing is drawn through its transfer box. Every
+collective and transfer box lists the tags its calls carry in `program.collectives(r)` with
+their kind, axis and payload (formula in `batch` and `seq`, then bytes at the example's size).
+
+`rank=None` draws the global view: every stage, and the step collectives of one rank per
+pipeline coordinate (dp and tp peers issue the same ones). `rank=r` draws what rank r runs:
+its stages, its groups' ranks, its peers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch.fx as fx
+
+from fxpar import meta
+from fxpar.collectives import Collective, data_parallel_collectives
+from fxpar.compiled_program import CompiledProgram
+from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
+from fxpar.mesh import Axis
+from fxpar.payloads import (
+    axis_name,
+    example_numel,
+    payload_formula,
+    payload_text,
+    placement_text,
+    shape_text,
+)
+from fxpar.picture_transfers import crossings
+from fxpar.picture_units import Detail, Unit, assign_units, check_expand
+from fxpar.placement import local_numel
+
+BoxKind = Literal["input", "module", "node", "parameter", "collective", "transfer", "step", "output"]
+_BUCKET = re.compile(r"bucket (\d+)")
+_TIED = re.compile(r"tied (.+) gradient")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Box:
+    """One drawn node. `id` is generated ("b12"), never user text, so it is safe in DOT."""
+
+    id: str
+    kind: BoxKind
+    title: str
+    lines: tuple[str, ...] = ()
+    stage: int | None = None  # the stage cluster it is drawn in
+    expanded: str | None = None  # the expanded module whose cluster it is drawn in
+    axis: str = ""  # collectives and transfers: the mesh axis they communicate on
+    primitive: str = ""  # all_reduce, all_gather, reduce_scatter, send, ...: the box's shape
+    backward_only: bool = False  # communicates only in backward (Megatron's f): dashed border
+    calls: tuple[Call, ...] = ()  # collectives and transfers: the calls it stands for
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(c.tag for c in self.calls))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call a box stands for, as `program.collectives(r)` lists it: its tag and kind, and
+    its payload at the example's sizes (per microbatch for graph ops and transfers)."""
+
+    tag: str
+    kind: str
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class Arrow:
+    source: str
+    target: str
+    label: str = ""
+    attached: bool = False  # a step collective hung on the box it follows, not data flow
+
+
+@dataclass(frozen=True, kw_only=True)
+class Picture:
+    title: str
+    boxes: tuple[Box, ...]
+    arrows: tuple[Arrow, ...]
+    stages: dict[int, str] = field(default_factory=dict)  # stage -> its cluster's label
+
+    def find(self, kind: BoxKind) -> list[Box]:
+        return [b for b in self.boxes if b.kind == kind]
+
+
+def build_picture(
+    program: CompiledProgram,
+    *,
+    rank: int | None = None,
+    detail: Detail = "module",
+    expand: Sequence[str] = (),
+) -> Picture:
+    """The picture of `program` (see module doc). Raises ValueError for an unknown `detail`,
+    a rank not on the mesh, or an `expand` entry that names no module."""
+    if detail not in ("module", "node"):
+        raise ValueError(f"detail={detail!r}: choose 'module' (one box per module) or 'node' (aten nodes)")
+    if rank is not None:
+        program.mesh.coord(rank)  # raises ValueError naming the mesh's ranks
+    check_expand(program.graph_module.graph, expand)
+    return _Builder(program, rank, detail, tuple(expand)).build()
+
+
+class _Builder:
+    def __init__(self, program: CompiledProgram, rank: int | None, detail: Detail, expand: tuple[str, ...]):
+        self.program, self.rank, self.detail, self.expand = program, rank, detail, expand
+        self.mesh, self.captured = program.mesh, program.captured
+        self.graph = program.graph_module.graph
+        self.pieces = program.plan.dp * program.plan.microbatches
+        schedule = program.schedule
+        if program.stages is None or rank is None:
+            self.shown = None if program.stages is None else set(range(len(program.stages)))
+        else:
+            pp = self.mesh.coord(rank).pp
+            self.shown = {s.index for s in program.stages if schedule.rank_of(s.index) == pp}
+        self.boxes: dict[object, Box] = {}  # Unit or another key -> its box
+        self.arrows: dict[tuple[str, str], Arrow] = {}
+
+    # -- the graph's boxes --------------------------------------------------------------------
+
+    def build(self) -> Picture:
+        every = assign_units(self.graph, detail=self.detail, expand=self.expand,
+                             pipelined=self.program.stages is not None)
+        units = {n: u for n, u in every.items() if self._drawn(u)}
+        members: dict[Unit, list[fx.Node]] = {}
+        for node, unit in units.items():
+            members.setdefault(unit, []).append(node)
+        for unit, nodes in members.items():
+            self._add(unit, self._unit_box(unit, nodes))
+        if self.program.stages is not None:
+            for crossing in crossings(self.program).values():
+                if crossing.source_stage in self.shown or crossing.stage in self.shown:
+                    self._add(crossing.key, self._transfer_box(crossing))
+        for node, unit in units.items():
+            for source in node.all_input_nodes:
+                if source in every and every[source] != unit:
+                    self._connect(source, every[source], unit, drawn=source in units)
+        self._add_step_collectives(units)
+        self._place_parameters()
+        used = {a.source for a in self.arrows.values()} | {a.target for a in self.arrows.values()}
+        boxes = [b for b in self.boxes.values() if b.kind not in ("input", "parameter") or b.id in used]
+        return Picture(title=self._title(), boxes=tuple(boxes), arrows=tuple(self.arrows.values()),
+                       stages=self._stage_labels())
+
+    def _place_parameters(self) -> None:
+        """A parameter box is drawn in the stage (and expanded module) of its first reader."""
+        keys = {b.id: key for key, b in self.boxes.items()}
+        placed = set()
+        for arrow in self.arrows.values():
+            key, reader = keys[arrow.source], self.boxes[keys[arrow.target]]
+            box = self.boxes[key]
+            if box.kind == "parameter" and key not in placed:
+                placed.add(key)
+                expanded = box.expanded if box.expanded == reader.expanded else None
+                self.boxes[key] = replace(box, stage=reader.stage, expanded=expanded)
+
+    def _drawn(self, unit: Unit) -> bool:
+        if unit.kind == "output":
+            return self.rank is None or self.program.holds_loss(self.rank)
+        return unit.stage is None or self.shown is None or unit.stage in self.shown
+
+    def _add(self, key: object, box: Box) -> Box:
+        self.boxes[key] = replace(box, id=f"b{len(self.boxes)}")
+        return self.boxes[key]
+
+    def _arrow(self, source: Box, target: Box, label: str = "", *, attached: bool = False) -> None:
+        key = (source.id, target.id)
+        if key in self.arrows and label and label not in self.arrows[key].label.split(" | "):
+            label = f"{self.arrows[key].label} | {label}" if self.arrows[key].label else label
+        elif key in self.arrows:
+            label = self.arrows[key].label
+        self.arrows[key] = Arrow(source.id, target.id, label, attached)
+
+    def _connect(self, source: fx.Node, source_unit: Unit, unit: Unit, *, drawn: bool) -> None:
+        """Arrows from `source`'s box to `unit`'s, through a transfer box per cut crossed."""
+        path = [self.boxes[source_unit]] if drawn else []
+        start, end = source_unit.stage, unit.stage
+        if source_unit.kind not in ("input", "parameter") and start is not None and end is not None:
+            # A cut whose sides are both on other ranks has no box: the arrow skips it.
+            path += [self.boxes[(source, s)] for s in range(start + 1, end + 1) if (source, s) in self.boxes]
+        path.append(self.boxes[unit])
+        label = placement_text(self.captured, source, self.mesh)
+        for a, b in zip(path, path[1:]):
+            self._arrow(a, b, label)
+
+    def _unit_box(self, unit: Unit, nodes: list[fx.Node]) -> Box:
+        common = dict(id="", stage=unit.stage, expanded=unit.expanded)
+        if unit.kind == "collective":
+            return self._collective_box(nodes[0], common)
+        if unit.kind in ("input", "parameter"):
+            node = nodes[0]
+            value = node.meta["val"]
+            return Box(kind=unit.kind, title=unit.name, lines=(
+                f"{shape_text(self.captured, value.shape)} {value.dtype}".replace("torch.", ""),
+                placement_text(self.captured, node, self.mesh)), **common)
+        if unit.kind == "output":
+            return Box(kind="output", title="loss", lines=("the step's output",), **common)
+        if unit.kind == "node":
+            node = nodes[0]
+            value = node.meta["val"]
+            shape = shape_text(self.captured, value.shape) if hasattr(value, "shape") else "(tuple)"
+            return Box(kind="node", title=node.name, lines=(_op_name(node), shape), **common)
+        read = {meta.parameter_name(p) or p.name: p for n in nodes for p in n.all_input_nodes
+                if p.op == "get_attr"}
+        tp = self.mesh.tp if self.rank is not None else 1
+        params = sum(local_numel(p.meta["val"].shape, meta.placement(p), tp) for p in read.values())
+        where = " on this rank" if self.rank is not None and self.mesh.tp > 1 else ""
+        lines = [f"{len(nodes)} aten ops, {params:,} parameters{where}"]
+        if unit.name.startswith("top-level ops"):
+            lines.append(", ".join(dict.fromkeys(_op_name(n) for n in nodes[:6])))
+        return Box(kind="module", title=unit.name, lines=tuple(lines), **common)
+
+    def _collective_box(self, node: fx.Node, common: dict) -> Box:
+        op, axis = distributed_op(node), axis_of(node)
+        source = node.args[0]
+        dtype = source.meta["val"].dtype
+        lines, calls = [], []
+        if self.rank is not None:
+            lines.append(f"ranks {list(self.mesh.group(self.rank, Axis(axis)))}")
+        for phase in ("forward", "backward"):
+            primitive = op.primitive(phase)
+            if primitive not in COMMUNICATING or (phase == "backward" and not meta.requires_grad(source)):
+                continue
+            # Payload: an all-gather's output, any other collective's input; backward swaps them.
+            end = (node if primitive == "all_gather" else source) if phase == "forward" else (
+                source if primitive == "all_gather" else node)
+            formula = payload_formula(self.captured, end.meta["val"].shape, meta.placement(end),
+                                      tp=self.mesh.tp, pieces=self.pieces)
+            numel = example_numel(self.captured, formula)
+            calls.append(Call(op.tag(axis, phase), primitive, numel * dtype.itemsize))
+            lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]
+        lines += self._per_step(bool(calls))
+        title = f"{op.name} · {axis}"
+        return Box(kind="collective", title=title, lines=tuple(lines), axis=axis,
+                   primitive=calls[0].kind if calls else "slice",
+                   backward_only=op.primitive("forward") not in COMMUNICATING, calls=tuple(calls), **common)
+
+    def _per_step(self, communicates: bool) -> list[str]:
+        microbatches = self.program.plan.microbatches
+        return [f"x{microbatches} per step (per microbatch)"] if communicates and microbatches > 1 else []
+
+    def _transfer_box(self, crossing) -> Box:
+        boundary, stage = crossing.boundary, crossing.stage
+        formula = payload_formula(self.captured, boundary.shape, boundary.placement,
+                                  tp=self.mesh.tp, pieces=self.pieces)
+        numel = example_numel(self.captured, formula)
+        tags = [f"stage {stage} activations"] + ([f"stage {stage - 1} gradients"] if boundary.requires_grad else [])
+        if self.rank is None:
+            where = f"stage {stage - 1} -> stage {stage}"
+        else:
+            coord, schedule = self.mesh.coord(self.rank), self.program.schedule
+            a, b = (self.mesh.rank_of(dp=coord.dp, pp=schedule.rank_of(s), tp=coord.tp) for s in (stage - 1, stage))
+            where = f"rank {a} -> rank {b}"
+        text = payload_text(formula, numel=numel, dtype=boundary.dtype)
+        lines = [f"{where}: {shape_text(self.captured, boundary.shape)}", f"{tags[0]} (forward)"]
+        if len(tags) > 1:
+            lines.append(f"{tags[1]} (backward)")
+        lines += [f"send/recv {text}" + (" each way" if len(tags) > 1 else ""), *self._per_step(True)]
+        calls = tuple(Call(t, "send", numel * boundary.dtype.itemsize) for t in tags)
+        return Box(id="", kind="transfer", title="send / recv · pp", lines=tuple(lines),
+                   axis="pp", primitive="send", calls=calls)
+
+    # -- collectives that no graph node runs -------------------------------------------------
+
+    def _add_step_collectives(self, units: dict[fx.Node, Unit]) -> None:
+        claimed = {t for b in self.boxes.values() for t in b.tags}
+        seen: set[tuple] = set()
+        for rank in self._ranks():
+            calls = [c for c in self.program.collectives(rank) if c.tag not in claimed]
+            for stage, buckets, carry_loss in self._bucket_sets(rank):
+                group = self.mesh.group(rank, Axis.DP)
+                expected = data_parallel_collectives(buckets, group, zero=self.program.plan.zero, carry_loss=carry_loss)
+                for bucket in buckets:
+                    mine = [c for c in expected if _bucket_of(c) == bucket.index]
+                    for call in mine:
+                        if call in calls:
+                            calls.remove(call)
+                    if mine and (stage, bucket.index) not in seen:
+                        seen.add((stage, bucket.index))
+                        self._bucket_box(rank, stage, bucket, mine, units)
+            for call in calls:
+                key = (call.tag, call.kind)
+                if key not in seen:
+                    seen.add(key)
+                    self._step_box(rank, call, [c for c in calls if (c.tag, c.kind) == key], units)
+
+    def _ranks(self) -> list[int]:
+        if self.rank is not None:
+            return [self.rank]
+        return [self.mesh.rank_of(pp=i) for i in range(self.mesh.pp)]
+
+    def _bucket_sets(self, rank: int) -> list[tuple[int | None, tuple, bool]]:
+        """(stage, its buckets, whether the loss rides in the last bucket) per local stage."""
+        if self.program.stages is None:
+            return [(None, self.program.buckets, True)]
+        pp = self.mesh.coord(rank).pp
+        return [(s.index, s.buckets, False) for s in self.program.stages
+                if self.program.schedule.rank_of(s.index) == pp]
+
+    def _bucket_box(self, rank: int, stage: int | None, bucket, calls: list[Collective], units) -> None:
+        names = bucket.parameters
+        lines = [f"{len(names)} parameters: {names[0]}" + (f" .. {names[-1]}" if len(names) > 1 else "")]
+        for c in calls:
+            lines += [f"{c.tag} ({c.phase})", f"{c.kind} {payload_text(c.numel, numel=c.numel, dtype=c.dtype)}"]
+        if self.rank is not None:
+            lines.insert(0, f"ranks {list(calls[0].group)}")
+        box = self._add(("bucket", stage, bucket.index), Box(
+            id="", kind="step", title=f"gradient bucket {bucket.index} · {axis_name(self.mesh, rank, calls[0].group)}",
+            lines=tuple(lines), stage=stage, axis="dp",
+            primitive=calls[-1].kind if self.program.plan.zero else calls[0].kind,
+            calls=tuple(Call(c.tag, c.kind, c.payload_bytes) for c in calls)))
+        # Hung on the module reading the bucket's last parameter in gradient-ready order:
+        # backward completes the bucket there, and its collective launches.
+        for anchor in self._readers(names[-1], units, stage)[:1]:
+            self._arrow(anchor, box, attached=True)
+
+    def _step_box(self, rank: int, call: Collective, calls: list[Collective], units) -> None:
+        axis = axis_name(self.mesh, rank, call.group)
+        lines = [f"{call.kind} ({call.phase})", payload_text(call.numel, numel=call.numel, dtype=call.dtype)]
+        if self.rank is not None:
+            lines.insert(0, f"ranks {list(call.group)}")
+        if len(calls) > 1:
+            lines.append(f"x{len(calls)} per step")
+        box = self._add(("step", call.tag, call.kind), Box(
+            id="", kind="step", title=f"{call.tag} · {axis}", lines=tuple(lines), axis=axis,
+            primitive=call.kind, calls=(Call(call.tag, call.kind, call.payload_bytes),)))
+        tied = _TIED.fullmatch(call.tag)
+        if tied:
+            anchors = self._readers(tied[1], units, None)
+        elif call.tag == "valid targets":
+            anchors = [b for u, b in self.boxes.items() if isinstance(u, Unit) and u.kind == "input"
+                       and u.name == self.program.input_names[-1]]
+        else:
+            anchors = [b for u, b in self.boxes.items() if isinstance(u, Unit) and u.kind == "output"]
+        if not anchors:  # the loss is on another rank: hang it on this rank's last box
+            anchors = [b for u, b in self.boxes.items() if isinstance(u, Unit) and u.kind == "module"][-1:]
+        for anchor in anchors:
+            self._arrow(anchor, box, attached=True)
+
+    def _readers(self, parameter: str, units: dict[fx.Node, Unit], stage: int | None) -> list[Box]:
+        """The boxes that read `parameter` (in `stage`, when given), in graph order."""
+        node = meta.parameter_nodes(self.graph).get(parameter)
+        if node is None:
+            return []
+        readers = [units[u] for u in node.users if u in units]
+        if node in units:  # detail="node": the parameter has its own box
+            readers = [units[node]]
+        found = [self.boxes[u] for u in readers if stage is None or u.stage == stage]
+        return list(dict.fromkeys(found))
+
+    # -- titles -------------------------------------------------------------------------------
+
+    def _title(self) -> str:
+        view = "global view"
+        if self.rank is not None:
+            c = self.mesh.coord(self.rank)
+            view = f"rank {self.rank} (dp {c.dp}, pp {c.pp}, tp {c.tp})"
+        return f"plan '{self.program.plan}' on {self.mesh}: {view}, detail={self.detail}"
+
+    def _stage_labels(self) -> dict[int, str]:
+        if self.program.stages is None:
+            return {}
+        schedule = self.program.schedule
+        return {s: f"stage {s} (pipeline rank {schedule.rank_of(s)})" for s in sorted(self.shown)}
+
+
+def _bucket_of(call: Collective) -> int | None:
+    found = _BUCKET.search(call.tag)
+    return int(found[1]) if found else None
+
+
+def _op_name(node: fx.Node) -> str:
+    """`linear` for aten.linear.default, `getitem` for operator.getitem."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(target, "__name__", str(target))
