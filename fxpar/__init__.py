@@ -6,6 +6,8 @@
 
     captured = fxpar.capture(hf_model, {"input_ids": ids, "labels": labels})  # one export,
     program = fxpar.compile(captured, "tp=2")                                  # many plans
+    program.visualize("plan.svg"); program.report("plan.html")                 # see the plan
+    print(fxpar.diff(program, fxpar.compile(captured, "dp=2")))                # compare two
 
 Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `fxpar.cost`
 (formulas), `program` (the compiled job, pure data), `runtime` (one torchrun worker).
@@ -16,6 +18,7 @@ import fxpar.vocab_parallel_ops  # noqa: F401
 from fxpar.errors import BindError, CaptureError, CollectiveError, FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
+from fxpar.plan_diff import PlanDiff, diff
 from fxpar.program import Program, compile
 from fxpar.trace import CapturedGraph, capture
 
@@ -27,9 +30,11 @@ __all__ = [
     "FxparError",
     "Mesh",
     "Plan",
+    "PlanDiff",
     "PlanError",
     "Program",
     "capture",
     "compile",
+    "diff",
 ]
 __version__ = "0.1.0"
