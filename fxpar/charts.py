@@ -175,8 +175,10 @@ def figure_svg(figure) -> str:
 
 
 def _metadata(fmt: str) -> dict:
-    """No creation date, so the same plan draws the same file (pictures in docs/ diff cleanly)."""
-    return {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt, {})
+    """No creation date, so the same plan draws the same file (pictures in docs/ diff cleanly),
+    and no RDF block in SVG, whose namespace URLs would be the page's only links."""
+    empty = {"Creator": None, "Date": None, "Format": None, "Type": None}
+    return {"svg": empty, "pdf": {"CreationDate": None}}.get(fmt, {})
 
 
 def schedule_chart(path: str | Path, simulated: Simulation, *, measured: Sequence[Timeline] | None = None,
