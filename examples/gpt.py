@@ -112,3 +112,35 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         return F.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
+
+
+def factory(
+    *,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_embd: int = 128,
+    vocab_size: int = 256,
+    seq: int = 128,
+    batch: int = 16,
+    device: str = "cpu",
+) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    """The example GPT and one global batch of random tokens: what the `fxpar` command line's
+    `--model examples/gpt.py:factory` loads (`--config n_layer=48 device=meta` changes it).
+
+    The default is `train_gpt.py`'s model (4 layers, 4 heads, width 128, bytes as tokens) at
+    its batch of 16 x 128. `device="meta"` builds it without allocating any weight, enough
+    for planning, checking, estimating and drawing at any size.
+    """
+    config = GPTConfig(block_size=seq, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(config)
+    tokens = torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, (tokens, torch.roll(tokens, -1, dims=1))
+
+
+def gpt3_175b() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    """GPT-3 175B's shape (96 layers, 96 heads, width 12288, sequence 2048; Brown et al. 2020,
+    Table 2.1; GPT-2's vocabulary padded to 50304) on the meta device, at a global batch of
+    128 sequences: `fxpar explain --model examples/gpt.py:gpt3_175b --plan "dp=8 tp=8 pp=16 mb=16"`."""
+    return factory(n_layer=96, n_head=96, n_embd=12288, vocab_size=50304, seq=2048, batch=128, device="meta")

@@ -122,7 +122,7 @@ def diff(
 
 
 def _collective_rows(before: CompiledProgram, after: CompiledProgram, rank: int) -> list[Row]:
-    groups = [_grouped(p, rank) for p in (before, after)]
+    groups = [collectives_by_purpose(p, rank) for p in (before, after)]
     keys = list(dict.fromkeys([*groups[0], *groups[1]]))
     section = f"rank {rank} per step"
     rows = [Row(section, key, groups[0].get(key), groups[1].get(key)) for key in keys]
@@ -133,7 +133,9 @@ def _collective_rows(before: CompiledProgram, after: CompiledProgram, rank: int)
     return rows
 
 
-def _grouped(program: CompiledProgram, rank: int) -> dict[str, tuple[float, float]]:
+def collectives_by_purpose(program: CompiledProgram, rank: int) -> dict[str, tuple[int, int]]:
+    """"kind axis purpose" -> (calls, payload bytes) of `rank`'s step, in first-issue order;
+    the purpose is the tag with its numbers written `#` ("gradient bucket #")."""
     found: dict[str, tuple[float, float]] = {}
     for call in program.collectives(rank):
         key = f"{call.kind} {axis_name(program.mesh, rank, call.group)} {re.sub(r'[0-9]+', '#', call.tag)}"

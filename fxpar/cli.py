@@ -1,0 +1,225 @@
+"""The `fxpar` command line (also `python -m fxpar`): see a plan without writing a script.
+
+    fxpar explain  --model examples/gpt.py:factory --plan "tp=2 pp=2 mb=4"
+    fxpar viz      --model examples/gpt.py:factory --plan "tp=2 pp=2 mb=4" -o plan.svg
+    fxpar report   --model examples/gpt.py:factory --plan plan.yaml -o plan.html
+    fxpar check    --hf llama --config num_hidden_layers=2 hidden_size=64 --plan "dp=2 tp=2"
+    fxpar estimate --model examples/gpt.py:factory --plan dp=8 --hardware h100
+    fxpar diff "dp=4" "dp=2 tp=2" --model examples/gpt.py:factory
+
+The model is `--model FILE.py:FACTORY` or `package.module:FACTORY` (a function returning the
+model and one example batch; `--config key=value` are its keyword arguments) or `--hf FAMILY`
+(a transformers model built from its config, `--config` setting the config's fields; nothing
+is downloaded). `--plan` takes the plan's text or a .json/.yaml file (`fxpar.Plan.parse`).
+
+Exit status: 0 when the command did what it says, 1 when `check` finds a plan that cannot
+run, 2 for a usage error (a bad flag, a model that cannot be loaded or captured, an invalid
+plan), with the message on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from fxpar.errors import CaptureError, PlanError
+from fxpar.model_loading import ModelSpecError, build_from_factory, build_hugging_face, parse_config
+
+EXAMPLE = "--model examples/gpt.py:factory"
+COMMANDS = {
+    "explain": ("stages, buckets, collectives per step and the estimate of one rank",
+                f'fxpar explain {EXAMPLE} --plan "tp=2 pp=2 mb=4"'),
+    "viz": ("draw the partitioned graph with graphviz (.svg, .png or .pdf)",
+            f'fxpar viz {EXAMPLE} --plan "tp=2 pp=2 mb=4" -o plan.svg --expand h.1'),
+    "report": ("write the one-page HTML report",
+               f'fxpar report {EXAMPLE} --plan "dp=2 tp=2 pp=2 mb=4" -o plan.html'),
+    "check": ("prove every rank's collectives match and the schedule cannot deadlock",
+              'fxpar check --hf llama --config num_hidden_layers=2 hidden_size=64 '
+              'intermediate_size=128 num_attention_heads=4 num_key_value_heads=2 vocab_size=256 '
+              '--plan "dp=2 tp=2"'),
+    "estimate": ("predict FLOPs, memory, bytes moved and time of one step",
+                 f"fxpar estimate {EXAMPLE} --plan dp=8 --hardware h100"),
+    "diff": ("what changes between two plans of one model",
+             f'fxpar diff "dp=4" "dp=2 tp=2" {EXAMPLE}'),
+}
+
+
+class UsageError(ValueError):
+    """A command given what it cannot use; exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (see module doc)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return RUN[args.command](args)
+        except (UsageError, ModelSpecError, PlanError, CaptureError) as error:
+            print(f"fxpar {args.command}: error: {error}", file=sys.stderr)
+            return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fxpar", description="See what a distributed-training plan does to a model, from a shell.",
+        epilog="examples:\n" + "\n".join(f"  {example}" for _, example in COMMANDS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (summary, example) in COMMANDS.items():
+        sub = commands.add_parser(name, help=summary, description=f"{summary}.", epilog=f"example:\n  {example}",
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == "diff":
+            sub.add_argument("plans", nargs=2, metavar=("PLAN_A", "PLAN_B"), help="two plans: text or .json/.yaml files")
+        _model_options(sub, plan=name != "diff")
+        if name in ("explain", "viz", "report", "diff"):
+            sub.add_argument("--rank", type=int, default=None,
+                             help="the rank to show (viz: default the global view; others: 0)")
+        if name in ("explain", "report", "estimate", "diff"):
+            sub.add_argument("--hardware", default="h100", help="cost profile: cpu, a100, h100, h200 (default h100)")
+        if name in ("viz", "report"):
+            sub.add_argument("-o", "--output", type=Path, default=Path(f"plan.{'svg' if name == 'viz' else 'html'}"),
+                             help=f"the file to write (default plan.{'svg' if name == 'viz' else 'html'})")
+        if name == "viz":
+            sub.add_argument("--detail", choices=("module", "node"), default="module",
+                             help="one box per module (default) or per aten node")
+            sub.add_argument("--expand", nargs="+", default=[], metavar="MODULE", help="modules to open, e.g. h.3")
+        if name == "report":
+            sub.add_argument("--compare", metavar="PLAN", help="another plan of the model to diff against")
+        if name == "estimate":
+            sub.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"))
+    return parser
+
+
+def _model_options(sub: argparse.ArgumentParser, *, plan: bool) -> None:
+    model = sub.add_argument_group("the model (one of --model and --hf)")
+    model.add_argument("--model", metavar="FILE.py:FACTORY", help="a factory returning (model, example_inputs)")
+    model.add_argument("--hf", metavar="FAMILY", help="a transformers model type built from its config: llama, gpt2, ...")
+    model.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="the factory's keyword arguments, or the Hugging Face config's fields")
+    model.add_argument("--batch", type=int, default=8, help="--hf: the example batch's sequences (default 8)")
+    model.add_argument("--seq", type=int, default=128, help="--hf: the example batch's length (default 128)")
+    if plan:
+        sub.add_argument("--plan", required=True, help='the plan: text such as "dp=2 tp=2" or a .json/.yaml file')
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _capture(args):
+    import fxpar.trace
+
+    if (args.model is None) == (args.hf is None):
+        raise UsageError("give the model with exactly one of --model FILE.py:FACTORY and --hf FAMILY "
+                         f"(e.g. {EXAMPLE})")
+    config = parse_config(args.config)
+    if args.model is not None:
+        model, inputs = build_from_factory(args.model, config)
+    else:
+        model, inputs = build_hugging_face(args.hf, config, batch=args.batch, seq=args.seq)
+    return fxpar.trace.capture(model, inputs)
+
+
+def _compile(captured, plan: str):
+    from fxpar.plan import Plan
+    from fxpar.program import compile
+
+    return compile(captured, Plan.parse(plan))
+
+
+def _program(args):
+    return _compile(_capture(args), args.plan)
+
+
+def _rank(args, program) -> int:
+    rank = 0 if args.rank is None else args.rank
+    if not 0 <= rank < program.world_size:
+        raise UsageError(f"--rank {rank}: the plan has ranks 0..{program.world_size - 1}")
+    return rank
+
+
+def run_explain(args) -> int:
+    from fxpar.explain import explain
+
+    program = _program(args)
+    print(explain(program, rank=_rank(args, program), hardware=_hardware(args.hardware)))
+    return 0
+
+
+def run_viz(args) -> int:
+    from fxpar.visualize import visualize
+
+    program = _program(args)
+    rank = None if args.rank is None else _rank(args, program)
+    try:
+        path = visualize(program, args.output, rank=rank, detail=args.detail, expand=args.expand)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote {path}")
+    return 0
+
+
+def run_report(args) -> int:
+    from fxpar.report import write_report
+
+    captured = _capture(args)
+    program = _compile(captured, args.plan)
+    compare = _compile(captured, args.compare) if args.compare else None
+    try:
+        path = write_report(program, args.output, rank=_rank(args, program), hardware=_hardware(args.hardware),
+                            compare=compare)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote {path}")
+    return 0
+
+
+def run_check(args) -> int:
+    program = _program(args)
+    try:
+        program.check()
+    except PlanError as error:
+        print(f"fxpar check: FAILED: {error}", file=sys.stderr)
+        return 1
+    pipeline = ", every send has its receive and the schedule cannot deadlock" if program.stages else ""
+    print(f"check passed: plan '{program.plan}', {program.world_size} ranks: on every process group all "
+          f"ranks issue the same collectives{pipeline}")
+    return 0
+
+
+def run_estimate(args) -> int:
+    print(_program(args).estimate(_hardware(args.hardware), optimizer=args.optimizer).table())
+    return 0
+
+
+def run_diff(args) -> int:
+    from fxpar.plan_diff import diff
+
+    captured = _capture(args)
+    before, after = (_compile(captured, plan) for plan in args.plans)
+    rank = 0 if args.rank is None else args.rank
+    try:
+        print(diff(before, after, rank=rank, hardware=_hardware(args.hardware)))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return 0
+
+
+def _hardware(name: str) -> str:
+    from fxpar.cost.profiles import KNOWN
+
+    if name not in KNOWN:
+        raise UsageError(f"--hardware {name!r}: known profiles are {', '.join(KNOWN)}")
+    return name
+
+
+RUN = {"explain": run_explain, "viz": run_viz, "report": run_report, "check": run_check,
+       "estimate": run_estimate, "diff": run_diff}
