@@ -13,8 +13,8 @@ second virtual stage darker, the microbatch written in its bar.
 
 Memory bars stack the parameters, gradients, optimizer state, activations and workspace of
 each rank (`fxpar.rank_memory`), with the predicted peak marked; a measured rank gets a second,
-hatched bar beside its prediction (the keys of its mapping that name the same terms, and
-`peak`/`total` for the mark).
+hatched bar beside its prediction (the keys of its mapping that name the same terms, and a
+`peak` to mark, else the bar is labelled with what it holds).
 
 matplotlib is the optional `viz` extra (`pip install 'fxpar[viz]'`); figures are built on
 `matplotlib.figure.Figure`, so no pyplot state or display is involved. The format follows the
@@ -24,6 +24,7 @@ suffix: .svg or .png (.pdf works too).
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -121,10 +122,11 @@ def memory_figure(
     """Stacked bars of each rank's memory terms, predicted and (hatched) measured."""
     measured = measured or {}
     ranks = sorted(predicted)
-    figure = _figure(max(4.0, 1.3 * len(ranks) + 2.5), 4.2)
+    figure = _figure(max(6.0, 1.3 * len(ranks) + 3.5), 4.2)
     ax = figure.subplots()
     width = 0.38 if measured else 0.6
-    peak = max([predicted[r].get("total", 0) for r in ranks] + [_peak(m) for m in measured.values()])
+    peak = max(max(_peak(t) or 0.0, sum(float(t.get(k, 0.0)) for k in TERMS))
+               for t in [*predicted.values(), *measured.values()])
     for i, rank in enumerate(ranks):
         bars = [(i - width / 2 if measured else i, predicted[rank], "", "predicted")]
         if rank in measured:
@@ -137,9 +139,11 @@ def memory_figure(
                        edgecolor="white", linewidth=0.5)
                 bottom += value
             top = _peak(terms)
-            if top:
+            if top is not None:
                 ax.plot([x - width / 2, x + width / 2], [top / 1e6] * 2, color="black", linewidth=1.5)
-                ax.text(x, top / 1e6 + 0.01 * peak / 1e6, format_bytes(top), ha="center", va="bottom", fontsize=7)
+            label = format_bytes(top) if top is not None else f"{format_bytes(bottom)} held"
+            ax.text(x, max(top or 0.0, bottom) / 1e6 + 0.01 * peak / 1e6, label, ha="center", va="bottom",
+                    fontsize=7)
     ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylabel("MB per rank")
     ax.set_ylim(0, 1.12 * peak / 1e6 if peak else 1)
@@ -148,12 +152,15 @@ def memory_figure(
     if measured:
         handles.append(_patch("white", "measured (hatched)", hatch="//", edgecolor="black"))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title(title or "memory per rank (predicted)", fontsize=10)
+    figure.suptitle(textwrap.fill(title or "memory per rank (predicted)", int(11 * figure.get_figwidth())),
+                    fontsize=10)
     return figure
 
 
-def _peak(terms: Mapping[str, float]) -> float:
-    return float(terms.get("total", terms.get("peak", sum(terms.get(t, 0.0) for t in TERMS))))
+def _peak(terms: Mapping[str, float]) -> float | None:
+    """The peak a bar is marked at: its `total` (a prediction) or `peak` (a measurement)."""
+    value = terms.get("total", terms.get("peak"))
+    return None if value is None else float(value)
 
 
 def save_figure(figure, path: str | Path) -> Path:

@@ -135,6 +135,8 @@ def _box_attributes(box: Box) -> dict[str, str]:
             attributes["style"] = "filled,dashed"
         if box.kind == "step":
             attributes["style"] = "filled,bold"
+        if attributes["shape"] == "cds":
+            attributes["margin"] = "0.25,0.12"  # cds draws its label to its edges otherwise
     elif box.kind == "module":
         attributes.update(shape="box", style="filled,rounded", fillcolor="white")
     elif box.kind == "node":
