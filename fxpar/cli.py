@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from fxpar.errors import CaptureError, PlanError
 from fxpar.model_loading import ModelSpecError, build_from_factory, build_hugging_face, parse_config
 
+T = TypeVar("T")
 EXAMPLE = "--model examples/gpt.py:factory"
 COMMANDS = {
     "explain": ("stages, buckets, collectives per step and the estimate of one rank",
@@ -159,10 +161,8 @@ def run_viz(args) -> int:
 
     program = _program(args)
     rank = None if args.rank is None else _rank(args, program)
-    try:
-        path = visualize(program, args.output, rank=rank, detail=args.detail, expand=args.expand)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    path = _options_checked(lambda: visualize(program, args.output, rank=rank, detail=args.detail,
+                                              expand=args.expand))
     print(f"wrote {path}")
     return 0
 
@@ -173,11 +173,8 @@ def run_report(args) -> int:
     captured = _capture(args)
     program = _compile(captured, args.plan)
     compare = _compile(captured, args.compare) if args.compare else None
-    try:
-        path = write_report(program, args.output, rank=_rank(args, program), hardware=_hardware(args.hardware),
-                            compare=compare)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    rank, hardware = _rank(args, program), _hardware(args.hardware)
+    path = _options_checked(lambda: write_report(program, args.output, rank=rank, hardware=hardware, compare=compare))
     print(f"wrote {path}")
     return 0
 
@@ -205,12 +202,18 @@ def run_diff(args) -> int:
 
     captured = _capture(args)
     before, after = (_compile(captured, plan) for plan in args.plans)
-    rank = 0 if args.rank is None else args.rank
+    rank, hardware = 0 if args.rank is None else args.rank, _hardware(args.hardware)
+    print(_options_checked(lambda: diff(before, after, rank=rank, hardware=hardware)))
+    return 0
+
+
+def _options_checked(call: Callable[[], T]) -> T:
+    """`call()`, where a ValueError can only be about the options it was given (a suffix, a
+    module to expand, a rank, two models): a usage error."""
     try:
-        print(diff(before, after, rank=rank, hardware=_hardware(args.hardware)))
+        return call()
     except ValueError as error:
         raise UsageError(str(error)) from None
-    return 0
 
 
 def _hardware(name: str) -> str:

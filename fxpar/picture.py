@@ -24,7 +24,8 @@ their kind, axis and payload (formula in `batch` and `seq`, then bytes at the ex
 
 `rank=None` draws the global view: every stage, and the step collectives of one rank per
 pipeline coordinate (dp and tp peers issue the same ones). `rank=r` draws what rank r runs:
-its stages, its groups' ranks, its peers.
+its stages, its groups' ranks, its peers. `Box` and the labels of the communicating boxes
+are in `fxpar.picture_boxes`.
 """
 
 from __future__ import annotations
@@ -32,64 +33,27 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import torch.fx as fx
 
 from fxpar import meta
 from fxpar.collectives import Collective, data_parallel_collectives
 from fxpar.compiled_program import CompiledProgram
-from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
 from fxpar.mesh import Axis
-from fxpar.payloads import (
-    axis_name,
-    example_numel,
-    payload_formula,
-    payload_text,
-    placement_text,
-    shape_text,
-)
+from fxpar.payloads import axis_name, payload_text, placement_text, shape_text
+from fxpar.picture_boxes import Box, BoxKind, Call, collective_box, transfer_box
 from fxpar.picture_transfers import crossings
 from fxpar.picture_units import Detail, Unit, assign_units, check_expand
 from fxpar.placement import local_numel
 
-BoxKind = Literal["input", "module", "node", "parameter", "collective", "transfer", "step", "output"]
 _BUCKET = re.compile(r"bucket (\d+)")
 _TIED = re.compile(r"tied (.+) gradient")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Box:
-    """One drawn node. `id` is generated ("b12"), never user text, so it is safe in DOT."""
-
-    id: str
-    kind: BoxKind
-    title: str
-    lines: tuple[str, ...] = ()
-    stage: int | None = None  # the stage cluster it is drawn in
-    expanded: str | None = None  # the expanded module whose cluster it is drawn in
-    axis: str = ""  # collectives and transfers: the mesh axis they communicate on
-    primitive: str = ""  # all_reduce, all_gather, reduce_scatter, send, ...: the box's shape
-    backward_only: bool = False  # communicates only in backward (Megatron's f): dashed border
-    calls: tuple[Call, ...] = ()  # collectives and transfers: the calls it stands for
-
-    @property
-    def tags(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(c.tag for c in self.calls))
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call a box stands for, as `program.collectives(r)` lists it: its tag and kind, and
-    its payload at the example's sizes (per microbatch for graph ops and transfers)."""
-
-    tag: str
-    kind: str
-    payload_bytes: int
-
-
 @dataclass(frozen=True)
 class Arrow:
+    """An edge between two boxes (their ids), labelled with the value's placements."""
+
     source: str
     target: str
     label: str = ""
@@ -98,12 +62,15 @@ class Arrow:
 
 @dataclass(frozen=True, kw_only=True)
 class Picture:
+    """Everything `fxpar.visualize` draws: boxes in drawing order, arrows, stage clusters."""
+
     title: str
     boxes: tuple[Box, ...]
     arrows: tuple[Arrow, ...]
     stages: dict[int, str] = field(default_factory=dict)  # stage -> its cluster's label
 
     def find(self, kind: BoxKind) -> list[Box]:
+        """The boxes of one kind, in drawing order."""
         return [b for b in self.boxes if b.kind == kind]
 
 
@@ -129,7 +96,6 @@ class _Builder:
         self.program, self.rank, self.detail, self.expand = program, rank, detail, expand
         self.mesh, self.captured = program.mesh, program.captured
         self.graph = program.graph_module.graph
-        self.pieces = program.plan.dp * program.plan.microbatches
         schedule = program.schedule
         if program.stages is None or rank is None:
             self.shown = None if program.stages is None else set(range(len(program.stages)))
@@ -153,7 +119,8 @@ class _Builder:
         if self.program.stages is not None:
             for crossing in crossings(self.program).values():
                 if crossing.source_stage in self.shown or crossing.stage in self.shown:
-                    self._add(crossing.key, self._transfer_box(crossing))
+                    self._add(crossing.key, transfer_box(self.program, crossing.boundary, crossing.stage,
+                                                         rank=self.rank))
         for node, unit in units.items():
             for source in node.all_input_nodes:
                 if source in every and every[source] != unit:
@@ -207,9 +174,9 @@ class _Builder:
             self._arrow(a, b, label)
 
     def _unit_box(self, unit: Unit, nodes: list[fx.Node]) -> Box:
-        common = dict(id="", stage=unit.stage, expanded=unit.expanded)
+        common = dict(stage=unit.stage, expanded=unit.expanded)
         if unit.kind == "collective":
-            return self._collective_box(nodes[0], common)
+            return collective_box(self.program, nodes[0], rank=self.rank, **common)
         if unit.kind in ("input", "parameter"):
             node = nodes[0]
             value = node.meta["val"]
@@ -232,56 +199,6 @@ class _Builder:
         if unit.name.startswith("top-level ops"):
             lines.append(", ".join(dict.fromkeys(_op_name(n) for n in nodes[:6])))
         return Box(kind="module", title=unit.name, lines=tuple(lines), **common)
-
-    def _collective_box(self, node: fx.Node, common: dict) -> Box:
-        op, axis = distributed_op(node), axis_of(node)
-        source = node.args[0]
-        dtype = source.meta["val"].dtype
-        lines, calls = [], []
-        if self.rank is not None:
-            lines.append(f"ranks {list(self.mesh.group(self.rank, Axis(axis)))}")
-        for phase in ("forward", "backward"):
-            primitive = op.primitive(phase)
-            if primitive not in COMMUNICATING or (phase == "backward" and not meta.requires_grad(source)):
-                continue
-            # Payload: an all-gather's output, any other collective's input; backward swaps them.
-            end = (node if primitive == "all_gather" else source) if phase == "forward" else (
-                source if primitive == "all_gather" else node)
-            formula = payload_formula(self.captured, end.meta["val"].shape, meta.placement(end),
-                                      tp=self.mesh.tp, pieces=self.pieces)
-            numel = example_numel(self.captured, formula)
-            calls.append(Call(op.tag(axis, phase), primitive, numel * dtype.itemsize))
-            lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]
-        lines += self._per_step(bool(calls))
-        title = f"{op.name} · {axis}"
-        return Box(kind="collective", title=title, lines=tuple(lines), axis=axis,
-                   primitive=calls[0].kind if calls else "slice",
-                   backward_only=op.primitive("forward") not in COMMUNICATING, calls=tuple(calls), **common)
-
-    def _per_step(self, communicates: bool) -> list[str]:
-        microbatches = self.program.plan.microbatches
-        return [f"x{microbatches} per step (per microbatch)"] if communicates and microbatches > 1 else []
-
-    def _transfer_box(self, crossing) -> Box:
-        boundary, stage = crossing.boundary, crossing.stage
-        formula = payload_formula(self.captured, boundary.shape, boundary.placement,
-                                  tp=self.mesh.tp, pieces=self.pieces)
-        numel = example_numel(self.captured, formula)
-        tags = [f"stage {stage} activations"] + ([f"stage {stage - 1} gradients"] if boundary.requires_grad else [])
-        if self.rank is None:
-            where = f"stage {stage - 1} -> stage {stage}"
-        else:
-            coord, schedule = self.mesh.coord(self.rank), self.program.schedule
-            a, b = (self.mesh.rank_of(dp=coord.dp, pp=schedule.rank_of(s), tp=coord.tp) for s in (stage - 1, stage))
-            where = f"rank {a} -> rank {b}"
-        text = payload_text(formula, numel=numel, dtype=boundary.dtype)
-        lines = [f"{where}: {shape_text(self.captured, boundary.shape)}", f"{tags[0]} (forward)"]
-        if len(tags) > 1:
-            lines.append(f"{tags[1]} (backward)")
-        lines += [f"send/recv {text}" + (" each way" if len(tags) > 1 else ""), *self._per_step(True)]
-        calls = tuple(Call(t, "send", numel * boundary.dtype.itemsize) for t in tags)
-        return Box(id="", kind="transfer", title="send / recv · pp", lines=tuple(lines),
-                   axis="pp", primitive="send", calls=calls)
 
     # -- collectives that no graph node runs -------------------------------------------------
 
@@ -328,7 +245,7 @@ class _Builder:
         if self.rank is not None:
             lines.insert(0, f"ranks {list(calls[0].group)}")
         box = self._add(("bucket", stage, bucket.index), Box(
-            id="", kind="step", title=f"gradient bucket {bucket.index} · {axis_name(self.mesh, rank, calls[0].group)}",
+            kind="step", title=f"gradient bucket {bucket.index} · {axis_name(self.mesh, rank, calls[0].group)}",
             lines=tuple(lines), stage=stage, axis="dp",
             primitive=calls[-1].kind if self.program.plan.zero else calls[0].kind,
             calls=tuple(Call(c.tag, c.kind, c.payload_bytes) for c in calls)))
@@ -345,7 +262,7 @@ class _Builder:
         if len(calls) > 1:
             lines.append(f"x{len(calls)} per step")
         box = self._add(("step", call.tag, call.kind), Box(
-            id="", kind="step", title=f"{call.tag} · {axis}", lines=tuple(lines), axis=axis,
+            kind="step", title=f"{call.tag} · {axis}", lines=tuple(lines), axis=axis,
             primitive=call.kind, calls=(Call(call.tag, call.kind, call.payload_bytes),)))
         tied = _TIED.fullmatch(call.tag)
         if tied:

@@ -219,7 +219,7 @@ def _collectives(program: CompiledProgram, rank: int) -> str:
 def _diff(program: CompiledProgram, compare: CompiledProgram, rank: int, hardware: str) -> str:
     change = diff(program, compare, rank=rank, hardware=hardware)
     rows = [(mark, f"{section}: {item}", before, after) for mark, section, item, before, after in change.table()]
-    return (f'<p class="note">+ only in the second plan, - only in this one, ~ changed (<code>fxpar.diff</code>).</p>\n'
+    return ('<p class="note">+ only in the second plan, - only in this one, ~ changed (<code>fxpar.diff</code>).</p>\n'
             + _table(("", "what", f"'{change.before}'", f"'{change.after}'"), rows))
 
 

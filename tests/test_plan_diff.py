@@ -4,27 +4,22 @@ own collectives and estimate."""
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import fxpar
 
+sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import factory  # noqa: E402
+from small_gpt import small_capture  # noqa: E402
 
-CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 
 
 @pytest.fixture(scope="module")
 def programs():
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 64, (8, 16))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        captured = fxpar.capture(GPT(CONFIG), (tokens, tokens))
+    captured = small_capture()
     return fxpar.compile(captured, "dp=4"), fxpar.compile(captured, "dp=2 tp=2 pp=2 mb=2")
 
 
@@ -54,7 +49,8 @@ def test_memory_per_pipeline_rank_and_time_come_from_the_estimates(programs):
 def test_text_and_table_say_the_same(programs):
     change = fxpar.diff(*programs)
     text = str(change)
-    assert text.startswith("plan diff: 'dp=4' -> 'dp=2 pp=2 tp=2 mb=2', 4 -> 8 ranks, 28,544 parameters")
+    parameters = programs[0].captured.parameter_count()
+    assert text.startswith(f"plan diff: 'dp=4' -> 'dp=2 pp=2 tp=2 mb=2', 4 -> 8 ranks, {parameters:,} parameters")
     assert "+ rank 0 per step: all_reduce tp tp all_reduce" in text
     table = change.table()
     assert len(table) == len(change.rows) and all(len(row) == 5 for row in table)
@@ -62,8 +58,8 @@ def test_text_and_table_say_the_same(programs):
 
 
 def test_plans_of_different_models_are_refused(programs):
-    other = fxpar.compile(GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=4, n_embd=32)),
-                          "dp=2", example_inputs=(torch.zeros(8, 16, dtype=torch.long),) * 2)
+    model, inputs = factory(n_layer=1, n_head=4, n_embd=32, vocab_size=64, seq=16, batch=8)
+    other = fxpar.compile(model, "dp=2", example_inputs=inputs)
     with pytest.raises(ValueError, match="two plans of one model.*fxpar.capture"):
         fxpar.diff(programs[0], other)
     with pytest.raises(ValueError, match="rank 4"):

@@ -11,12 +11,10 @@ import re
 import shutil
 import subprocess
 import sys
-import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-import torch
 
 import fxpar
 from fxpar.charts import memory_chart, memory_figure, schedule_chart, schedule_figure
@@ -24,20 +22,15 @@ from fxpar.rank_memory import TERMS, predicted_memory
 from fxpar.report import write_report
 from fxpar.simulation import simulate
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from small_gpt import small_capture  # noqa: E402
 
-CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
 @pytest.fixture(scope="module")
 def captured():
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 64, (8, 16))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fxpar.capture(GPT(CONFIG), (tokens, tokens))
+    return small_capture()
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,17 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-import torch
 
 import fxpar
 from fxpar import meta
 from fxpar.picture import build_picture
 from fxpar.visualize import dot_source
 
+sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from gpt import factory  # noqa: E402
+from small_gpt import small_capture  # noqa: E402
 
-CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 SVG = "{http://www.w3.org/2000/svg}"
 # Quotes, angle brackets, braces, a record separator, a backslash, an ampersand and a closing
 # tag: each means something to DOT or to SVG.
@@ -35,11 +35,7 @@ ODD = 'say "hi" <b>{x}|y\\n & </text>'
 
 @pytest.fixture(scope="module")
 def captured():
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 64, (8, 16))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fxpar.capture(GPT(CONFIG), (tokens, tokens))
+    return small_capture()
 
 
 @pytest.fixture(scope="module")
@@ -132,12 +128,10 @@ def test_png_and_pdf_by_suffix_and_errors_that_say_the_fix(pipelined, tmp_path):
 
 
 def test_a_48_layer_gpt_at_module_detail_stays_under_300_nodes_and_10_seconds(tmp_path):
-    config = GPTConfig(block_size=32, vocab_size=64, n_layer=48, n_head=4, n_embd=32)
-    with torch.device("meta"), warnings.catch_warnings():
+    model, inputs = factory(n_layer=48, n_head=4, n_embd=32, vocab_size=64, seq=16, batch=8, device="meta")
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = GPT(config)
-    tokens = torch.randint(0, 64, (8, 16))
-    program = fxpar.compile(model, "tp=2 pp=2 mb=2", example_inputs=(tokens, tokens))
+        program = fxpar.compile(model, "tp=2 pp=2 mb=2", example_inputs=inputs)
     start = time.perf_counter()
     svg = svg_of(program, tmp_path)
     seconds = time.perf_counter() - start
