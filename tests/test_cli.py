@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,22 @@ def test_explain_shows_stages_buckets_collectives_and_the_estimate(in_tmp, capsy
     for expected in ("stage rank  modules", "rank 1 .   1F0 1B0", "gradient buckets of rank 5 (dp 1, pp 0, tp 1)",
                      "stage 0 bucket 0:", "all_reduce tp tp all_reduce", "fxpar estimate: plan"):
         assert expected in out
+
+
+def test_explain_reads_one_rank_and_never_checks_all_of_them(in_tmp, capsys, monkeypatch):
+    """What keeps `fxpar explain` on the 175B shape at 1024 ranks near 30 s (README): it
+    never matches every rank's collectives, and asks for one rank's only."""
+    import fxpar.program
+
+    asked = []
+    collectives = fxpar.program.Program.collectives
+    monkeypatch.setattr(fxpar.program.Program, "check", lambda self: pytest.fail("explain ran check()"))
+    monkeypatch.setattr(fxpar.program.Program, "collectives",
+                        lambda self, rank, **kw: asked.append(rank) or collectives(self, rank, **kw))
+    status, _, _ = run(capsys, "explain", *SMALL, "--plan", "dp=2 tp=2 pp=2 mb=2", "--rank", "3")
+    assert status == 0
+    # rank 3 for the listing, and the estimate's one rank per pipeline coordinate (0 and 2)
+    assert set(asked) <= {3, 0, 2}
 
 
 def test_viz_and_report_write_the_file_named_by_output(in_tmp, capsys):
@@ -113,6 +130,10 @@ def test_python_m_fxpar_help_examples_and_a_bad_flag(in_tmp):
                           timeout=120)
     assert done.returncode == 2 and "unrecognized arguments: --bogus" in done.stderr
     assert "Traceback" not in done.stderr
+    script = shutil.which("fxpar")  # the console script, where the package is installed
+    if script is not None:
+        done = subprocess.run([script, "check", "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and COMMANDS["check"][1] in done.stdout
 
 
 def readme_commands() -> list[str]:
