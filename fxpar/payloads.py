@@ -2,14 +2,14 @@
 
 The pictures (`fxpar.picture`), the report and the plan diff label collectives the same way:
 
-    payload_formula(captured, shape, placement, tp=2, pieces=4)    8*batch*seq
-    payload_text(formula, numel=1024, dtype=torch.float32)         "8*batch*seq x f32 = 4.1 kB"
+    payload_formula(captured, shape, placements, sizes=mesh.sizes, microbatches=2)   8*batch*seq
+    payload_text(formula, numel=1024, dtype=torch.float32)        "8*batch*seq x f32 = 4.1 kB"
 
-`shape` is a value's global shape (export's symbols or ints); a rank's piece of it divides the
-batch over `pieces = dp x microbatches` (each rank runs one microbatch of its replica's share at
-a time) and a `Shard` dim over the tp group, exactly as `placement.local_shape` does for the
-numbers: so at the example's sizes the formula is the `numel` `program.collectives(r)` reports.
-Formulas are in the readable symbols `batch` (the global batch) and `seq` (`fxpar.symbols`).
+`shape` is a value's global shape (export's symbols or ints) and `placements` its placement
+on each mesh axis (`fxpar.meta.placements`); a rank's piece of it at one microbatch is what
+`placement.local_shape` gives (the batch split over dp, a tp shard's dim over tp), so at the
+example's sizes the formula is the `numel` `program.collectives(r)` reports. Formulas are in
+the readable symbols `batch` (the global batch) and `seq` (`fxpar.symbols`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxpar import meta
 from fxpar.mesh import Axis, Mesh
-from fxpar.placement import Placement, Shard
+from fxpar.placement import Placements, Sizes, local_numel
 from fxpar.symbols import BATCH
 from fxpar.trace import CapturedGraph
 
@@ -32,13 +32,13 @@ _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
 def payload_formula(
-    captured: CapturedGraph, shape: Sequence[object], placement: Placement, *, tp: int, pieces: int
+    captured: CapturedGraph, shape: Sequence[object], placements: Placements, *, sizes: Sizes, microbatches: int
 ) -> sympy.Expr:
-    """Elements of one rank's piece of a value of global `shape`, in `batch` and `seq`."""
-    dims = [captured.readable(d).subs(BATCH, BATCH / pieces) for d in shape]
-    if isinstance(placement, Shard) and tp > 1:
-        dims[placement.dim] = dims[placement.dim] / tp
-    return sympy.expand(sympy.Mul(*dims))
+    """Elements of one rank's piece of a value of global `shape`, in `batch` and `seq`, at
+    one of the step's `microbatches` (`placement.local_numel` divides each sharded dim, the
+    batch over dp among them)."""
+    dims = [captured.readable(d).subs(BATCH, BATCH / microbatches) for d in shape]
+    return sympy.expand(sympy.sympify(local_numel(dims, placements, sizes)))
 
 
 def example_numel(captured: CapturedGraph, formula: sympy.Expr) -> int:
@@ -76,34 +76,13 @@ def axis_name(mesh: Mesh, rank: int, group: Sequence[int]) -> str:
     return "+".join(varying) or "-"
 
 
-def placement_text(captured: CapturedGraph, node: fx.Node, mesh: Mesh) -> str:
-    """Where a value lies on each mesh axis of size > 1, e.g. "tp S(2) · dp S(0)".
-
-    tp: the node's `fxpar.placement`. dp: each replica holds its share of the batch, so a value
-    with a batch dim is `S(that dim)` on dp; the rest (parameters, counts) is replicated there
-    and not shown. The pipeline axis is the stage, drawn as a cluster.
-    """
-    parts = []
-    if mesh.tp > 1:
-        placement = meta.placement(node)
-        shown = "/".join(map(str, placement)) if isinstance(placement, (list, tuple)) else str(placement)
-        parts.append(f"tp {shown}")
-    if mesh.dp > 1:
-        dim = batch_dim(captured, node)
-        if dim is not None:
-            parts.append(f"dp S({dim})")
-    return " · ".join(parts)
-
-
-def batch_dim(captured: CapturedGraph, node: fx.Node) -> int | None:
-    """The first dim of a tensor value whose size depends on the batch, else None."""
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return None
-    for dim, size in enumerate(value.shape):
-        if captured.readable(size).has(BATCH):
-            return dim
-    return None
+def placement_text(node: fx.Node, mesh: Mesh) -> str:
+    """Where a value lies on each data-splitting mesh axis of size > 1 (`fxpar.meta.placements`),
+    e.g. "tp S(2) · dp S(0)"; the pipeline axis is the stage, drawn as a cluster."""
+    value = meta.placements(node)
+    if not isinstance(value, Placements):  # a tuple-valued op: one per output
+        return ""
+    return " · ".join(f"{axis} {value[axis]}" for axis in ("tp", "dp") if mesh.sizes.get(axis, 1) > 1)
 
 
 def shape_text(captured: CapturedGraph, shape: Sequence[object]) -> str:

@@ -11,10 +11,11 @@ without rendering. What becomes a box:
     parameter    parameter (detail="node" only)                 note
     collective   torch.ops.fxpar op the passes inserted         by primitive, on its mesh axis
     transfer     tensor crossing a pipeline cut (send/recv)     cds
-    step         a collective of `program.collectives(r)` that  by primitive, hung on the box
-                 no graph node runs: gradient buckets (and       it follows (dashed arrow)
-                 ZeRO's gathers and reduce-scatters), the count
-                 of valid targets, tied-gradient sums, losses
+    step         what the step program's `Communicate`         by primitive, hung on the box
+                 actions issue, one box per purpose: a          it follows (dashed arrow)
+                 gradient bucket's calls (ZeRO's gathers and
+                 reduce-scatters too), the count of valid
+                 targets, a tied parameter's sum, the losses
     output       the loss                                       double octagon
 
 Arrows are data flow between boxes, labelled with the value's placement on each mesh axis
@@ -30,24 +31,20 @@ are in `fxpar.picture_boxes`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.collectives import Collective, data_parallel_collectives
+from fxpar.collectives import Collective
 from fxpar.compiled_program import CompiledProgram
-from fxpar.mesh import Axis
 from fxpar.payloads import axis_name, payload_text, placement_text, shape_text
 from fxpar.picture_boxes import Box, BoxKind, Call, collective_box, transfer_box
 from fxpar.picture_transfers import crossings
 from fxpar.picture_units import Detail, Unit, assign_units, check_expand
 from fxpar.placement import local_numel
-
-_BUCKET = re.compile(r"bucket (\d+)")
-_TIED = re.compile(r"tied (.+) gradient")
+from fxpar.step_program import Communicate, Purpose
 
 
 @dataclass(frozen=True)
@@ -169,7 +166,7 @@ class _Builder:
             # A cut whose sides are both on other ranks has no box: the arrow skips it.
             path += [self.boxes[(source, s)] for s in range(start + 1, end + 1) if (source, s) in self.boxes]
         path.append(self.boxes[unit])
-        label = placement_text(self.captured, source, self.mesh)
+        label = placement_text(source, self.mesh)
         for a, b in zip(path, path[1:]):
             self._arrow(a, b, label)
 
@@ -182,7 +179,7 @@ class _Builder:
             value = node.meta["val"]
             return Box(kind=unit.kind, title=unit.name, lines=(
                 f"{shape_text(self.captured, value.shape)} {value.dtype}".replace("torch.", ""),
-                placement_text(self.captured, node, self.mesh)), **common)
+                placement_text(node, self.mesh)), **common)
         if unit.kind == "output":
             return Box(kind="output", title="loss", lines=("the step's output",), **common)
         if unit.kind == "node":
@@ -192,9 +189,9 @@ class _Builder:
             return Box(kind="node", title=node.name, lines=(_op_name(node), shape), **common)
         read = {meta.parameter_name(p) or p.name: p for n in nodes for p in n.all_input_nodes
                 if p.op == "get_attr"}
-        tp = self.mesh.tp if self.rank is not None else 1
-        params = sum(local_numel(p.meta["val"].shape, meta.placement(p), tp) for p in read.values())
-        where = " on this rank" if self.rank is not None and self.mesh.tp > 1 else ""
+        sizes = self.mesh.sizes if self.rank is not None else {}  # a rank's pieces, or whole
+        params = sum(local_numel(p.meta["val"].shape, meta.placements(p), sizes) for p in read.values())
+        where = " on this rank" if self.rank is not None and self.mesh.world_size > 1 else ""
         lines = [f"{len(nodes)} aten ops, {params:,} parameters{where}"]
         if unit.name.startswith("top-level ops"):
             lines.append(", ".join(dict.fromkeys(_op_name(n) for n in nodes[:6])))
@@ -203,77 +200,77 @@ class _Builder:
     # -- collectives that no graph node runs -------------------------------------------------
 
     def _add_step_collectives(self, units: dict[fx.Node, Unit]) -> None:
-        claimed = {t for b in self.boxes.values() for t in b.tags}
-        seen: set[tuple] = set()
+        """A box per purpose of the step program's `Communicate` actions (a bucket's calls, a
+        tied parameter's sum, the count, the losses), from one rank per shown pipeline rank:
+        the graph's own calls (`Compute`) and the transfers (`Exchange`) have their boxes."""
+        found: dict[tuple, tuple[int, Communicate, list[Collective]]] = {}
         for rank in self._ranks():
-            calls = [c for c in self.program.collectives(rank) if c.tag not in claimed]
-            for stage, buckets, carry_loss in self._bucket_sets(rank):
-                group = self.mesh.group(rank, Axis.DP)
-                expected = data_parallel_collectives(buckets, group, zero=self.program.plan.zero, carry_loss=carry_loss)
-                for bucket in buckets:
-                    mine = [c for c in expected if _bucket_of(c) == bucket.index]
-                    for call in mine:
-                        if call in calls:
-                            calls.remove(call)
-                    if mine and (stage, bucket.index) not in seen:
-                        seen.add((stage, bucket.index))
-                        self._bucket_box(rank, stage, bucket, mine, units)
-            for call in calls:
-                key = (call.tag, call.kind)
-                if key not in seen:
-                    seen.add(key)
-                    self._step_box(rank, call, [c for c in calls if (c.tag, c.kind) == key], units)
+            resolved = iter(self.program.collectives(rank))  # the step program's calls, in order
+            for action in self.program.step_program(rank).actions:
+                calls = [next(resolved) for _ in action.calls]
+                if not isinstance(action, Communicate):
+                    continue
+                key = self._step_key(action)
+                first = found.setdefault(key, (rank, action, []))
+                if first[0] == rank:  # the same purpose on another pipeline rank is drawn once
+                    first[2].extend(calls)
+        for key, (rank, action, calls) in found.items():
+            if key[0] == "bucket":
+                self._bucket_box(rank, key[1], key[2], calls, units)
+            else:
+                self._step_box(rank, action, calls, units)
+
+    def _step_key(self, action: Communicate) -> tuple:
+        stage = action.stage if self.program.stages is not None else None
+        if action.purpose in (Purpose.GRADIENT_BUCKET, Purpose.PARAMETER_GATHER, Purpose.UPDATED_PARAMETERS):
+            return ("bucket", stage, action.index)
+        if action.purpose is Purpose.TIED_GRADIENT:
+            return ("tied", action.name)
+        return ("step", action.purpose, stage if action.purpose is Purpose.PARTIAL_GRADIENTS else None)
 
     def _ranks(self) -> list[int]:
         if self.rank is not None:
             return [self.rank]
         return [self.mesh.rank_of(pp=i) for i in range(self.mesh.pp)]
 
-    def _bucket_sets(self, rank: int) -> list[tuple[int | None, tuple, bool]]:
-        """(stage, its buckets, whether the loss rides in the last bucket) per local stage."""
-        if self.program.stages is None:
-            return [(None, self.program.buckets, True)]
-        pp = self.mesh.coord(rank).pp
-        return [(s.index, s.buckets, False) for s in self.program.stages
-                if self.program.schedule.rank_of(s.index) == pp]
-
-    def _bucket_box(self, rank: int, stage: int | None, bucket, calls: list[Collective], units) -> None:
-        names = bucket.parameters
+    def _bucket_box(self, rank: int, stage: int | None, index: int, calls: list[Collective], units) -> None:
+        buckets = self.program.buckets if stage is None else self.program.stages[stage].buckets
+        names = buckets[index].parameters
         lines = [f"{len(names)} parameters: {names[0]}" + (f" .. {names[-1]}" if len(names) > 1 else "")]
         for c in calls:
             lines += [f"{c.tag} ({c.phase})", f"{c.kind} {payload_text(c.numel, numel=c.numel, dtype=c.dtype)}"]
         if self.rank is not None:
             lines.insert(0, f"ranks {list(calls[0].group)}")
-        box = self._add(("bucket", stage, bucket.index), Box(
-            kind="step", title=f"gradient bucket {bucket.index} · {axis_name(self.mesh, rank, calls[0].group)}",
-            lines=tuple(lines), stage=stage, axis="dp",
-            primitive=calls[-1].kind if self.program.plan.zero else calls[0].kind,
+        reduction = next((c.kind for c in calls if c.kind != "all_gather"), calls[0].kind)
+        box = self._add(("bucket", stage, index), Box(
+            kind="step", title=f"gradient bucket {index} · {axis_name(self.mesh, rank, calls[0].group)}",
+            lines=tuple(lines), stage=stage, axis="dp", primitive=reduction,
             calls=tuple(Call(c.tag, c.kind, c.payload_bytes) for c in calls)))
         # Hung on the module reading the bucket's last parameter in gradient-ready order:
         # backward completes the bucket there, and its collective launches.
         for anchor in self._readers(names[-1], units, stage)[:1]:
             self._arrow(anchor, box, attached=True)
 
-    def _step_box(self, rank: int, call: Collective, calls: list[Collective], units) -> None:
+    def _step_box(self, rank: int, action: Communicate, calls: list[Collective], units) -> None:
+        call = calls[0]
         axis = axis_name(self.mesh, rank, call.group)
         lines = [f"{call.kind} ({call.phase})", payload_text(call.numel, numel=call.numel, dtype=call.dtype)]
         if self.rank is not None:
             lines.insert(0, f"ranks {list(call.group)}")
         if len(calls) > 1:
             lines.append(f"x{len(calls)} per step")
-        box = self._add(("step", call.tag, call.kind), Box(
+        box = self._add(self._step_key(action), Box(
             kind="step", title=f"{call.tag} · {axis}", lines=tuple(lines), axis=axis,
-            primitive=call.kind, calls=(Call(call.tag, call.kind, call.payload_bytes),)))
-        tied = _TIED.fullmatch(call.tag)
-        if tied:
-            anchors = self._readers(tied[1], units, None)
-        elif call.tag == "valid targets":
-            anchors = [b for u, b in self.boxes.items() if isinstance(u, Unit) and u.kind == "input"
-                       and u.name == self.program.input_names[-1]]
+            primitive=call.kind, calls=tuple(Call(c.tag, c.kind, c.payload_bytes) for c in calls)))
+        boxes = {u: b for u, b in self.boxes.items() if isinstance(u, Unit)}
+        if action.purpose is Purpose.TIED_GRADIENT:
+            anchors = self._readers(action.name, units, None)
+        elif action.purpose is Purpose.VALID_TARGETS:  # the count becomes this input
+            anchors = [b for u, b in boxes.items() if u.kind == "input" and u.name == self.program.input_names[-1]]
         else:
-            anchors = [b for u, b in self.boxes.items() if isinstance(u, Unit) and u.kind == "output"]
+            anchors = [b for u, b in boxes.items() if u.kind == "output"]
         if not anchors:  # the loss is on another rank: hang it on this rank's last box
-            anchors = [b for u, b in self.boxes.items() if isinstance(u, Unit) and u.kind == "module"][-1:]
+            anchors = [b for u, b in boxes.items() if u.kind == "module"][-1:]
         for anchor in anchors:
             self._arrow(anchor, box, attached=True)
 
@@ -302,11 +299,6 @@ class _Builder:
             return {}
         schedule = self.program.schedule
         return {s: f"stage {s} (pipeline rank {schedule.rank_of(s)})" for s in sorted(self.shown)}
-
-
-def _bucket_of(call: Collective) -> int | None:
-    found = _BUCKET.search(call.tag)
-    return int(found[1]) if found else None
 
 
 def _op_name(node: fx.Node) -> str:

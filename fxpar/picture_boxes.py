@@ -74,8 +74,8 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
             continue
         end = (node if primitive == "all_gather" else source) if phase == "forward" else (
             source if primitive == "all_gather" else node)
-        formula = payload_formula(captured, end.meta["val"].shape, meta.placement(end), tp=mesh.tp,
-                                  pieces=_pieces(program))
+        formula = payload_formula(captured, end.meta["val"].shape, meta.placements(end), sizes=mesh.sizes,
+                                  microbatches=program.plan.microbatches)
         numel = example_numel(captured, formula)
         calls.append(Call(op.tag(axis, phase), primitive, numel * dtype.itemsize))
         lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]
@@ -88,7 +88,8 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
 def transfer_box(program: CompiledProgram, boundary, stage: int, *, rank: int | None) -> Box:
     """The send/recv box of `boundary` (`passes.pipeline.Boundary`) received by `stage`."""
     mesh, captured = program.mesh, program.captured
-    formula = payload_formula(captured, boundary.shape, boundary.placement, tp=mesh.tp, pieces=_pieces(program))
+    formula = payload_formula(captured, boundary.shape, boundary.placement, sizes=mesh.sizes,
+                              microbatches=program.plan.microbatches)
     numel = example_numel(captured, formula)
     tags = [f"stage {stage} activations"] + ([f"stage {stage - 1} gradients"] if boundary.requires_grad else [])
     if rank is None:
@@ -111,8 +112,3 @@ def per_step(program: CompiledProgram, communicates: bool) -> list[str]:
     """"x4 per step" when a microbatch's call repeats for each of the step's microbatches."""
     microbatches = program.plan.microbatches
     return [f"x{microbatches} per step (per microbatch)"] if communicates and microbatches > 1 else []
-
-
-def _pieces(program: CompiledProgram) -> int:
-    """Into how many microbatches a step's global batch is split: each rank runs one at a time."""
-    return program.plan.dp * program.plan.microbatches
