@@ -12,6 +12,7 @@ draws:
     gantt_zb_h1.svg    machine) beside the last measured step, per pipeline rank
     memory.svg         memory per pipeline rank, predicted, beside what rank 0 and rank 2 hold
                        in parameters, gradients and optimizer state after the last step
+                       (`runner.memory_stats()`; activations are not measured on the CPU)
 
 `--no-run` skips torchrun and draws the simulated charts alone. Timings depend on the machine
 that draws them; the pictures in the repository were drawn on a 2-core CPU machine.
@@ -42,7 +43,7 @@ STEPS = 3
 
 
 def measure(name: str, out: Path) -> None:
-    """Inside torchrun: train plan `name` a few steps; rank 0 writes timelines and state bytes.
+    """Inside torchrun: train plan `name` a few steps; rank 0 writes timelines and memory.
 
     One torchrun per plan: a process group torn down by `runner.close()` is not set up again
     in the same processes (gloo's second rendezvous on one port fails).
@@ -57,7 +58,7 @@ def measure(name: str, out: Path) -> None:
             runner.record_timeline = step == STEPS - 1
             runner.step(*runner.local_batch(tokens, labels))
             optimizer.step()
-            held = _state_bytes(optimizer)  # gradients are still there, before zero_grad
+            held = runner.memory_stats()  # gradients are still there, before zero_grad
             optimizer.zero_grad()
         timelines = [None] * runner.world_size
         memories = [None] * runner.world_size
@@ -69,17 +70,6 @@ def measure(name: str, out: Path) -> None:
         pipeline = [program.mesh.rank_of(pp=i) for i in range(program.mesh.pp)]
         out.write_text(json.dumps({"timelines": [timelines[r] for r in pipeline],
                                    "memory": {r: memories[r] for r in pipeline}}))
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-    return {
-        "params": nbytes(params),
-        "grads": nbytes(p.grad for p in params if p.grad is not None),
-        "optimizer": nbytes(v for state in optimizer.state.values() for v in state.values()
-                            if isinstance(v, torch.Tensor)),
-    }
 
 
 def run_measurements() -> dict:

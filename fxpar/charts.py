@@ -3,7 +3,7 @@
     sim = program.estimate("h100").pipeline                  # the simulated step, in seconds
     schedule_chart("1f1b.svg", sim)                          # one panel
     schedule_chart("1f1b.png", sim, measured=timelines)      # simulated | measured, side by side
-    memory_chart("memory.svg", predicted_memory(program), measured={0: runner_stats, ...})
+    memory_chart("memory.svg", predicted_memory(program), measured={0: runner.memory_stats(), ...})
 
 `measured` timelines are each pipeline rank's `runner.timeline()` (rows of (action text,
 start, end) in `time.perf_counter` seconds), gathered in rank order, e.g. with
@@ -13,8 +13,9 @@ second virtual stage darker, the microbatch written in its bar.
 
 Memory bars stack the parameters, gradients, optimizer state, activations and workspace of
 each rank (`fxpar.rank_memory`), with the predicted peak marked; a measured rank gets a second,
-hatched bar beside its prediction (the keys of its mapping that name the same terms, and a
-`peak` to mark, else the bar is labelled with what it holds).
+hatched bar beside its prediction: the terms its mapping names (`runner.memory_stats()` gives
+params, grads and optimizer) and a mark at its `peak` when there is one (the allocator's, on
+CUDA), else a label of what the bar holds.
 
 matplotlib is the optional `viz` extra (`pip install 'fxpar[viz]'`); figures are built on
 `matplotlib.figure.Figure`, so no pyplot state or display is involved. The format follows the

@@ -61,8 +61,8 @@ def write_report(
 
     `rank` picks whose collectives are listed; `hardware` the profile of the estimate;
     `compare` another program of the same model to diff against; `timeline` each pipeline
-    rank's measured `runner.timeline()` and `memory` measured bytes per rank (keys as in
-    `fxpar.rank_memory.TERMS`, plus `peak`) to draw beside the predictions.
+    rank's measured `runner.timeline()` and `memory` each rank's `runner.memory_stats()` (or
+    any of the terms of `fxpar.rank_memory.TERMS`, and `peak`) to draw beside the predictions.
     """
     program.mesh.coord(rank)  # raises ValueError naming the mesh's ranks
     path = Path(path)

@@ -110,11 +110,14 @@ def test_schedule_chart_puts_simulated_and_measured_side_by_side(program, tmp_pa
 
 def test_memory_bars_stack_each_term_and_measured_beside(program, tmp_path):
     predicted = predicted_memory(program)
-    measured = {0: {**{t: 1.1 * predicted[0][t] for t in TERMS}, "peak": 1.2 * predicted[0]["total"]}}
+    measured = {0: {**{t: 1.1 * predicted[0][t] for t in TERMS}, "peak": 1.2 * predicted[0]["total"]},
+                2: {"params": 1000, "grads": 1000, "optimizer": 2000, "peak": None}}  # memory_stats() on a CPU
     figure = memory_figure(predicted, measured=measured)
     bars = [p for p in figure.axes[0].patches if p.get_height() > 0]
-    stacked = sum(1 for r in predicted for t in TERMS if predicted[r][t]) + sum(1 for t in TERMS if measured[0][t])
+    stacked = sum(1 for terms in [*predicted.values(), *measured.values()] for t in TERMS if terms.get(t))
     assert len(bars) == stacked
+    labels = [t.get_text() for t in figure.axes[0].texts]
+    assert "4.0 kB held" in labels and len(labels) == 4  # a label per bar
     assert memory_chart(tmp_path / "m.png", predicted).read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match=".svg, .png or .pdf"):
         memory_chart(tmp_path / "m.jpg", predicted)
