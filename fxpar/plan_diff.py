@@ -138,7 +138,9 @@ def collectives_by_purpose(program: CompiledProgram, rank: int) -> dict[str, tup
     the purpose is the tag with its numbers written `#` ("gradient bucket #")."""
     found: dict[str, tuple[float, float]] = {}
     for call in program.collectives(rank):
-        key = f"{call.kind} {axis_name(program.mesh, rank, call.group)} {re.sub(r'[0-9]+', '#', call.tag)}"
+        axis = axis_name(program.mesh, rank, call.group)
+        purpose = re.sub(r"[0-9]+", "#", call.tag.removeprefix(f"{axis} "))  # a graph op's tag names its axis
+        key = f"{call.kind} {axis} {purpose}"
         calls, moved = found.get(key, (0, 0))
         found[key] = (calls + 1, moved + call.payload_bytes)
     return found

@@ -27,7 +27,7 @@ def test_collectives_added_and_removed_per_step_with_their_bytes(programs):
     before, after = programs
     change = fxpar.diff(before, after)
     rows = {(r.section, r.item): r for r in change.rows}
-    tp = rows[("rank 0 per step", "all_reduce tp tp all_reduce")]
+    tp = rows[("rank 0 per step", "all_reduce tp all_reduce")]
     calls = [c for c in after.collectives(0) if c.tag == "tp all_reduce"]
     assert (tp.mark, tp.before, tp.after) == ("+", None, (len(calls), sum(c.payload_bytes for c in calls)))
     assert rows[("rank 0 per step", "all_reduce dp gradient bucket # + loss")].mark == "-"
@@ -51,7 +51,7 @@ def test_text_and_table_say_the_same(programs):
     text = str(change)
     parameters = programs[0].captured.parameter_count()
     assert text.startswith(f"plan diff: 'dp=4' -> 'dp=2 pp=2 tp=2 mb=2', 4 -> 8 ranks, {parameters:,} parameters")
-    assert "+ rank 0 per step: all_reduce tp tp all_reduce" in text
+    assert "+ rank 0 per step: all_reduce tp all_reduce" in text
     table = change.table()
     assert len(table) == len(change.rows) and all(len(row) == 5 for row in table)
     assert fxpar.diff(programs[0], programs[0]).table()[0][0] == " "  # a plan against itself
