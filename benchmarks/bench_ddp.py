@@ -38,6 +38,7 @@ import fxpar
 from harness import (
     GPT_SIZES, SEQ, comparison, write_json,
     Side, first_mismatch, format_table, mean_over_ranks, module_step, run_interleaved, runner_step,
+    side_by_side_arguments,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -53,17 +54,13 @@ LOSS_RELATIVE = 1e-5
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
-    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser = side_by_side_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket MiB")
     parser.add_argument("--models", nargs="+", default=["tiny", "small", "medium"],
                         choices=list(MODELS))
     parser.add_argument("--ddp-bucket-view", action="store_true",
                         help="DDP with gradient_as_bucket_view=True (its default is False)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args()
 
 

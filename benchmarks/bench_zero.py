@@ -37,7 +37,7 @@ import fxpar
 from bench_ddp import GLOBAL_BATCH, OPTIMIZER, global_batches
 from harness import (
     GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, mean_over_ranks, module_step,
-    run_interleaved, runner_step, write_json,
+    run_interleaved, runner_step, side_by_side_arguments, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -47,13 +47,9 @@ LOSS_RELATIVE = 1e-5
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
-    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser = side_by_side_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket MiB")
     parser.add_argument("--models", nargs="+", default=["small", "medium"], choices=list(GPT_SIZES))
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args()
 
 

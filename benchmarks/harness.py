@@ -26,6 +26,7 @@ the training thread when wall-clock medians drown in noise. Gloo's own threads a
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -65,6 +66,17 @@ def write_json(path: Path, args, results: list, **extra) -> None:
         **extra,
         "results": results,
     }, indent=2))
+
+
+def side_by_side_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every side-by-side script takes: --steps, --warmup, --block
+    (`run_interleaved`) and --json (`write_json`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
+    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    return parser
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ in one step, in issue order. Two uses:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -37,6 +37,7 @@ class Collective:
     op: Literal["sum", "max", "none"] = "sum"
     tag: str = ""  # what it is for, e.g. "gradient bucket 0"; not part of the match
     phase: Phase = "backward"  # not part of the match either
+    where: str = field(default="", compare=False)  # the module whose op issues it, if any
 
     @property
     def payload_bytes(self) -> int:
@@ -47,18 +48,26 @@ class Collective:
         return (self.kind, self.group, self.numel, self.dtype, self.op)
 
     def __str__(self) -> str:
+        where = f" in module {self.where!r}" if self.where else ""
         return (
             f"{self.kind}({self.numel} x {self.dtype}, op={self.op}) on ranks "
-            f"{list(self.group)} [{self.tag}]"
+            f"{list(self.group)} [{self.tag}]{where}"
         )
 
 
 def check_collectives(
-    world_size: int, collectives_of: Callable[[int], Iterable[Collective]]
+    ranks: int | Iterable[int], collectives_of: Callable[[int], Iterable[Collective]],
+    *, whole_groups_only: bool = False,
 ) -> None:
-    """Raise PlanError unless every group's members issue identical collective sequences."""
+    """Raise PlanError unless every group's members issue identical collective sequences.
+
+    `ranks`: the world size, or the ranks to compare; with `whole_groups_only`, a group is
+    compared only when all its members are among them (the others hold by construction:
+    `Program.check`'s representatives)."""
+    ranks = range(ranks) if isinstance(ranks, int) else list(ranks)
+    chosen = set(ranks)
     per_group: dict[tuple[int, ...], dict[int, list[Collective]]] = {}
-    for rank in range(world_size):
+    for rank in ranks:
         for call in collectives_of(rank):
             if call.kind in ("send", "recv"):
                 continue  # point to point: matched pair by pair (pipeline_program.check_pipeline)
@@ -66,6 +75,8 @@ def check_collectives(
                 raise PlanError(f"rank {rank} issues a collective on a group without it: {call}")
             per_group.setdefault(call.group, {}).setdefault(rank, []).append(call)
     for group, by_rank in per_group.items():
+        if whole_groups_only and not chosen.issuperset(group):
+            continue
         reference_rank = group[0]
         reference = by_rank.get(reference_rank, [])
         for rank in group[1:]:

@@ -77,7 +77,7 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh) -> tuple[tuple[Call, ...], tuple
             numel = ends[payload_out] if primitive == "all_gather" else ends[payload_in]
             reduce = "none" if primitive == "all_gather" else op.reduce
             calls.append(Call(kind=primitive, numel=numel, dtype=dtype, axis=axis, op=reduce,
-                              tag=op.tag(axis, phase), phase=phase))
+                              tag=op.tag(axis, phase), phase=phase, where=meta.module_path(node)))
     return tuple(forward), tuple(backward[::-1])
 
 

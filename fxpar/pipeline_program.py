@@ -95,27 +95,35 @@ def boundary_shape(boundary: Boundary, sizes: dict, mesh: Mesh) -> tuple[int, ..
     return local_shape([int(sympy.sympify(d).subs(sizes)) for d in boundary.shape], boundary.placement, mesh.sizes)
 
 
-def check_pipeline(world_size: int, schedule: Schedule, collectives_of) -> None:
-    """Every send has its receive, in the same order per rank pair; the schedule cannot deadlock."""
+def check_pipeline(ranks, schedule: Schedule, collectives_of) -> None:
+    """Every send has its receive, in the same order per rank pair; the schedule cannot
+    deadlock. `ranks`: the world size, or the ranks whose transfers to compare (pairs within
+    them)."""
     try:
         simulate(schedule, 1, 2)
     except DeadlockError as error:
         raise PlanError(f"the pipeline schedule deadlocks:\n{error}", field="schedule") from None
     sends: dict[tuple[int, int], list] = {}
     recvs: dict[tuple[int, int], list] = {}
-    for rank in range(world_size):
+    for rank in range(ranks) if isinstance(ranks, int) else ranks:
         for call in collectives_of(rank):
             if call.kind in ("send", "recv"):
                 (other,) = [r for r in call.group if r != rank] or [rank]
                 key = (rank, other) if call.kind == "send" else (other, rank)
-                (sends if call.kind == "send" else recvs).setdefault(key, []).append((call.numel, call.dtype, call.phase))
-    for pair in set(sends) | set(recvs):
-        if sends.get(pair, []) != recvs.get(pair, []):
+                (sends if call.kind == "send" else recvs).setdefault(key, []).append(call)
+    for pair in sorted(set(sends) | set(recvs)):
+        sent, received = sends.get(pair, []), recvs.get(pair, [])
+        shape = lambda call: (call.numel, call.dtype, call.phase)  # noqa: E731
+        if [shape(c) for c in sent] != [shape(c) for c in received]:
             a, b = pair
+            i = next((i for i, (x, y) in enumerate(zip(sent, received)) if shape(x) != shape(y)),
+                     min(len(sent), len(received)))
+            first = lambda calls: str(calls[i]) if i < len(calls) else "nothing"  # noqa: E731
             raise PlanError(
-                f"rank {a} sends {len(sends.get(pair, []))} tensors to rank {b}, which receives "
-                f"{len(recvs.get(pair, []))} (or with other shapes); the job would hang. This "
-                "is an fxpar bug for a plan it accepted: please report it",
+                f"rank {a} sends {len(sent)} tensors to rank {b}, which receives {len(received)}: "
+                f"transfer #{i} is {first(sent)} on rank {a}'s side and {first(received)} on "
+                f"rank {b}'s; the job would hang. This is an fxpar bug for a plan it accepted "
+                "(or an edited step program): please report it",
                 field="pp",
             )
 

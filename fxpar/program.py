@@ -69,6 +69,7 @@ def compile(
     example_inputs: ExampleInputs | None = None,
     *,
     hardware: str | None = None,
+    check: bool = True,
 ) -> Program:
     """Capture `model(*example_inputs) -> loss` and compile it for `plan`.
 
@@ -82,7 +83,9 @@ def compile(
     profile that sizes gradient buckets and prices the pipeline cut (default: "h100" when CUDA
     is available, else "cpu"); the plan's `bucket_mb` overrides the bucket size.
     Raises PlanError for a plan that does not fit the model or batch, CaptureError for a model
-    that cannot be captured.
+    that cannot be captured. With `check` (the default), the compiled program is proved before
+    it is returned (`Program.prove`: every group's calls match, every send has its receive, the
+    schedule cannot deadlock); `check=False` skips it, for tools that prove it themselves.
     """
     plan = Plan.parse(plan)
     if isinstance(model, CapturedGraph):
@@ -101,8 +104,11 @@ def compile(
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
     _warn_of_batch_statistics(plan, captured)
     stages = build_stages(graph_module, stage_passes=passes.stage) if passes.stage else None
-    return Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
-                   stages=stages, hardware=hardware, passes=passes)
+    program = Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
+                      stages=stages, hardware=hardware, passes=passes)
+    if check:
+        program.prove()
+    return program
 
 
 def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
@@ -361,11 +367,27 @@ class Program:
         (`plan.check_runnable`) is refused with bind's message; `estimate()` prices it all the
         same."""
         check_runnable(self.plan)
-        check_collectives(self.world_size, self.collectives)
+        self.prove()
+
+    def prove(self) -> None:
+        """`check()` without asking whether the runtime can run the plan: what `compile` runs.
+
+        Ranks of one pipeline row run the same actions (`lowering`): on a dp or tp group every
+        member runs one row, so those groups match by construction, and every (dp, tp)
+        coordinate's pipeline groups, tied groups and transfers are alike. The proof compares
+        one representative rank per row (dp = tp = 0) on the groups they fill, so it costs
+        the pipeline degree, not the world size; once a step program is edited
+        (`replace_step_program`), every rank is compared."""
+        if self._edited:
+            ranks, whole = range(self.world_size), False
+        else:
+            ranks, whole = [self.mesh.rank_of(pp=pp) for pp in range(self.mesh.pp)], True
+        check_collectives(ranks, self.collectives, whole_groups_only=whole)
         for gradients in (False, True):
-            check_collectives(self.world_size, lambda r: self.state_program(r, gradients=gradients).collectives({}))
+            state_calls = lambda r, g=gradients: self.state_program(r, gradients=g).collectives({})  # noqa: E731
+            check_collectives(ranks, state_calls, whole_groups_only=whole)
         if self.schedule is not None:
-            check_pipeline(self.world_size, self.schedule, self.collectives)
+            check_pipeline(ranks, self.schedule, self.collectives)
 
     def bind(
         self,

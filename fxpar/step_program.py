@@ -79,6 +79,7 @@ class Call:
     phase: Phase = "backward"
     peer_stage: int | None = None
     tied: str | None = None
+    where: str = ""  # the module whose op issues it (a graph call), for messages
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class StepProgram:
                 numels[call.numel] = evaluate(call.numel, sizes)
             result.append(Collective(
                 kind=call.kind, group=groups[where], numel=numels[call.numel], dtype=call.dtype,
-                op=call.op, tag=call.tag, phase=call.phase,
+                op=call.op, tag=call.tag, phase=call.phase, where=call.where,
             ))
         return tuple(result)
 

@@ -33,9 +33,19 @@ GraphPass = Callable[[fx.GraphModule], fx.GraphModule]
 def pass_name(graph_pass: GraphPass) -> str:
     """`assign_gradient_buckets(bucket_bytes=1048576)` for a partial, the name otherwise."""
     if isinstance(graph_pass, partial):
-        options = ", ".join(f"{k}={v!r}" for k, v in graph_pass.keywords.items())
+        options = ", ".join(f"{k}={_short(v)}" for k, v in graph_pass.keywords.items())
         return f"{pass_name(graph_pass.func)}({options})"
     return getattr(graph_pass, "__name__", repr(graph_pass))
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """An option's repr, cut to `limit` characters: a placement table of a 96-layer model
+    must not make every error note megabytes long."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(value)} entries)" if hasattr(value, "__len__") else ""
+    return f"{text[:limit - 3]}...{size}"
 
 
 def _function(graph_pass: GraphPass):

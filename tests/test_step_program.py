@@ -157,3 +157,36 @@ def test_an_optimizer_that_reads_whole_tensors_is_refused_under_zero():
     context = SimpleNamespace(buckets=[SimpleNamespace(zero=1)])
     with pytest.raises(PlanError, match="zero=1 .* LBFGS is not known to .* elementwise=True"):
         ShardedOptimizer(torch.optim.LBFGS, {}, context=context, flats=[])
+
+
+def test_a_broken_send_and_a_dropped_graph_call_are_named_with_ranks_and_modules():
+    """The proof names the two ranks, the position and both calls, a graph call with the
+    module that issues it."""
+    program = fxpar.compile(build_model(), "pp=2 tp=2 mb=2", (TOKENS, LABELS))
+    step = program.step_program(0)
+    send = next(i for i, c in enumerate(step.calls()) if c.kind == "send")
+    program.replace_step_program(0, drop_call(step, send))
+    with pytest.raises(PlanError, match=r"rank 0 sends 1 tensors to rank 2, which receives 2: transfer #1 "
+                                        r"is nothing on rank 0's side and recv\(2048 x torch.float32"):
+        program.check()
+    graph_call = next(i for i, c in enumerate(step.calls()) if c.where.startswith("h."))
+    program.replace_step_program(0, drop_call(step, graph_call))
+    with pytest.raises(PlanError, match=r"process group \[0, 1\] does not match: .* in module 'h\.0\."):
+        program.check()
+
+
+def test_the_proof_costs_the_pipeline_degree_not_the_world_size():
+    """Ranks of one pipeline row share their actions, so compile proves 65,536 ranks (dp=256
+    tp=16 pp=16) by comparing one representative per row; tier 4, on the meta device."""
+    import time
+
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=16, n_head=16, n_embd=64, vocab_size=256, block_size=8))
+    tokens = torch.randint(0, 256, (4096 * 16, 8))
+    captured = fxpar.capture(model, (tokens, tokens))
+    start = time.perf_counter()
+    program = fxpar.compile(captured, "dp=256 tp=16 pp=16 mb=16")  # proves as it compiles
+    program.check()
+    assert program.world_size == 65_536 and time.perf_counter() - start < 30
