@@ -22,6 +22,7 @@ not list it. It is collective: every rank must call it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -70,6 +71,51 @@ def gather_full_tensors(
         merged = {key: tensor.to("cpu", copy=True) for key, tensor in whole.items()}
     ordered = {k: merged[k] for k in key_order if k in merged}
     return ordered | {k: v for k, v in merged.items() if k not in ordered}
+
+
+def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather) -> dict[str, Any]:
+    """`{"state": {name: {"exp_avg": whole tensor, ...}}, "param_groups": [{...options,
+    "params": [names]}]}`: an optimizer's state as `torch.optim` keeps it on one device, keyed
+    by the trained parameters' names (every rank calls it).
+
+    Each per-element state tensor, shaped as its parameter (or, under ZeRO-1/2, as this
+    rank's shard of a flat bucket), travels as a gradient does: `gather(local, shards)` runs the
+    gradients' state program (`Program.state_program(r, gradients=True)`) once per state key.
+    A scalar (Adam's `step`) is this rank's, the same for every parameter stepped together;
+    a parameter without state yet gets zeros."""
+    from fxpar.runtime.sharded_optimizer import ShardedOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+    shard_of = {id(s): (b, i) for b, i, s in optimizer.shards} if inner is not optimizer else {}
+    states = list(inner.state.items())
+    keys = sorted({k for _, state in states for k, v in state.items() if v.dim() > 0})
+    scalars = {k: v.detach().cpu().clone() for _, state in states for k, v in state.items() if v.dim() == 0}
+    whole: dict[str, dict[str, torch.Tensor]] = {}
+    for key in keys:
+        if shard_of:
+            by_bucket = {(id(shard_of[id(t)][0]), shard_of[id(t)][1]): state[key] for t, state in states}
+
+            def shards(action, by_bucket=by_bucket):
+                owner = buckets[module_of_stage[action.stage]]
+                return owner.whole_gradients(action.index, tag=action.calls[0].tag,
+                                             shard=by_bucket[(id(owner), action.index)])
+
+            local = {m.meta.get(meta.GRAPH_STAGE, 0): (m, {}) for m in modules}
+        else:
+            shards, local = None, {}
+            for m in modules:
+                trained = {n for bucket in m.meta[meta.GRAPH_BUCKETS] for n in bucket.parameters}
+                parameters = {n: m.get_parameter(n) for n in meta.parameter_nodes(m.graph) if n in trained}
+                local[m.meta.get(meta.GRAPH_STAGE, 0)] = (m, {
+                    n: inner.state[p][key] if key in inner.state.get(p, {}) else torch.zeros_like(p)
+                    for n, p in parameters.items()
+                })
+        for name, tensor in gather(local, shards).items():
+            whole.setdefault(name, {})[key] = tensor
+    for state in whole.values():
+        state.update({k: v.clone() for k, v in scalars.items()})
+    group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+    return {"state": whole, "param_groups": [group | {"params": list(whole)}]}
 
 
 def _receive_stage(action, whole, merged, pp: RankGroup, communicator: Communicator) -> None:

@@ -173,11 +173,12 @@ class GradientBuckets:
         """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`)."""
         return self.states[index].reduced
 
-    def whole_gradients(self, index: int, *, tag: str) -> dict[str, torch.Tensor]:
-        """ZeRO: bucket `index`'s reduced gradient gathered whole over dp, by parameter name
-        (zeros before the first step); outside a step (not in the step's log)."""
+    def whole_gradients(self, index: int, *, tag: str, shard: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """ZeRO: bucket `index`'s reduced gradient (or another `shard` laid out as it, such as
+        an optimizer's state) gathered whole over dp, by parameter name (zeros before the first
+        step); outside a step (not in the step's log)."""
         state = self.states[index]
-        shard = state.reduced
+        shard = state.reduced if shard is None else shard
         if shard is None:
             shard = torch.zeros(state.size // self.group.size, dtype=state.bucket.dtype, device=state.device)
         flat = shard.new_empty(state.size)

@@ -39,7 +39,7 @@ from fxpar.compiled_program import CompiledProgram
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
-from fxpar.runtime.full_state import gather_full_tensors
+from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
@@ -357,6 +357,20 @@ class Runner:
                 for n, p in _parameters(module).items() if n in trained
             })
         return self._gather_full(local, gradients=True)
+
+    def full_optimizer_state_dict(self, optimizer) -> dict[str, Any]:
+        """The optimizer's state as `torch.optim` keeps it on one device, keyed by parameter
+        name, on the CPU, on every rank (`runtime.full_state.full_optimizer_state`)."""
+        self._require_open("full_optimizer_state_dict")
+        return full_optimizer_state(
+            optimizer, modules=self.modules, buckets=self._context.buckets,
+            module_of_stage=self._context.module_of_stage,
+            gather=lambda local, shards: gather_full_tensors(
+                self.program.state_program(self.rank, gradients=True), local, groups=self.groups,
+                communicator=self.communicator,
+                key_order=self.program.captured.graph_module.state_dict().keys(), gradient_shards=shards,
+            ),
+        )
 
     def _gradient_shards(self, action) -> dict[str, torch.Tensor]:
         """ZeRO: bucket `action.index` of stage `action.stage`'s reduced gradient, whole."""

@@ -96,6 +96,11 @@ class ShardedOptimizer:
         self._guard = StepGuard(context.step_program, "optimizer")
 
     @property
+    def shards(self) -> list[tuple[GradientBuckets, int, torch.Tensor]]:
+        """(buckets, bucket index, this rank's shard of its flat parameters) per bucket."""
+        return list(self._shards)
+
+    @property
     def param_groups(self):
         return self.optimizer.param_groups
 

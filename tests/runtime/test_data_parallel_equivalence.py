@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from tiny_training import STEPS, build_model, train_single_device  # noqa: E402
+from tiny_training import OPTIMIZER, STEPS, build_model, train_single_device  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 RELATIVE = 1e-5
@@ -51,6 +51,20 @@ def assert_equivalent(result: dict, reference: dict, *, tied: bool = True, model
     difference = torch.cat([(state[k] - ref_state[k]).flatten() for k in ref_state])
     norm = torch.cat([v.flatten() for v in ref_state.values()])
     assert difference.norm() <= RELATIVE * norm.norm()
+    assert_optimizer_state_equal(result["optimizer"], reference["optimizer"])
+
+
+def assert_optimizer_state_equal(found: dict, expected: dict) -> None:
+    """`runner.full_optimizer_state_dict` is one device's AdamW state under the parameters'
+    names: every moment, compared over all of them together (the reason is the parameters'),
+    and the step counts."""
+    assert set(found["state"]) == set(expected)
+    assert found["param_groups"][0]["lr"] == OPTIMIZER["lr"]
+    moments = [k for k in next(iter(expected.values())) if expected[next(iter(expected))][k].dim() > 0]
+    difference = torch.cat([(found["state"][n][k] - expected[n][k]).flatten() for n in expected for k in moments])
+    norm = torch.cat([expected[n][k].flatten() for n in expected for k in moments])
+    assert difference.norm() <= RELATIVE * norm.norm()
+    assert all(float(found["state"][n]["step"]) == float(expected[n]["step"]) for n in expected)
 
 
 def test_dp1_matches_single_device(torchrun, reference):

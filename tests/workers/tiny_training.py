@@ -63,4 +63,6 @@ def train_single_device(name: str = "gpt") -> dict:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "grads": first_grads, "state": model.state_dict()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
+    return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments}

@@ -54,6 +54,7 @@ for plan in plans:
         "resized": (resized_loss, [t.clone() for t in small]),
         "grads": first_grads,
         "state": runner.full_state_dict(),
+        "optimizer": runner.full_optimizer_state_dict(optimizer),
         "comm": step_logs,
         "predicted": program.collectives(runner.rank, backend=runner.backend,
                                          receives_ahead=runner.receives_ahead),
