@@ -23,7 +23,7 @@ The count depends on the inputs alone (the target is the labels, shifted or resh
 parameter), so the pass also extracts `count_module`: the nodes that compute the target from
 the step's inputs, plus `(target != ignore_index).sum()`. The runtime runs it on each
 microbatch before the step and sums over the data-parallel group in one scalar all-reduce,
-the only collective this costs (`fxpar.collectives.valid_target_collectives`).
+the only collective this costs (`fxpar.lowering.valid_targets_action`).
 
 A loss of any other form (class weights, label smoothing, a loss computed by hand) keeps the
 mean of the pieces' means, which equals one device only when the pieces are alike; compile
