@@ -316,7 +316,7 @@ def _state_entries(program, pp: int, *, gradients: bool) -> list[tuple[int, str,
         nodes = meta.parameter_nodes(gm.graph)
         aliases = gm.meta.get(meta.GRAPH_ALIASES, {})
         if gradients:
-            trained = {name for bucket in gm.meta[meta.GRAPH_BUCKETS] for name in bucket.parameters}
+            trained = meta.trained_parameters(gm)
             tensors = {name: gm.get_parameter(name) for name in nodes if name in trained}
         else:
             tensors = gm.state_dict(keep_vars=True)

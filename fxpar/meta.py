@@ -97,6 +97,17 @@ def requires_grad(node: fx.Node) -> bool:
     return node.meta.get(REQUIRES_GRAD, False)
 
 
+def stage_of(gm: fx.GraphModule) -> int:
+    """Which pipeline stage a stage's (or rank's) GraphModule computes: 0 without a pipeline."""
+    return gm.meta.get(GRAPH_STAGE, 0)
+
+
+def trained_parameters(gm: fx.GraphModule) -> set[str]:
+    """The parameters that receive a gradient: exactly those in a gradient bucket
+    (`passes.data_parallel.assign_gradient_buckets` ensures it)."""
+    return {name for bucket in gm.meta[GRAPH_BUCKETS] for name in bucket.parameters}
+
+
 def partial_gradient_parameters(graph: fx.Graph) -> list[str]:
     """Replicated parameters whose gradients each tp rank holds only a summand of."""
     return [n for n, node in parameter_nodes(graph).items() if node.meta.get(GRAD_PARTIAL)]

@@ -100,13 +100,13 @@ def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather
                 return owner.whole_gradients(action.index, tag=action.calls[0].tag,
                                              shard=by_bucket[(id(owner), action.index)])
 
-            local = {m.meta.get(meta.GRAPH_STAGE, 0): (m, {}) for m in modules}
+            local = {meta.stage_of(m): (m, {}) for m in modules}
         else:
             shards, local = None, {}
             for m in modules:
-                trained = {n for bucket in m.meta[meta.GRAPH_BUCKETS] for n in bucket.parameters}
+                trained = meta.trained_parameters(m)
                 parameters = {n: m.get_parameter(n) for n in meta.parameter_nodes(m.graph) if n in trained}
-                local[m.meta.get(meta.GRAPH_STAGE, 0)] = (m, {
+                local[meta.stage_of(m)] = (m, {
                     n: inner.state[p][key] if key in inner.state.get(p, {}) else torch.zeros_like(p)
                     for n, p in parameters.items()
                 })

@@ -198,7 +198,7 @@ class Runner:
         self._context = StepContext(
             rank=self.rank, device=self.device, step_program=step_program,
             guard=StepGuard(step_program), modules=tuple(self.modules),
-            module_of_stage={self._stage(m): i for i, m in enumerate(self.modules)},
+            module_of_stage={meta.stage_of(m): i for i, m in enumerate(self.modules)},
             buckets=tuple(buckets),
             # Replicated parameters whose gradient each tp rank holds a summand of, per module.
             partial_gradients=tuple(
@@ -342,7 +342,7 @@ class Runner:
         must call it.
         """
         self._require_open("full_state_dict")
-        return self._gather_full({self._stage(m): (m, m.state_dict()) for m in self.modules}, gradients=False)
+        return self._gather_full({meta.stage_of(m): (m, m.state_dict()) for m in self.modules}, gradients=False)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on
@@ -351,8 +351,8 @@ class Runner:
         self._require_open("full_gradients")
         local = {}
         for module in self.modules:
-            trained = {name for bucket in module.meta[meta.GRAPH_BUCKETS] for name in bucket.parameters}
-            local[self._stage(module)] = (module, {} if self._flat_parameters else {
+            trained = meta.trained_parameters(module)
+            local[meta.stage_of(module)] = (module, {} if self._flat_parameters else {
                 n: p.grad if p.grad is not None else torch.zeros_like(p)
                 for n, p in _parameters(module).items() if n in trained
             })
@@ -384,10 +384,6 @@ class Runner:
             key_order=self.program.captured.graph_module.state_dict().keys(),
             gradient_shards=self._gradient_shards,
         )
-
-    @staticmethod
-    def _stage(module: torch.fx.GraphModule) -> int:
-        return module.meta.get(meta.GRAPH_STAGE, 0)
 
     def close(self) -> None:
         """End this runner and every other live one of the process, and destroy the process
