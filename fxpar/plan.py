@@ -48,7 +48,10 @@ from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     FIELD_OF_KEY,
     FIELDS,
     LOOKS_LIKE_PATH,
+    CHECKPOINTS,
     PRECISIONS,
+    REDUCE_DTYPES,
+    RNG_MODES,
     SCHEDULES,
     TP_RULE_SOURCES,
     ZERO_STAGES,
@@ -96,9 +99,20 @@ class Plan:
     # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
     # 3 also parameters. The cost model estimates every stage; the runtime runs stage 0 so far.
     zero: int = 0
-    # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state. Estimated;
-    # the runtime trains in fp32 so far.
+    # ZeRO-3 only (FSDP2's options): how many layers ahead parameters are gathered, and whether
+    # the gathered parameters are freed after forward and gathered again for backward.
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients
+    # are reduced in `reduce_dtype`. Estimated; the runtime trains in fp32 so far.
     precision: Precision = "fp32"
+    reduce_dtype: str = "fp32"
+    # Activation checkpointing (Korthikanti et al. 2022): "full" recomputes every transformer
+    # block in backward, "selective" only attention's softmax and dropout.
+    checkpoint: str = "none"
+    # Dropout's randomness: "fast" draws per rank from one seed, consistently where the math
+    # needs it (Megatron's RNG tracker); "exact" draws the values one device draws.
+    rng: str = "fast"
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
@@ -136,8 +150,40 @@ class Plan:
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise invalid_value("zero", self.zero)
         object.__setattr__(self, "zero", int(self.zero))
-        if self.precision not in PRECISIONS:
-            raise invalid_value("precision", self.precision)
+        for name, accepted in (
+            ("precision", PRECISIONS),
+            ("reduce_dtype", REDUCE_DTYPES),
+            ("checkpoint", CHECKPOINTS),
+            ("rng", RNG_MODES),
+        ):
+            if getattr(self, name) not in accepted:
+                raise invalid_value(name, getattr(self, name))
+        prefetch = self.prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
+            raise invalid_value("prefetch", prefetch)
+        object.__setattr__(self, "prefetch", int(prefetch))
+        if not isinstance(self.reshard_after_forward, bool):
+            raise invalid_value("reshard_after_forward", self.reshard_after_forward)
+        self._check_options_apply()
+
+    def _check_options_apply(self) -> None:
+        """Options that only one setting uses are refused without it: never silently ignored."""
+        if self.reduce_dtype != "fp32" and self.precision != "bf16-mixed":
+            raise PlanError(
+                f"plan reduce_dtype={self.reduce_dtype} sets the dtype bf16-mixed training "
+                f"reduces gradients in, and precision={self.precision}. Fix: add "
+                "precision=bf16-mixed, or drop reduce_dtype",
+                field="reduce_dtype",
+                value=self.reduce_dtype,
+            )
+        for name, default in (("prefetch", 1), ("reshard_after_forward", True)):
+            if getattr(self, name) != default and self.zero != 3:
+                raise PlanError(
+                    f"plan {name}={text_of(getattr(self, name))} tunes how ZeRO-3 gathers "
+                    f"parameters, and zero={self.zero}. Fix: add zero=3, or drop {name}",
+                    field=name,
+                    value=getattr(self, name),
+                )
 
     def _check_pipeline(self) -> None:
         interleaved = self.schedule == "interleaved"
@@ -386,4 +432,18 @@ def check_runnable(plan: Plan) -> None:
             "precision=fp32 to train",
             field="precision",
             value=plan.precision,
+        )
+    if plan.checkpoint != "none":
+        raise PlanError(
+            f"plan checkpoint={plan.checkpoint}: activation checkpointing is not built yet. "
+            "Fix: bind a plan with checkpoint=none",
+            field="checkpoint",
+            value=plan.checkpoint,
+        )
+    if plan.rng != "fast":
+        raise PlanError(
+            f"plan rng={plan.rng}: drawing one device's exact random values is not built yet. "
+            "Fix: bind a plan with rng=fast",
+            field="rng",
+            value=plan.rng,
         )

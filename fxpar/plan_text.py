@@ -28,6 +28,11 @@ SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1")  # as fxp
 Precision = Literal["fp32", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
 ZERO_STAGES = (0, 1, 2, 3)
+REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")  # FSDP2's reduce_dtype, under bf16-mixed
+CHECKPOINTS: tuple[str, ...] = ("none", "full", "selective")  # activation checkpointing
+RNG_MODES: tuple[str, ...] = ("fast", "exact")  # how ranks draw dropout's randomness
+BOOLEAN_FIELDS = ("sequence_parallel", "reshard_after_forward")
+CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng")
 
 # field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
 FIELDS: dict[str, tuple[str, str, str]] = {
@@ -67,6 +72,36 @@ FIELDS: dict[str, tuple[str, str, str]] = {
         "one of " + ", ".join(repr(p) for p in PRECISIONS) + " (how weights and math are stored)",
         "precision=bf16-mixed",
     ),
+    "reduce_dtype": (
+        "reduce_dtype",
+        "one of " + ", ".join(repr(d) for d in REDUCE_DTYPES)
+        + " (the dtype gradients are reduced in under precision=bf16-mixed)",
+        "reduce_dtype=fp32",
+    ),
+    "prefetch": (
+        "prefetch",
+        "a non-negative integer (how many layers ahead ZeRO-3 gathers parameters; 0: none)",
+        "prefetch=1",
+    ),
+    "reshard_after_forward": (
+        "reshard_after_forward",
+        "true or false (ZeRO-3 frees gathered parameters after forward and gathers them again "
+        "for backward)",
+        "reshard_after_forward=true",
+    ),
+    "checkpoint": (
+        "checkpoint",
+        "one of " + ", ".join(repr(c) for c in CHECKPOINTS)
+        + " (activation checkpointing: none, every transformer block, or attention's softmax "
+        "and dropout only)",
+        "checkpoint=selective",
+    ),
+    "rng": (
+        "rng",
+        "one of " + ", ".join(repr(m) for m in RNG_MODES)
+        + " (fast: consistent masks per rank; exact: the masks one device would draw)",
+        "rng=exact",
+    ),
 }
 # Keys the text form and mappings accept -> field: the short keys and the field names.
 FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items()} | {
@@ -74,7 +109,7 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
 }
 SUPPORTED_KEYS = (
     "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
-    "zero, precision"
+    "zero, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng"
 )
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
@@ -130,11 +165,11 @@ def split_entries(text: str) -> list[tuple[str, str]]:
 def value_from_text(name: str, text: str, *, echo: bool = True) -> object:
     """`"2"` -> 2 for integer fields, `"0.5"` -> 0.5 for bucket_mb; anything else raises
     (`invalid_value`, which shows `text` unless `echo=False`)."""
-    if name in ("precision", "schedule"):
+    if name in CHOICE_FIELDS:
         return text
     if name == "split":
         return tuple(m for m in text.split(";") if m)
-    if name == "sequence_parallel":
+    if name in BOOLEAN_FIELDS:
         flags = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
         if text.strip().lower() in flags:
             return flags[text.strip().lower()]
@@ -147,7 +182,7 @@ def value_from_text(name: str, text: str, *, echo: bool = True) -> object:
         except (json.JSONDecodeError, RecursionError, ValueError):
             raise invalid_value(name, text, echo=echo) from None
         return rules
-    if name == "zero" and text.strip() == "0":
+    if name in ("zero", "prefetch") and text.strip() == "0":
         return 0
     if name == "bucket_mb":
         try:

@@ -115,10 +115,35 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
     defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "tp_rules": "auto",
                 "sequence_parallel": False, "pp": 1, "schedule": "1f1b", "virtual_stages": 1,
-                "split": []}
+                "split": [], "prefetch": 1, "reshard_after_forward": True, "reduce_dtype": "fp32",
+                "checkpoint": "none", "rng": "fast"}
     assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4} | defaults
     assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1} | defaults
     assert Plan.parse(Plan(dp=2, bucket_mb=8.0).to_dict()) == Plan(dp=2, bucket_mb=8.0)
+
+
+def test_options_of_one_setting_are_refused_without_it() -> None:
+    """ZeRO-3's and bf16-mixed's options name the setting they need: never silently ignored."""
+    with pytest.raises(PlanError, match="add zero=3") as caught:
+        Plan.parse("dp=2 zero=2 prefetch=2")
+    assert caught.value.field == "prefetch"
+    with pytest.raises(PlanError, match="add zero=3"):
+        Plan.parse("dp=2 reshard_after_forward=false")
+    with pytest.raises(PlanError, match="add precision=bf16-mixed") as caught:
+        Plan.parse("reduce_dtype=bf16")
+    assert caught.value.field == "reduce_dtype"
+    plan = Plan.parse("dp=2 zero=3 prefetch=0 reshard_after_forward=false precision=bf16-mixed "
+                      "reduce_dtype=bf16 checkpoint=selective rng=exact")
+    assert Plan.parse(str(plan)) == plan and plan.prefetch == 0
+
+
+@pytest.mark.parametrize("entry", ["checkpoint=partial", "rng=slow", "reduce_dtype=fp16", "prefetch=-1",
+                                   "reshard_after_forward=maybe"])
+def test_option_values_are_checked(entry: str) -> None:
+    key = entry.partition("=")[0]
+    with pytest.raises(PlanError, match=f"plan field {key} must be") as caught:
+        Plan.parse(entry)
+    assert caught.value.field == key
 
 
 # -- degrees and checks ----------------------------------------------------------------------------
