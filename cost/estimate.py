@@ -109,12 +109,11 @@ def _activations(program: CompiledProgram) -> sympy.Expr:
 
 
 def _updated_tensors(program: CompiledProgram) -> int:
-    """Tensors one rank's optimizer updates: every parameter, or under ZeRO its flat shards.
-
-    fxpar's ZeRO shards each flat gradient bucket (`fxpar.collectives`), so a rank updates one
-    shard per bucket, as DeepSpeed's flat partitions do.
+    """Tensors one rank's optimizer updates: every parameter (under ZeRO-3 its flat piece of
+    each), or under ZeRO-1/2 its shard of each flat gradient bucket, as DeepSpeed's flat
+    partitions do (`runtime.sharded_optimizer`).
     """
-    if program.plan.zero >= 1 and program.buckets:
+    if program.plan.zero in (1, 2) and program.buckets:
         return len(program.buckets)
     return len(program.captured.parameters)
 
@@ -263,7 +262,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     state = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
                               zero=plan.zero, dp=dp)
     buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
-    tensors = sum(len(b) for b in buckets) if plan.zero >= 1 else len(held)
+    tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
     # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
     state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
     local_batch = BATCH / (dp * plan.microbatches)

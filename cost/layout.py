@@ -35,7 +35,7 @@ from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.compiled_program import CompiledProgram
 from fxpar.deferred_linear import LINEAR, deferrable, linear as deferred_linear, stands_for
-from fxpar.placement import Partial, Shard, local_numel
+from fxpar.placement import Partial, R, Shard, local_numel
 
 
 
@@ -86,8 +86,9 @@ def _shares(program: CompiledProgram) -> list[Share]:
             if cost.matmul_flops == 0:
                 moved += cost.bytes / split
         forward_ops, backward_nodes = op_counts(gm)
+        # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
         parameters = {
-            name: local_numel(node.meta["val"].shape, meta.placements(node), program.mesh.sizes)
+            name: local_numel(node.meta["val"].shape, meta.placements(node).on("dp", R), program.mesh.sizes)
             for name, node in meta.parameter_nodes(gm.graph).items()
         }
         produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)

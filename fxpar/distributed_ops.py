@@ -15,6 +15,8 @@ Korthikanti et al. 2022, Sec. 4.2.2). Rank module code reads as aten plus these:
     all_gather         all-gather       local slice       a shard must become whole
     gather_to_region   all-gather       reduce-scatter    sequence parallelism's f
     reduce_scatter     reduce-scatter   all-gather        sequence parallelism's g
+    gather_parameters  all-gather       reduce-scatter    ZeRO-3: a layer's parameter shards
+                                                          (`fxpar.parameter_gathers`)
 
 `DistributedOp` is the one description of each: the kernels are built from its two
 primitives, and `fxpar.collectives` predicts a step's calls from the same two, so what the
@@ -51,6 +53,7 @@ class DistributedOp:
     backward: Primitive | None
     reduce: Literal["sum", "max"] = "sum"
     takes_dim: bool = False  # (x, axis, size, dim) rather than (x, axis)
+    many: bool = False  # (xs, axis, size): a list of tensors moved as one flat payload
 
     @property
     def overload(self) -> torch._ops.OpOverload:
@@ -72,6 +75,7 @@ OPS = (
     DistributedOp("all_gather", "all_gather", "slice", takes_dim=True),
     DistributedOp("gather_to_region", "all_gather", "reduce_scatter", takes_dim=True),
     DistributedOp("reduce_scatter", "reduce_scatter", "all_gather", takes_dim=True),
+    DistributedOp("gather_parameters", "all_gather", "reduce_scatter", many=True),
 )
 BY_NAME = {op.name: op for op in OPS}
 
@@ -169,7 +173,8 @@ def _register(op: DistributedOp) -> None:
 
 
 for _op in OPS:
-    _register(_op)
+    if not _op.many:  # gather_parameters registers in fxpar.parameter_gathers
+        _register(_op)
 
 
 # -- the eager lowering --------------------------------------------------------------------------
@@ -211,7 +216,8 @@ def _eager_function(op: DistributedOp, *, in_place: bool):
     return run
 
 
-EAGER = {(op.overload, in_place): _eager_function(op, in_place=in_place) for op in OPS for in_place in (False, True)}
+EAGER = {(op.overload, in_place): _eager_function(op, in_place=in_place)
+         for op in OPS if not op.many for in_place in (False, True)}
 # Ops whose output is a fresh tensor, and whose input gradient is one: a matmul of x.
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
             torch.ops.aten.bmm.default}
@@ -246,7 +252,7 @@ def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
     Where the graph shows it is safe (`_reduces_in_place`), the all-reduce skips its copy.
     """
     for node in gm.graph.nodes:
-        if (op := distributed_op(node)) is not None:
+        if (op := distributed_op(node)) is not None and not op.many:
             node.target = EAGER[(node.target, _reduces_in_place(node, op))]
     gm.recompile()
     return gm

@@ -11,15 +11,14 @@ resolves the axes to one rank's groups. Without a pipeline there is one row:
 
 Under ZeRO-1/2 the buckets are reduce-scattered, the held ones (`Bucket.held`) after the
 partial and tied sums, the loss is all-reduced alone, and the program's `optimizer` part
-all-gathers each bucket's updated parameters.
+all-gathers each bucket's updated parameters. Under ZeRO-3 the graph's own ops gather each
+layer's parameters and reduce-scatter its gradients (`passes.zero3`): they are the computes'
+calls, and only the loss's all-reduce follows.
 
 With a pipeline, the schedule's row for this pipeline rank, with an `Exchange` before each
 compute action (the previous action's sends, the receives due: `issue_order`), then each
 local stage's buckets in the order they complete, partial and tied gradients, and the loss
 summed over the pipeline and over dp.
-
-What each ZeRO stage would issue is lowered too (`bucket_actions`), for the cost model; the
-runtime refuses those plans at bind, and `check()` with bind's message.
 
 `lower_full_state` writes what gathering the whole model (or its gradients) onto every rank
 issues, outside a step: each tensor-parallel shard all-gathered whole, then, with a
@@ -42,7 +41,7 @@ from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket
 from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.pipeline_program import issue_order, shared_parameters
-from fxpar.placement import R, local_numel
+from fxpar.placement import FlatShard, R, local_numel
 from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
 
 
@@ -64,15 +63,16 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh) -> tuple[tuple[Call, ...], tuple
         axis = axis_of(node)
         if mesh.size(Axis(axis)) == 1:
             continue
-        source = node.args[0]
-        ends = {"in": _local_numel(source, mesh), "out": _local_numel(node, mesh)}
-        dtype = source.meta["val"].dtype
+        sources = node.args[0] if op.many else [node.args[0]]  # many: one flat payload
+        local_in = sum(_local_numel(s, mesh) for s in sources)
+        ends = {"in": local_in, "out": local_in * mesh.size(Axis(axis)) if op.many else _local_numel(node, mesh)}
+        dtype = sources[0].meta["val"].dtype
         for phase, calls, (payload_in, payload_out) in (
             ("forward", forward, ("in", "out")),
             ("backward", backward, ("out", "in")),
         ):
             primitive = op.primitive(phase)
-            if primitive not in COMMUNICATING or (phase == "backward" and not meta.requires_grad(source)):
+            if primitive not in COMMUNICATING or (phase == "backward" and not any(map(meta.requires_grad, sources))):
                 continue
             numel = ends[payload_out] if primitive == "all_gather" else ends[payload_in]
             reduce = "none" if primitive == "all_gather" else op.reduce
@@ -111,9 +111,8 @@ def bucket_actions(
     * stages 1 and 2: a reduce-scatter per bucket: each rank keeps the reduced shard of the
       gradients its shard of the optimizer state needs (`optimizer_actions` gathers the
       updated parameters back): 2P moved, like DDP.
-    * stage 3: parameters live sharded, so each bucket is all-gathered before its first use
-      in forward (the last bucket first) and again in backward, then its gradients are
-      reduce-scattered: 3P moved (ZeRO Sec. 7).
+    * stage 3: nothing here: each layer's gather and its gradients' reduce-scatter are ops of
+      the graph (`passes.zero3`), whose calls each Compute lists.
 
     Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs
     (`Bucket.padded`).
@@ -137,13 +136,8 @@ def bucket_actions(
             actions += loss_actions(mesh, phase="backward")
         return actions
     if zero == 3:
-        for b in reversed(mine):
-            add(Purpose.PARAMETER_GATHER, "all_gather", b.padded(n), b.dtype,
-                f"parameters of bucket {b.index}", "forward", b.index, op="none")
+        return actions
     for b in mine:
-        if zero == 3:
-            add(Purpose.PARAMETER_GATHER, "all_gather", b.padded(n), b.dtype,
-                f"parameters of bucket {b.index}", "backward", b.index, op="none")
         add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.dtype, f"gradient bucket {b.index}",
             "backward", b.index)
     return actions
@@ -291,6 +285,10 @@ def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[Action, ...]
                             tag=f"full state: gradient bucket {b.index}", phase="step")
                 actions.append(Communicate(Purpose.GRADIENT_SHARDS, (call,), stage=stage, index=b.index))
     for stage, key, node, value in rows[pp]:
+        if mesh.dp > 1 and node is not None and isinstance(meta.placement(node, "dp"), FlatShard):
+            call = Call(kind="all_gather", numel=local_numel(value.shape, meta.placements(node), mesh.sizes) * mesh.dp,
+                        dtype=value.dtype, axis="dp", op="none", tag=f"full state: dp shards of {key}", phase="step")
+            actions.append(Communicate(Purpose.DP_SHARDS, (call,), stage=stage, name=key))
         if mesh.tp > 1 and node is not None and meta.placement(node, "tp") != R:
             call = Call(kind="all_gather", numel=value.numel(), dtype=value.dtype, axis="tp", op="none",
                         tag=f"full state: tp shards of {key}", phase="step")

@@ -37,6 +37,7 @@ TIED_ACROSS_STAGES = "fxpar.tied_across_stages"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
+GRAPH_PARAMETER_UNITS = "fxpar.parameter_units"  # ZeRO-3: tuple[passes.zero3.ParameterUnit, ...]
 GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter name
 GRAPH_NON_PERSISTENT = "fxpar.non_persistent"  # buffers kept out of the state dict
 GRAPH_LOSS = "fxpar.loss"  # passes.loss_normalisation.LossReduction: how pieces' losses combine

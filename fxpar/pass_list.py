@@ -39,6 +39,7 @@ from fxpar.passes.pipeline import assign_stages
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
+from fxpar.passes.zero3 import shard_parameters
 from fxpar.pipeline_program import node_memory, node_time, schedule_in_flight
 from fxpar.placement import Placements, Shard, local_shape
 from fxpar.plan import Plan
@@ -74,9 +75,11 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
     buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
                       hold=plan.zero >= 1)
+    # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.
+    zero3 = (partial(shard_parameters, mesh=mesh),) if plan.zero == 3 and mesh.dp > 1 else ()
     stages = plan.pp * plan.virtual_stages
     if stages == 1:
-        return PassList(graph=(*graph, buckets))
+        return PassList(graph=(*graph, buckets, *zero3))
     pipeline = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
     graph.append(partial(
         assign_stages, stages=stages, split=plan.split,
@@ -85,7 +88,7 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         in_flight=schedule_in_flight(pipeline),
     ))
     per_stage = (defer_weight_gradients, buckets) if pipeline.splits_backward else (buckets,)
-    return PassList(graph=tuple(graph), stage=per_stage)
+    return PassList(graph=tuple(graph), stage=(*per_stage, *zero3))
 
 
 def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:

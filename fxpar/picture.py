@@ -222,7 +222,7 @@ class _Builder:
 
     def _step_key(self, action: Communicate) -> tuple:
         stage = action.stage if self.program.stages is not None else None
-        if action.purpose in (Purpose.GRADIENT_BUCKET, Purpose.PARAMETER_GATHER, Purpose.UPDATED_PARAMETERS):
+        if action.purpose in (Purpose.GRADIENT_BUCKET, Purpose.UPDATED_PARAMETERS):
             return ("bucket", stage, action.index)
         if action.purpose is Purpose.TIED_GRADIENT:
             return ("tied", action.name)

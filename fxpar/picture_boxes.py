@@ -63,19 +63,25 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
     """The box of a distributed op's node; `placed` gives its stage and expanded module."""
     op, axis = distributed_op(node), axis_of(node)
     mesh, captured = program.mesh, program.captured
-    source = node.args[0]
-    dtype = source.meta["val"].dtype
+    sources = node.args[0] if op.many else [node.args[0]]  # many: one flat payload of them all
+    dtype = sources[0].meta["val"].dtype
     lines, calls = [], []
     if rank is not None:
         lines.append(f"ranks {list(mesh.group(rank, Axis(axis)))}")
+
+    def payload(value: fx.Node):
+        return payload_formula(captured, value.meta["val"].shape, meta.placements(value), sizes=mesh.sizes,
+                               microbatches=program.plan.microbatches)
+
     for phase in ("forward", "backward"):
         primitive = op.primitive(phase)
-        if primitive not in COMMUNICATING or (phase == "backward" and not meta.requires_grad(source)):
+        if primitive not in COMMUNICATING or (phase == "backward" and not any(map(meta.requires_grad, sources))):
             continue
-        end = (node if primitive == "all_gather" else source) if phase == "forward" else (
-            source if primitive == "all_gather" else node)
-        formula = payload_formula(captured, end.meta["val"].shape, meta.placements(end), sizes=mesh.sizes,
-                                  microbatches=program.plan.microbatches)
+        whole_end = (primitive == "all_gather") == (phase == "forward")  # the op's output side
+        if op.many:  # the gathered values forward, their gradients backward: all ranks' pieces
+            formula = sum(payload(s) for s in sources) * mesh.size(Axis(axis))
+        else:
+            formula = payload(node if whole_end else sources[0])
         numel = example_numel(captured, formula)
         calls.append(Call(op.tag(axis, phase), primitive, numel * dtype.itemsize))
         lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]

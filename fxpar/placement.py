@@ -5,6 +5,10 @@
     Shard(dim, parts)  the same, for a dim made of `parts` equal blocks (a fused q|k|v
                        projection): rank i holds the i-th slice of *each* block, side by side
     Partial()          every rank holds a summand; the value is their sum
+    FlatShard()        rank i holds the i-th of `size` equal pieces of the value flattened
+                       (after every other axis has taken its piece) and zero-padded to a
+                       multiple of `size`: ZeRO-3's parameters on the dp axis, which need no
+                       divisible dim and nest inside a tensor-parallel shard
 
 A value carries one placement per mesh axis that splits data, `Placements(dp=..., tp=...)`
 (DTensor's `placements`, by axis name). The pipeline axis is not among them: which stage
@@ -56,7 +60,13 @@ class Partial:
         return "P"
 
 
-Placement = Replicate | Shard | Partial
+@dataclass(frozen=True)
+class FlatShard:
+    def __str__(self) -> str:
+        return "F"
+
+
+Placement = Replicate | Shard | Partial | FlatShard
 R, P = Replicate(), Partial()
 
 
@@ -89,18 +99,29 @@ Sizes = Mapping[str, int]  # mesh axis -> its degree; a Mesh gives `mesh.sizes()
 def local_shape(shape, placements: Placements, sizes: Sizes) -> tuple:
     """The shape of one rank's piece of a value of global `shape` (ints or sympy expressions)
     under `placements` on a mesh of axis `sizes`: each Shard's dim divided by its axis' degree,
-    anything else whole (a Partial's summand has the value's shape)."""
+    anything else whole (a Partial's summand has the value's shape); a FlatShard, last, makes
+    it the flat piece of `flat_piece`."""
     shape = list(shape)
     for axis in AXES:
         placement, size = placements[axis], sizes.get(axis, 1)
         if isinstance(placement, Shard) and size > 1:
             d = shape[placement.dim]
             shape[placement.dim] = d // size if isinstance(d, int) else sympy.sympify(d) / size
+    for axis in AXES:
+        if isinstance(placements[axis], FlatShard) and sizes.get(axis, 1) > 1:
+            shape = [flat_piece(math.prod(shape), sizes[axis])]
     return tuple(shape)
+
+
+def flat_piece(numel: int, size: int) -> int:
+    """Elements of one rank's FlatShard piece of `numel` elements over `size` ranks."""
+    return -(-numel // size)
 
 
 def global_shape(shape, placements: Placements, sizes: Sizes) -> tuple:
     """The global shape of a value whose piece on one rank has `shape` (inverse of `local_shape`)."""
+    if any(isinstance(placements[axis], FlatShard) and sizes.get(axis, 1) > 1 for axis in AXES):
+        raise ValueError("a FlatShard piece does not say its value's shape: read the value's own")
     shape = list(shape)
     for axis in AXES:
         placement, size = placements[axis], sizes.get(axis, 1)
@@ -120,6 +141,12 @@ def local_slice(tensor: torch.Tensor, placements: Placements, coord: Mapping[str
         placement, size = placements[axis], sizes.get(axis, 1)
         if isinstance(placement, Shard) and size > 1:
             tensor = _piece(tensor, placement, coord[axis], size)
+    for axis in AXES:
+        size = sizes.get(axis, 1)
+        if isinstance(placements[axis], FlatShard) and size > 1:
+            piece = flat_piece(tensor.numel(), size)
+            flat = tensor.reshape(-1)[coord[axis] * piece : (coord[axis] + 1) * piece]
+            tensor = torch.cat([flat, flat.new_zeros(piece - flat.numel())]) if flat.numel() < piece else flat
     return tensor
 
 
@@ -133,9 +160,14 @@ def _piece(tensor: torch.Tensor, placement: Shard, index: int, size: int) -> tor
     return torch.cat([block.chunk(size, dim=dim)[index] for block in blocks], dim=dim)
 
 
-def global_tensor(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
+def global_tensor(pieces: list[torch.Tensor], placement: Placement, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """The tensor whole along one axis from every rank's piece on it, in axis order (the
-    inverse of `local_slice` on that axis; gathering the full state goes axis by axis)."""
+    inverse of `local_slice` on that axis; gathering the full state goes axis by axis, a
+    FlatShard, innermost, first: back to `shape`, the value's piece on the other axes)."""
+    if isinstance(placement, FlatShard):
+        if shape is None:
+            raise ValueError("a FlatShard's pieces need the shape they flattened")
+        return torch.cat([p.reshape(-1) for p in pieces])[: math.prod(shape)].view(shape)
     if not isinstance(placement, Shard) or len(pieces) == 1:
         return pieces[0]
     dim, parts = placement.dim, placement.parts

@@ -417,14 +417,6 @@ class Plan:
 def check_runnable(plan: Plan) -> None:
     """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
     by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
-    if plan.zero == 3:
-        raise PlanError(
-            "plan zero=3: the runtime does not shard parameters yet (ZeRO-1 and ZeRO-2 shard "
-            "optimizer state and gradients); program.estimate() already predicts ZeRO-3's "
-            "memory. Fix: bind a plan with zero=2 (or 1, 0) to train",
-            field="zero",
-            value=plan.zero,
-        )
     if plan.precision != "fp32":
         raise PlanError(
             f"plan precision={plan.precision}: the runtime trains in fp32 only so far; "
@@ -432,6 +424,14 @@ def check_runnable(plan: Plan) -> None:
             "precision=fp32 to train",
             field="precision",
             value=plan.precision,
+        )
+    if plan.zero == 3 and (plan.reshard_after_forward or plan.prefetch):
+        raise PlanError(
+            "plan zero=3 runs with the gathered parameters autograd saves kept until backward "
+            "(reshard_after_forward=false) and without prefetching so far. Fix: add "
+            "reshard_after_forward=false prefetch=0",
+            field="reshard_after_forward" if plan.reshard_after_forward else "prefetch",
+            value=plan.reshard_after_forward if plan.reshard_after_forward else plan.prefetch,
         )
     if plan.checkpoint != "none":
         raise PlanError(

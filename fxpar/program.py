@@ -242,6 +242,10 @@ class Program:
             if self.schedule.rank_of(stage.index) == coord.pp
         ]
 
+    def stage_template(self, stage: int) -> fx.GraphModule:
+        """Stage `stage`'s GraphModule before rank specialisation: global values, every rank's."""
+        return self.graph_module if self.stages is None else self.stages[stage].graph_module
+
     def _specialise(self, graph_module: fx.GraphModule, rank: int) -> fx.GraphModule:
         coord = self.mesh.coord(rank)
         module = copy_graph_module(graph_module)

@@ -50,7 +50,6 @@ class Purpose(enum.Enum):
 
     VALID_TARGETS = "the step's count of valid targets"
     GRADIENT_BUCKET = "a gradient bucket's reduction"
-    PARAMETER_GATHER = "a bucket's parameters gathered (ZeRO-3)"
     UPDATED_PARAMETERS = "a bucket's updated parameters gathered (ZeRO-1/2)"
     PARTIAL_GRADIENTS = "replicated parameters' partial tp gradients summed"
     TIED_GRADIENT = "a parameter's gradient summed over the stages that share it"
@@ -58,6 +57,7 @@ class Purpose(enum.Enum):
     LOSS = "the loss summed over data-parallel ranks"
     # Gathering the full state (`Program.state_program`), outside a step:
     GRADIENT_SHARDS = "a bucket's reduced gradient shards gathered whole (ZeRO)"
+    DP_SHARDS = "a ZeRO-3 parameter's (or its gradient's) data-parallel shards gathered whole"
     TP_SHARDS = "a tensor's tensor-parallel shards gathered whole"
     STAGE_STATE = "a pipeline rank's whole tensors broadcast to its pipeline group"
 

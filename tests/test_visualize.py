@@ -85,12 +85,15 @@ def test_the_global_view_holds_every_ranks_collectives(pipelined):
         assert {c.tag for c in pipelined.collectives(rank)} <= tags
 
 
-def test_zero_gathers_and_reduce_scatters_hang_on_their_bucket(captured):
-    program = fxpar.compile(captured, "dp=2 zero=3 bucket_mb=0.02")
-    buckets = [b for b in build_picture(program).find("step") if b.title.startswith("gradient bucket")]
-    assert len(buckets) == len(program.buckets) > 1
-    kinds = {(c.tag.split(" bucket")[0], c.kind) for b in buckets for c in b.calls}
-    assert kinds == {("parameters of", "all_gather"), ("gradient", "reduce_scatter")}
+def test_zero3_gathers_are_the_graphs_own_collectives(captured):
+    """ZeRO-3's per-layer gathers (and their reduce-scatters backward) are ops of the graph,
+    drawn where each layer starts, with the step program's payloads."""
+    program = fxpar.compile(captured, "dp=2 zero=3")
+    gathers = [b for b in build_picture(program).boxes if b.title == "gather_parameters · dp"]
+    assert len(gathers) == len(program.graph_module.meta[meta.GRAPH_PARAMETER_UNITS]) > 1
+    assert {c.kind for b in gathers for c in b.calls} == {"all_gather", "reduce_scatter"}
+    predicted = {c.numel * c.dtype.itemsize for c in program.step_program(0).calls() if "gather_parameters" in c.tag}
+    assert {c.payload_bytes for b in gathers for c in b.calls} == predicted
 
 
 def test_names_with_quotes_brackets_and_braces_are_drawn_verbatim(captured, tmp_path):

@@ -6,10 +6,12 @@ local tensors (their state dicts, or their trained parameters' gradients):
 
 0. GRADIENT_SHARDS, under ZeRO-1/2: each bucket's reduced gradient shards all-gathered over
    dp (`Runner.full_gradients` does it, from its buckets);
-1. TP_SHARDS: each tensor-parallel shard all-gathered over the tp group and put back
+1. DP_SHARDS, under ZeRO-3: each parameter's flat dp pieces (`FlatShard`) all-gathered over dp
+   and made its tensor-parallel piece again;
+2. TP_SHARDS: each tensor-parallel shard all-gathered over the tp group and put back
    together (`placement.global_tensor`, by the placement on its parameter node);
-2. every tensor copied to the CPU;
-3. STAGE_STATE, with a pipeline: each pipeline rank in turn broadcasts its whole tensors to
+3. every tensor copied to the CPU;
+4. STAGE_STATE, with a pipeline: each pipeline rank in turn broadcasts its whole tensors to
    its pp group, one flat buffer per dtype laid out as the action's `entries` say (shapes
    known at compile time, so nothing is pickled); a tied parameter keeps its first copy, and
    the result is ordered as the model's own `state_dict()`.
@@ -29,7 +31,7 @@ from torch._utils import _flatten_dense_tensors
 
 from fxpar import meta
 from fxpar.mesh import Axis
-from fxpar.placement import global_tensor
+from fxpar.placement import FlatShard, R, global_tensor, local_shape
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step_guard import StepGuard
@@ -60,6 +62,14 @@ def gather_full_tensors(
                 gathered = gradient_shards(action)
                 local[action.stage][1].update(gathered)
                 whole.update({key: tensor.detach() for key, tensor in gathered.items()})
+            elif action.purpose is Purpose.DP_SHARDS:
+                module, tensors = local[action.stage]
+                pieces = communicator.all_gather_pieces(tensors[action.name].detach(), groups[Axis.DP],
+                                                        tag=action.calls[0].tag)
+                node = _parameter_node(module, action.name)
+                tensors[action.name] = whole[action.name] = global_tensor(
+                    pieces, FlatShard(), local_shape(node.meta["val"].shape, meta.placements(node).on("dp", R),
+                                                     _sizes(groups)))
             elif action.purpose is Purpose.TP_SHARDS:
                 module, tensors = local[action.stage]
                 pieces = communicator.all_gather_pieces(tensors[action.name].detach(), groups[Axis.TP],
@@ -134,7 +144,16 @@ def _receive_stage(action, whole, merged, pp: RankGroup, communicator: Communica
         merged.setdefault(key, piece.view(shape).to("cpu", copy=True))
 
 
-def _tp_placement(module: torch.fx.GraphModule, key: str):
-    """The tp placement of the parameter behind state key `key` (a tied alias: its canonical)."""
+def _parameter_node(module: torch.fx.GraphModule, key: str) -> torch.fx.Node:
+    """The parameter node behind state key `key` (a tied alias: its canonical's)."""
     aliases = module.meta.get(meta.GRAPH_ALIASES, {})
-    return meta.placement(meta.parameter_nodes(module.graph)[aliases.get(key, key)], "tp")
+    return meta.parameter_nodes(module.graph)[aliases.get(key, key)]
+
+
+def _tp_placement(module: torch.fx.GraphModule, key: str):
+    """The tp placement of the parameter behind state key `key`."""
+    return meta.placement(_parameter_node(module, key), "tp")
+
+
+def _sizes(groups: Mapping[Axis, RankGroup]) -> dict[str, int]:
+    return {axis.value: group.size for axis, group in groups.items()}

@@ -47,7 +47,8 @@ from fxpar.pipeline_program import receives_ahead
 from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
-from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters
+from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters, require_elementwise
+from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
 from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
@@ -176,8 +177,11 @@ class Runner:
         bind_axes(self._axes)
         if self._dp.size > 1:
             # DDP does the same at construction: every replica starts from the first rank's
-            # values, whatever seed each process used.
-            self._broadcast(state, self._dp)
+            # values, whatever seed each process used (ZeRO-3's pieces: `zero3_state`).
+            sharded = dp_sharded_parameters(self.modules)
+            self._broadcast([t for t in state if id(t) not in sharded], self._dp)
+            if sharded:
+                broadcast_sharded_parameters(self.program, self.modules, self.rank, self._dp, self._broadcast)
         mine = dict(_parameters_of(self.modules))
         for name, group in self._step_program.tied_groups.items():
             self._broadcast([mine[name]], self._tied_groups[group])
@@ -186,7 +190,8 @@ class Runner:
     def _bind_step(self) -> None:
         """The gradient buckets (with data parallelism) and the executors' `StepContext`."""
         stages, buckets = self.program.stages, []
-        for module in self.modules if self._dp.size > 1 else ():
+        # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
+        for module in self.modules if self._dp.size > 1 and self.program.plan.zero < 3 else ():
             assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
             buckets.append(GradientBuckets(
                 assignment, _parameters(module), self._dp, self.communicator,
@@ -306,6 +311,8 @@ class Runner:
             optimizer = ShardedOptimizer(optimizer_class, options, context=self._context,
                                          flats=self._flat_parameters, elementwise=elementwise)
         else:
+            if self.program.plan.zero == 3 and self._dp.size > 1:  # it steps flat pieces
+                require_elementwise(optimizer_class, zero=3, elementwise=elementwise)
             optimizer = optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
         self._optimizers.append(optimizer)
         return optimizer

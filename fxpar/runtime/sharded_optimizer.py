@@ -44,6 +44,21 @@ ELEMENTWISE = {
 }
 
 
+def require_elementwise(optimizer_class: type, *, zero: int, elementwise: bool) -> None:
+    """Refuse an optimizer not known to treat every element alone (module doc), naming it."""
+    if optimizer_class in ELEMENTWISE or elementwise:
+        return
+    raise PlanError(
+        f"plan zero={zero} steps each rank's shard of flat parameter buffers, so the optimizer "
+        f"must treat every element alone; {optimizer_class.__name__} is not known to (it may read "
+        "whole tensors: a trust ratio, factored moments, a line search). Fix: use an elementwise "
+        "optimizer (SGD, Adam, AdamW, ...), zero=0, or runner.optimizer(cls, elementwise=True, ...) "
+        "if it is elementwise",
+        field="zero",
+        value=zero,
+    )
+
+
 def flatten_parameters(buckets: GradientBuckets) -> list[torch.Tensor]:
     """Make each bucket's parameters views into one flat padded buffer per bucket (values
     kept); returns the buffers, in bucket order."""
@@ -75,16 +90,7 @@ class ShardedOptimizer:
         flats: list[list[torch.Tensor]],
         elementwise: bool = False,
     ):
-        if optimizer_class not in ELEMENTWISE and not elementwise:
-            raise PlanError(
-                f"plan zero={context.buckets[0].zero} steps each rank's shard of flat parameter "
-                f"buffers, so the optimizer must treat every element alone; {optimizer_class.__name__} "
-                "is not known to (it may read whole tensors: a trust ratio, factored moments, a line "
-                "search). Fix: use an elementwise optimizer (SGD, Adam, AdamW, ...), zero=0, or "
-                "runner.optimizer(cls, elementwise=True, ...) if it is elementwise",
-                field="zero",
-                value=context.buckets[0].zero,
-            )
+        require_elementwise(optimizer_class, zero=context.buckets[0].zero, elementwise=elementwise)
         self.context = context
         self._flats = flats  # per module, per bucket
         self._shards: list[tuple[GradientBuckets, int, torch.Tensor]] = []

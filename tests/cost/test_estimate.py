@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar import PlanError
+from fxpar import PlanError, meta
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.estimate import graph_compute, mfu
 from fxpar.cost.hardware import PROFILES
@@ -221,15 +221,16 @@ def test_a_1024_rank_plan_of_a_meta_model_is_estimated():
         model = GPT(GPTConfig(n_layer=2, n_embd=12288, n_head=96, vocab_size=51200, block_size=2048))
     tokens = torch.randint(0, 51200, (1024, 2048))
     program = fxpar.compile(model, "dp=1024 zero=3 precision=bf16-mixed", example_inputs=(tokens, tokens))
-    with pytest.raises(PlanError, match="plan zero=3: the runtime does not shard"):
+    with pytest.raises(PlanError, match="plan precision=bf16-mixed"):
         program.check()  # what bind() cannot run, check() refuses; the estimate still prices it
     estimate = program.estimate("h100")
     P = program.captured.parameter_count()
-    # 16P/N (ZeRO-3), plus Adam's 4-byte step counter for each flat shard the rank updates.
+    # 16P/N (ZeRO-3), plus Adam's 4-byte step counter for each parameter's piece the rank updates.
     assert estimate.memory["params"] + estimate.memory["grads"] + estimate.memory["optimizer"] == (
-        pytest.approx(16 * P / 1024 + 4 * len(program.buckets), rel=1e-12)
+        pytest.approx(16 * P / 1024 + 4 * len(program.captured.parameters), rel=1e-12)
     )
-    assert estimate.comm["all_gather"]["count"] == 2 * len(program.buckets)
+    units = program.graph_module.meta[meta.GRAPH_PARAMETER_UNITS]  # one gather per layer
+    assert estimate.comm["all_gather"]["count"] == len(units) == 3
     assert estimate.time["total"] > estimate.time["compute"] > 0
     assert 0 < estimate.mfu() < 1
 

@@ -59,3 +59,14 @@ def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
         for plan in plans:
             assert_equivalent(results[plan], reference)
             assert_collectives_as_predicted(results[plan])
+
+
+def test_zero3_on_two_ranks_matches_single_device(torchrun, reference):
+    """ZeRO-3: each rank stores a flat piece of every parameter; each layer's are gathered in
+    forward and their gradients reduce-scattered in backward by the graph's own ops."""
+    plans = ["dp=2 zero=3 reshard_after_forward=false prefetch=0",
+             "dp=2 zero=3 mb=2 reshard_after_forward=false prefetch=0"]
+    for results in torchrun("train_worker.py", 2, *plans):
+        for plan in plans:
+            assert_equivalent(results[plan], reference)
+            assert_collectives_as_predicted(results[plan])

@@ -1,0 +1,102 @@
+"""ZeRO-3's collective: a layer's parameter shards gathered whole, their gradients reduce-scattered.
+
+Under `zero=3` each rank stores one flat piece of every trained parameter (the dp axis's
+`FlatShard` placement: the tensor-parallel piece flattened, zero-padded to a multiple of dp,
+cut in dp equal pieces; Rajbhandari et al. 2020, Sec. 5.3, P_os+g+p). The ZeRO-3 pass
+(`passes.zero3`) puts one op before each layer's first use, over all its parameters:
+
+    wq, wk, ... = torch.ops.fxpar.gather_parameters.default([wq_shard, wk_shard, ...], 'dp', 2)
+    h_0_attn_q_weight = torch.ops.aten.view.default(torch.ops.aten.narrow(wq, 0, 0, n), shape)
+
+Forward: the shards are laid side by side in one flat buffer (FSDP2's copy-in) and
+all-gathered in one call; each parameter's padded flat value is copied out of every rank's
+block. Backward: the reverse, one reduce-scatter of the layer's gradients laid out the same
+way, which leaves each rank the summed gradient of its own shards, where autograd
+accumulates them. So each layer costs one all-gather in forward and one reduce-scatter in
+backward, per microbatch, and both are in the graph, where `lowering.graph_calls` reads
+them: the step program lists them like any tensor-parallel op's calls.
+
+The gathered parameters are ordinary graph values: they are freed after their last use in
+forward unless autograd saves them for backward (a linear keeps its weight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.axes import bound
+from fxpar.distributed_ops import BY_NAME
+from fxpar.errors import BindError
+
+OP = BY_NAME["gather_parameters"]
+
+
+def _binding(axis: str, size: int):
+    binding = bound(axis)
+    if binding.size != size:
+        raise BindError(f"a ZeRO-3 gather was compiled for {size} ranks on axis {axis!r}, bound to {binding.size}")
+    return binding
+
+
+def gather(shards: list[torch.Tensor], axis: str, size: int) -> list[torch.Tensor]:
+    """Every rank's `shards`, whole: for each, the concatenation of its pieces in rank order."""
+    widths = [s.numel() for s in shards]
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    out = flat.new_empty(size * flat.numel())
+    _binding(axis, size).all_gather(out, flat, tag=OP.tag(axis, "forward"), phase="forward")
+    blocks = out.view(size, flat.numel()).split(widths, dim=1)
+    return [block.reshape(-1) for block in blocks]
+
+
+def reduce_scatter(grads: list[torch.Tensor | None], widths: list[int], like: torch.Tensor, axis: str,
+                   size: int) -> torch.Tensor:
+    """The sum over ranks of each whole gradient, this rank's piece of each side by side in one
+    flat tensor (`gather`'s dual)."""
+    blocks = [
+        (g if g is not None else like.new_zeros(size * w)).reshape(size, w) for g, w in zip(grads, widths)
+    ]
+    stacked = torch.cat(blocks, dim=1)
+    out = stacked.new_empty(sum(widths))
+    _binding(axis, size).reduce_scatter(out, stacked.reshape(-1), tag=OP.tag(axis, "backward"), phase="backward")
+    return out
+
+
+@torch.library.custom_op("fxpar::gather_parameters", mutates_args=(),
+                         schema="(Tensor[] shards, str axis, int size) -> Tensor[]")
+def _gather_parameters(shards, axis, size):
+    return gather(list(shards), axis, size)
+
+
+@_gather_parameters.register_fake
+def _(shards, axis, size):
+    return [s.new_empty(s.numel() * size) for s in shards]
+
+
+@torch.library.custom_op("fxpar::scatter_parameter_gradients", mutates_args=(),
+                         schema="(Tensor?[] grads, int[] widths, Tensor like, str axis, int size) -> Tensor")
+def _scatter_gradients(grads, widths, like, axis, size):
+    """gather_parameters' backward, itself an op so that a traced backward keeps it."""
+    return reduce_scatter(list(grads), list(widths), like, axis, size)
+
+
+@_scatter_gradients.register_fake
+def _(grads, widths, like, axis, size):
+    return like.new_empty(sum(widths))
+
+
+def _setup_context(ctx, inputs, output):
+    shards, ctx.axis, ctx.size = inputs
+    ctx.widths = [s.numel() for s in shards]
+    ctx.shapes = [s.shape for s in shards]
+
+
+def _backward(ctx, grads):
+    flat = torch.ops.fxpar.scatter_parameter_gradients(list(grads), ctx.widths, _like(grads), ctx.axis, ctx.size)
+    return [p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes)], None, None
+
+
+def _like(grads) -> torch.Tensor:
+    return next(g for g in grads if g is not None)
+
+
+_gather_parameters.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,160 @@
+"""ZeRO-3: every trained parameter sharded over dp, each layer's gathered before its first use.
+
+ZeRO stage 3 (Rajbhandari et al. 2020, Sec. 5.3; PyTorch's FSDP) partitions the parameters
+themselves: each of the N data-parallel ranks stores 1/N of every trained parameter, so
+model state costs 16P/N bytes with Adam in fp32. This pass expresses it in the IR: a
+parameter's placement on the dp axis becomes `FlatShard` (its tensor-parallel piece,
+flattened and padded, cut in N; `placement.local_slice` cuts it at rank specialisation), and
+before the first use of each layer's parameters one `fxpar.gather_parameters` op
+(`fxpar.parameter_gathers`) gathers them all, in one all-gather; its backward is one
+reduce-scatter of their gradients. The layer's uses then read the gathered values:
+
+    before: %w : get_attr[target=h.0.attn.q.weight]                         dp=R
+            %linear = aten.linear(%x, %w, %b)
+    after:  %w : get_attr[target=h.0.attn.q.weight]                         dp=F
+            %gathered = fxpar.gather_parameters([%w, %b, ...], 'dp', 2)
+            %w_whole = aten.view(aten.narrow(gathered[0], 0, 0, n), shape)   dp=R
+            %linear = aten.linear(%x, %w_whole, %b_whole)
+
+A layer (an FSDP unit) is a block of the model's repeated block list: the parameters whose
+names share the path up to their first numeric part (`h.3.attn.q.weight` -> `h.3`); the
+others (embeddings, final norm, head) form one unit of the root, as FSDP wraps the root. A
+unit holds one dtype (a mixed-dtype layer makes one unit per dtype).
+
+Requires: the placements of every parameter on the tp axis (the tp pass), gradient buckets
+(`meta.trained_parameters`: which parameters are trained).
+Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather; each
+gather comes before every use of its outputs; `gm.meta[GRAPH_PARAMETER_UNITS]` lists the
+units in gather order.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+import fxpar.parameter_gathers  # noqa: F401  (registers torch.ops.fxpar.gather_parameters)
+from fxpar import meta
+from fxpar.errors import PlanError
+from fxpar.mesh import Mesh
+from fxpar.passes.contracts import broken, ensures
+from fxpar.placement import FlatShard, R, local_shape
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ParameterUnit:
+    """The parameters one ZeRO-3 gather moves together: a layer, in gather order."""
+
+    index: int
+    layer: str  # the module path the unit stands for ("" for the root)
+    parameters: tuple[str, ...]
+
+
+def every_trained_parameter_sharded(gm: fx.GraphModule) -> None:
+    """Ensures (module doc)."""
+    nodes = meta.parameter_nodes(gm.graph)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for unit in gm.meta[meta.GRAPH_PARAMETER_UNITS]:
+        for name in unit.parameters:
+            node = nodes[name]
+            if not isinstance(meta.placement(node, "dp"), FlatShard):
+                raise broken(f"trained parameter {name} is sharded on dp (FlatShard)", node)
+            if len(node.users) != 1 or next(iter(node.users)).target is not torch.ops.fxpar.gather_parameters.default:
+                raise broken(f"parameter {name} is read only by its unit's gather", node)
+            gather = next(iter(node.users))
+            reads = [u for piece in gather.users for trim in piece.users for view in trim.users for u in view.users]
+            if any(order[u] < order[gather] for u in reads):
+                raise broken("a gather comes before every use of what it gathers", gather)
+
+
+@ensures(every_trained_parameter_sharded)
+def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh) -> fx.GraphModule:
+    """Shard every trained parameter over dp and gather each layer's before use (module doc)."""
+    graph, trained = gm.graph, meta.trained_parameters(gm)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    nodes = {name: node for name, node in meta.parameter_nodes(graph).items() if name in trained}
+    for name, node in nodes.items():
+        _check_shardable(name, node)
+    first_use = {name: min(order[u] for u in node.users) for name, node in nodes.items()}
+    layers: dict[tuple[str, torch.dtype], list[str]] = {}
+    for name in sorted(nodes, key=first_use.__getitem__):
+        layers.setdefault((layer_of(name), gm.get_parameter(name).dtype), []).append(name)
+    units = []
+    for (layer, _), names in sorted(layers.items(), key=lambda item: first_use[item[1][0]]):
+        units.append(ParameterUnit(len(units), layer, tuple(names)))
+        _gather_before_use(graph, [nodes[n] for n in names], mesh, before=min(
+            (u for n in names for u in nodes[n].users), key=order.__getitem__))
+    gm.meta[meta.GRAPH_PARAMETER_UNITS] = tuple(units)
+    gm.recompile()
+    return gm
+
+
+def _check_shardable(name: str, node: fx.Node) -> None:
+    """A gradient summed at the step's end before it is whole cannot be reduce-scattered per
+    layer in backward, as ZeRO-3 does: refused, saying which and why."""
+    if node.meta.get(meta.TIED_ACROSS_STAGES):
+        why = "is shared by pipeline stages on different ranks (its gradient is summed over them at the step's end)"
+        fix = "untie it, use pp=1, or zero=2"
+    elif node.meta.get(meta.GRAD_PARTIAL):
+        why = "gets a partial gradient on each tp rank (summed over tp at the step's end, as under sp=true)"
+        fix = "sp=false, or zero=2"
+    else:
+        return
+    raise PlanError(
+        f"plan zero=3 reduce-scatters each layer's gradients as backward leaves the layer, and "
+        f"parameter {name} {why}, so its gradient is not whole then. Fix: {fix}",
+        field="zero",
+        value=3,
+    )
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to: its path up to the first numeric part, else the root."""
+    match = re.match(r"^((?:[^.]+\.)*?\d+)\.", name)
+    return match.group(1) if match else ""
+
+
+def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, before: fx.Node) -> None:
+    """One gather of `shards` just before `before`; every other use reads its whole value."""
+    whole_shapes = [local_shape(s.meta["val"].shape, meta.placements(s), mesh.sizes) for s in shards]
+    for shard in shards:
+        meta.set_placement(shard, "dp", FlatShard())
+    pieces = [local_shape(s.meta["val"].shape, meta.placements(s), mesh.sizes)[0] for s in shards]
+    with graph.inserting_before(before):
+        gather = graph.call_function(torch.ops.fxpar.gather_parameters.default, (list(shards), "dp", mesh.dp))
+        _like(gather, before)
+        gather.meta[meta.REQUIRES_GRAD] = any(map(meta.requires_grad, shards))
+        gather.meta["val"] = [s.meta["val"].new_empty(p * mesh.dp) for s, p in zip(shards, pieces)]
+        for i, (shard, shape) in enumerate(zip(shards, whole_shapes)):
+            flat = graph.call_function(operator.getitem, (gather, i))
+            trimmed = graph.call_function(aten.narrow.default, (flat, 0, 0, _numel(shape)))
+            whole = graph.call_function(aten.view.default, (trimmed, list(shape)))
+            for node, value in ((flat, gather.meta["val"][i]), (trimmed, gather.meta["val"][i][: _numel(shape)])):
+                _like(node, before)
+                node.meta["val"] = value
+                node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(shard)
+            _like(whole, before)
+            whole.meta["val"] = shard.meta["val"]
+            whole.meta[meta.PLACEMENT] = meta.placements(shard).on("dp", R)
+            whole.meta[meta.REQUIRES_GRAD] = meta.requires_grad(shard)
+            for user in list(shard.users):
+                if user is not gather:
+                    user.replace_input_with(shard, whole)
+
+
+def _like(node: fx.Node, model: fx.Node) -> None:
+    """Give a new node `model`'s module path and stage, for pictures and the pipeline cut."""
+    for key in ("nn_module_stack", meta.STAGE):
+        if key in model.meta:
+            node.meta[key] = model.meta[key]
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
