@@ -17,6 +17,8 @@ Korthikanti et al. 2022, Sec. 4.2.2). Rank module code reads as aten plus these:
     reduce_scatter     reduce-scatter   all-gather        sequence parallelism's g
     gather_parameters  all-gather       reduce-scatter    ZeRO-3: a layer's parameter shards
                                                           (`fxpar.parameter_gathers`)
+    regather_parameters identity        all-gather        ZeRO-3: the layer's again, for
+                                                          backward (reshard_after_forward)
 
 `DistributedOp` is the one description of each: the kernels are built from its two
 primitives, and `fxpar.collectives` predicts a step's calls from the same two, so what the
@@ -53,7 +55,12 @@ class DistributedOp:
     backward: Primitive | None
     reduce: Literal["sum", "max"] = "sum"
     takes_dim: bool = False  # (x, axis, size, dim) rather than (x, axis)
-    many: bool = False  # (xs, axis, size): a list of tensors moved as one flat payload
+    many: bool = False  # a list of tensors moved as one flat payload, argument `shards_arg`
+    shards_arg: int = 0
+
+    def sources(self, node: fx.Node) -> list[fx.Node]:
+        """The values whose pieces the op's call moves: its input, or a `many` op's list."""
+        return list(node.args[self.shards_arg]) if self.many else [node.args[0]]
 
     @property
     def overload(self) -> torch._ops.OpOverload:
@@ -76,6 +83,7 @@ OPS = (
     DistributedOp("gather_to_region", "all_gather", "reduce_scatter", takes_dim=True),
     DistributedOp("reduce_scatter", "reduce_scatter", "all_gather", takes_dim=True),
     DistributedOp("gather_parameters", "all_gather", "reduce_scatter", many=True),
+    DistributedOp("regather_parameters", "identity", "all_gather", many=True, shards_arg=1),
 )
 BY_NAME = {op.name: op for op in OPS}
 
@@ -90,7 +98,8 @@ def distributed_op(node: fx.Node) -> DistributedOp | None:
 
 def axis_of(node: fx.Node) -> str:
     """The mesh axis a distributed op's node names."""
-    return node.args[1]
+    op = distributed_op(node)
+    return node.args[op.shards_arg + 1] if op is not None and op.many else node.args[1]
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -173,7 +182,7 @@ def _register(op: DistributedOp) -> None:
 
 
 for _op in OPS:
-    if not _op.many:  # gather_parameters registers in fxpar.parameter_gathers
+    if not _op.many:  # the ZeRO-3 ops register in fxpar.parameter_gathers
         _register(_op)
 
 

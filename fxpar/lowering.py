@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
+from fxpar.distributed_ops import BY_NAME, COMMUNICATING, axis_of, distributed_op
 from fxpar.mesh import Axis, Mesh
 from fxpar.passes.data_parallel import Bucket
 from fxpar.passes.weight_gradients import deferred_weights
@@ -45,14 +45,15 @@ from fxpar.placement import FlatShard, R, local_numel
 from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
 
 
-def graph_calls(gm: fx.GraphModule, mesh: Mesh) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
+def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
     """The calls of one microbatch's forward, and of its backward, of the graph's distributed
     ops, read off each op's own description (`fxpar.distributed_ops`).
 
     Backward calls are listed in reverse graph order, the order autograd runs them in, and
     only where a gradient flows. Payloads: an all-reduce's and a reduce-scatter's input, an
     all-gather's output, each a rank's piece (`placement.local_numel`); backward swaps input
-    and output. An op on an axis of one rank moves nothing and is left out.
+    and output. An op on an axis of one rank moves nothing and is left out. ZeRO-3's gathers
+    are issued `prefetch` layers ahead (`prefetched`).
     """
     forward: list[Call] = []
     backward: list[Call] = []
@@ -63,9 +64,12 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh) -> tuple[tuple[Call, ...], tuple
         axis = axis_of(node)
         if mesh.size(Axis(axis)) == 1:
             continue
-        sources = node.args[0] if op.many else [node.args[0]]  # many: one flat payload
-        local_in = sum(_local_numel(s, mesh) for s in sources)
-        ends = {"in": local_in, "out": local_in * mesh.size(Axis(axis)) if op.many else _local_numel(node, mesh)}
+        sources = op.sources(node)
+        if op.many:  # ZeRO-3: every rank's pieces of all the sources, both ways
+            whole = sum(_local_numel(s, mesh) for s in sources) * mesh.size(Axis(axis))
+            ends = {"in": whole, "out": whole}
+        else:
+            ends = {"in": _local_numel(sources[0], mesh), "out": _local_numel(node, mesh)}
         dtype = sources[0].meta["val"].dtype
         for phase, calls, (payload_in, payload_out) in (
             ("forward", forward, ("in", "out")),
@@ -78,7 +82,32 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh) -> tuple[tuple[Call, ...], tuple
             reduce = "none" if primitive == "all_gather" else op.reduce
             calls.append(Call(kind=primitive, numel=numel, dtype=dtype, axis=axis, op=reduce,
                               tag=op.tag(axis, phase), phase=phase, where=meta.module_path(node)))
-    return tuple(forward), tuple(backward[::-1])
+    return (prefetched(forward, GATHER_TAG, prefetch),
+            prefetched(backward[::-1], REGATHER_TAG, prefetch))
+
+
+GATHER_TAG = BY_NAME["gather_parameters"].tag("dp", "forward")
+REGATHER_TAG = BY_NAME["regather_parameters"].tag("dp", "backward")
+
+
+def prefetched(calls: list[Call], tag: str, depth: int) -> tuple[Call, ...]:
+    """`calls` with each gather of `tag` issued `depth` gathers early: when a layer's gather
+    is due, the next `depth` layers' go out right after it (FSDP's prefetch), as the runtime's
+    `ParameterGatherer` issues them. Their order among themselves stays; what moves is their
+    place among the group's other calls (a layer's reduce-scatter in backward)."""
+    gathers = [i for i, c in enumerate(calls) if c.tag == tag]
+    rank = {position: k for k, position in enumerate(gathers)}
+    issued: set[int] = set()
+    out: list[Call] = []
+    for i, call in enumerate(calls):
+        if i not in rank:
+            out.append(call)
+            continue
+        for k in range(rank[i], min(rank[i] + depth + 1, len(gathers))):
+            if k not in issued:
+                issued.add(k)
+                out.append(calls[gathers[k]])
+    return tuple(out)
 
 
 def _local_numel(node: fx.Node, mesh: Mesh) -> sympy.Expr | int:
@@ -189,7 +218,7 @@ def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[A
 def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = valid_targets_action(mesh, counted=program.loss_reduction.sums)
-    forward, backward = graph_calls(gm, mesh)
+    forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     for microbatch in range(program.plan.microbatches):
         actions += [Compute("F", 0, microbatch, forward), Compute("B", 0, microbatch, backward)]
     if zero == 0:  # the loss rides in the last bucket
@@ -207,7 +236,7 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
     mesh, schedule, stages, zero = program.mesh, program.schedule, program.stages, program.plan.zero
     last = len(stages) - 1
     local = [s for s in stages if schedule.rank_of(s.index) == pp]
-    calls = {s.index: graph_calls(s.graph_module, mesh) for s in local}
+    calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
     holds_loss = schedule.rank_of(last) == pp
     actions: list[Action] = valid_targets_action(mesh, counted=program.loss_reduction.sums and holds_loss)
     row = schedule.actions[pp]

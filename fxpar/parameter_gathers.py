@@ -17,7 +17,11 @@ backward, per microbatch, and both are in the graph, where `lowering.graph_calls
 them: the step program lists them like any tensor-parallel op's calls.
 
 The gathered parameters are ordinary graph values: they are freed after their last use in
-forward unless autograd saves them for backward (a linear keeps its weight).
+forward unless autograd saves them for backward (a linear keeps its weight). With
+`reshard_after_forward=true` the pass also puts a `regather_parameters` op on the output of
+the layer's last use: its backward gathers the layer again, and the runtime
+(`runtime.parameter_gatherer`) hands backward those values where autograd saved the
+forward's, so a layer's whole weights live only while its forward or backward runs.
 """
 
 from __future__ import annotations
@@ -100,3 +104,39 @@ def _like(grads) -> torch.Tensor:
 
 
 _gather_parameters.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- gathering again for backward (reshard_after_forward) -----------------------------------------
+
+REGATHER = BY_NAME["regather_parameters"]
+
+
+@torch.library.custom_op("fxpar::regather_parameters", mutates_args=(),
+                         schema="(Tensor x, Tensor[] shards, str axis, int size) -> Tensor")
+def _regather_parameters(x, shards, axis, size):
+    """Identity on `x`, the output of the layer's last use of its gathered parameters: its
+    backward, which autograd runs before that of any of the layer's ops, is where the layer's
+    parameters are gathered again for what backward reads of them."""
+    return x.clone()
+
+
+@_regather_parameters.register_fake
+def _(x, shards, axis, size):
+    return torch.empty_like(x)
+
+
+def _regather_setup(ctx, inputs, output):
+    _, ctx.shards, ctx.axis, ctx.size = inputs
+
+
+def _regather_backward(ctx, grad):
+    # As registered (torch.compile, tracing), the gather is issued, so every rank's calls are
+    # the step program's; the runtime's eager form (`runtime.parameter_gatherer`) keeps what it
+    # gathers for the saved tensors that name it.
+    flat = torch.cat([s.detach().reshape(-1) for s in ctx.shards])
+    _binding(ctx.axis, ctx.size).all_gather(flat.new_empty(ctx.size * flat.numel()), flat,
+                                            tag=REGATHER.tag(ctx.axis, "backward"), phase="backward")
+    return grad, None, None, None
+
+
+_regather_parameters.register_autograd(_regather_backward, setup_context=_regather_setup)

@@ -76,7 +76,8 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
                       hold=plan.zero >= 1)
     # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.
-    zero3 = (partial(shard_parameters, mesh=mesh),) if plan.zero == 3 and mesh.dp > 1 else ()
+    zero3 = (partial(shard_parameters, mesh=mesh, reshard_after_forward=plan.reshard_after_forward),
+             ) if plan.zero == 3 and mesh.dp > 1 else ()
     stages = plan.pp * plan.virtual_stages
     if stages == 1:
         return PassList(graph=(*graph, buckets, *zero3))

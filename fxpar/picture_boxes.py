@@ -63,7 +63,7 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
     """The box of a distributed op's node; `placed` gives its stage and expanded module."""
     op, axis = distributed_op(node), axis_of(node)
     mesh, captured = program.mesh, program.captured
-    sources = node.args[0] if op.many else [node.args[0]]  # many: one flat payload of them all
+    sources = op.sources(node)  # a ZeRO-3 op's: one flat payload of them all
     dtype = sources[0].meta["val"].dtype
     lines, calls = [], []
     if rank is not None:

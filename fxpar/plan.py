@@ -99,11 +99,11 @@ class Plan:
     # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
     # 3 also parameters. The cost model estimates every stage; the runtime runs stage 0 so far.
     zero: int = 0
-    # ZeRO-3 only (FSDP2's options): how many layers ahead parameters are gathered, and whether
-    # the gathered parameters autograd saves are freed after forward and gathered again for
-    # backward. The runtime runs prefetch=0 reshard_after_forward=false so far.
-    prefetch: int = 0
-    reshard_after_forward: bool = False
+    # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
+    # gathered, and whether the gathered parameters are freed after forward and gathered again
+    # for backward.
+    prefetch: int = 1
+    reshard_after_forward: bool = True
     # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients
     # are reduced in `reduce_dtype`. Estimated; the runtime trains in fp32 so far.
     precision: Precision = "fp32"
@@ -177,7 +177,7 @@ class Plan:
                 field="reduce_dtype",
                 value=self.reduce_dtype,
             )
-        for name, default in (("prefetch", 0), ("reshard_after_forward", False)):
+        for name, default in (("prefetch", 1), ("reshard_after_forward", True)):
             if getattr(self, name) != default and self.zero != 3:
                 raise PlanError(
                     f"plan {name}={text_of(getattr(self, name))} tunes how ZeRO-3 gathers "
@@ -425,16 +425,6 @@ def check_runnable(plan: Plan) -> None:
             "precision=fp32 to train",
             field="precision",
             value=plan.precision,
-        )
-    if plan.reshard_after_forward or plan.prefetch:
-        field = "reshard_after_forward" if plan.reshard_after_forward else "prefetch"
-        raise PlanError(
-            f"plan {field}={text_of(getattr(plan, field))}: ZeRO-3 keeps the gathered parameters "
-            "autograd saves until backward, and gathers each layer when it starts, so far "
-            "(re-gathering in backward and prefetching are not built yet). Fix: drop "
-            f"{field}",
-            field=field,
-            value=getattr(plan, field),
         )
     if plan.checkpoint != "none":
         raise PlanError(

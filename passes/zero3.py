@@ -16,6 +16,10 @@ reduce-scatter of their gradients. The layer's uses then read the gathered value
             %w_whole = aten.view(aten.narrow(gathered[0], 0, 0, n), shape)   dp=R
             %linear = aten.linear(%x, %w_whole, %b_whole)
 
+With `reshard_after_forward`, the output of each layer's last use of its gathered values goes
+through `fxpar.regather_parameters(x, [pieces...], 'dp', N)`: an identity whose backward, the
+first of the layer's in backward, gathers the layer again (FSDP's reshard after forward).
+
 A layer (an FSDP unit) is a block of the model's repeated block list: the parameters whose
 names share the path up to their first numeric part (`h.3.attn.q.weight` -> `h.3`); the
 others (embeddings, final norm, head) form one unit of the root, as FSDP wraps the root. A
@@ -23,9 +27,10 @@ unit holds one dtype (a mixed-dtype layer makes one unit per dtype).
 
 Requires: the placements of every parameter on the tp axis (the tp pass), gradient buckets
 (`meta.trained_parameters`: which parameters are trained).
-Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather; each
-gather comes before every use of its outputs; `gm.meta[GRAPH_PARAMETER_UNITS]` lists the
-units in gather order.
+Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather (and
+regather); each gather comes before every use of its outputs; with `reshard_after_forward`
+each unit has one regather, after every use; `gm.meta[GRAPH_PARAMETER_UNITS]` lists the units
+in gather order.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from fxpar.passes.contracts import broken, ensures
 from fxpar.placement import FlatShard, R, local_shape
 
 aten = torch.ops.aten
+GATHER = torch.ops.fxpar.gather_parameters.default
+REGATHER = torch.ops.fxpar.regather_parameters.default
 
 
 @dataclass(frozen=True)
@@ -66,16 +73,19 @@ def every_trained_parameter_sharded(gm: fx.GraphModule) -> None:
             node = nodes[name]
             if not isinstance(meta.placement(node, "dp"), FlatShard):
                 raise broken(f"trained parameter {name} is sharded on dp (FlatShard)", node)
-            if len(node.users) != 1 or next(iter(node.users)).target is not torch.ops.fxpar.gather_parameters.default:
-                raise broken(f"parameter {name} is read only by its unit's gather", node)
-            gather = next(iter(node.users))
+            readers = {u.target: u for u in node.users}
+            if set(readers) - {GATHER, REGATHER} or GATHER not in readers:
+                raise broken(f"parameter {name} is read only by its unit's gather (and regather)", node)
+            gather = readers[GATHER]
             reads = [u for piece in gather.users for trim in piece.users for view in trim.users for u in view.users]
             if any(order[u] < order[gather] for u in reads):
                 raise broken("a gather comes before every use of what it gathers", gather)
+            if REGATHER in readers and any(order[u] > order[readers[REGATHER]] for u in reads):
+                raise broken("a regather comes after every use of what it gathers again", readers[REGATHER])
 
 
 @ensures(every_trained_parameter_sharded)
-def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh) -> fx.GraphModule:
+def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: bool = False) -> fx.GraphModule:
     """Shard every trained parameter over dp and gather each layer's before use (module doc)."""
     graph, trained = gm.graph, meta.trained_parameters(gm)
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -89,8 +99,10 @@ def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh) -> fx.GraphModule:
     units = []
     for (layer, _), names in sorted(layers.items(), key=lambda item: first_use[item[1][0]]):
         units.append(ParameterUnit(len(units), layer, tuple(names)))
-        _gather_before_use(graph, [nodes[n] for n in names], mesh, before=min(
+        wholes = _gather_before_use(graph, [nodes[n] for n in names], mesh, before=min(
             (u for n in names for u in nodes[n].users), key=order.__getitem__))
+        if reshard_after_forward:
+            _regather_after_use(graph, [nodes[n] for n in names], wholes, mesh, layer)
     gm.meta[meta.GRAPH_PARAMETER_UNITS] = tuple(units)
     gm.recompile()
     return gm
@@ -121,14 +133,16 @@ def layer_of(name: str) -> str:
     return match.group(1) if match else ""
 
 
-def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, before: fx.Node) -> None:
-    """One gather of `shards` just before `before`; every other use reads its whole value."""
+def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, before: fx.Node) -> list[fx.Node]:
+    """One gather of `shards` just before `before`; every other use reads its whole value
+    (returned, one node per shard)."""
     whole_shapes = [local_shape(s.meta["val"].shape, meta.placements(s), mesh.sizes) for s in shards]
     for shard in shards:
         meta.set_placement(shard, "dp", FlatShard())
     pieces = [local_shape(s.meta["val"].shape, meta.placements(s), mesh.sizes)[0] for s in shards]
+    wholes = []
     with graph.inserting_before(before):
-        gather = graph.call_function(torch.ops.fxpar.gather_parameters.default, (list(shards), "dp", mesh.dp))
+        gather = graph.call_function(GATHER, (list(shards), "dp", mesh.dp))
         _like(gather, before)
         gather.meta[meta.REQUIRES_GRAD] = any(map(meta.requires_grad, shards))
         gather.meta["val"] = [s.meta["val"].new_empty(p * mesh.dp) for s, p in zip(shards, pieces)]
@@ -147,6 +161,30 @@ def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, be
             for user in list(shard.users):
                 if user is not gather:
                     user.replace_input_with(shard, whole)
+            wholes.append(whole)
+    return wholes
+
+
+def _regather_after_use(graph: fx.Graph, shards: list[fx.Node], wholes: list[fx.Node], mesh: Mesh, layer: str) -> None:
+    """Put the output of the last node reading `wholes` through a regather of `shards`."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    last = max((u for w in wholes for u in w.users), key=order.__getitem__)
+    value = last.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not meta.requires_grad(last):
+        raise PlanError(
+            f"plan reshard_after_forward=true gathers layer {layer or '<root>'!r} again when "
+            f"backward reaches its last use, {meta.describe(last)}, whose output is not one "
+            "tensor that backward passes through. Fix: reshard_after_forward=false",
+            field="reshard_after_forward",
+            value=True,
+        )
+    with graph.inserting_after(last):
+        gate = graph.call_function(REGATHER, (last, list(shards), "dp", mesh.dp))
+    last.replace_all_uses_with(gate, delete_user_cb=lambda user: user is not gate)
+    _like(gate, last)
+    gate.meta["val"] = value
+    gate.meta[meta.PLACEMENT] = meta.placements(last)
+    gate.meta[meta.REQUIRES_GRAD] = True
 
 
 def _like(node: fx.Node, model: fx.Node) -> None:

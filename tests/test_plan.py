@@ -115,7 +115,7 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
     defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "tp_rules": "auto",
                 "sequence_parallel": False, "pp": 1, "schedule": "1f1b", "virtual_stages": 1,
-                "split": [], "prefetch": 0, "reshard_after_forward": False, "reduce_dtype": "fp32",
+                "split": [], "prefetch": 1, "reshard_after_forward": True, "reduce_dtype": "fp32",
                 "checkpoint": "none", "rng": "fast"}
     assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4} | defaults
     assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1} | defaults
@@ -128,11 +128,11 @@ def test_options_of_one_setting_are_refused_without_it() -> None:
         Plan.parse("dp=2 zero=2 prefetch=2")
     assert caught.value.field == "prefetch"
     with pytest.raises(PlanError, match="add zero=3"):
-        Plan.parse("dp=2 reshard_after_forward=true")
+        Plan.parse("dp=2 reshard_after_forward=false")
     with pytest.raises(PlanError, match="add precision=bf16-mixed") as caught:
         Plan.parse("reduce_dtype=bf16")
     assert caught.value.field == "reduce_dtype"
-    plan = Plan.parse("dp=2 zero=3 prefetch=2 reshard_after_forward=true precision=bf16-mixed "
+    plan = Plan.parse("dp=2 zero=3 prefetch=2 reshard_after_forward=false precision=bf16-mixed "
                       "reduce_dtype=bf16 checkpoint=selective rng=exact")
     assert Plan.parse(str(plan)) == plan and plan.prefetch == 2
 

@@ -41,7 +41,8 @@ class ModuleExecutor:
             elif not isinstance(action, Compute):
                 raise TypeError(f"a single-stage step has no {type(action).__name__} actions")
             elif action.kind == "F":
-                loss = context.loss.share(module(*state.inputs(context, action.microbatch)), microbatches)
+                with context.saving(0):
+                    loss = context.loss.share(module(*state.inputs(context, action.microbatch)), microbatches)
                 state.loss += loss.detach()
                 state.losses[action.microbatch] = loss
                 if action.microbatch == microbatches - 1:

@@ -170,7 +170,8 @@ class PipelineExecutor:
             buffer.requires_grad_(boundary.requires_grad)
         user = dict(zip(self.program.input_names, step.state.inputs(self.context, mb)))
         store = self._store_input[stage.index // self.schedule.p]  # (), or (its store,)
-        result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs), *store)
+        with self.context.saving(self.context.module_of_stage[stage.index]):
+            result = self._module(stage.index)(*received, *(user[n] for n in stage.user_inputs), *store)
         step.inputs[(stage.index, mb)] = received
         if stage.index == len(self.program.stages) - 1:
             loss = self.context.loss.share(result, len(step.state.chunks))

@@ -43,6 +43,7 @@ from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
+from fxpar.runtime.parameter_gatherer import ParameterGatherer
 from fxpar.pipeline_program import receives_ahead
 from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
@@ -200,6 +201,12 @@ class Runner:
         # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
         self._flat_parameters = [flatten_parameters(b) for b in buckets] if self.program.plan.zero else []
         step_program, mine = self._step_program, dict(_parameters_of(self.modules))
+        plan = self.program.plan
+        gatherers = tuple(
+            ParameterGatherer(m, self._dp, self.communicator, prefetch=plan.prefetch,
+                              reshard_after_forward=plan.reshard_after_forward)
+            for m in self.modules
+        ) if plan.zero == 3 and self._dp.size > 1 else ()
         self._context = StepContext(
             rank=self.rank, device=self.device, step_program=step_program,
             guard=StepGuard(step_program), modules=tuple(self.modules),
@@ -212,7 +219,7 @@ class Runner:
             ),
             tied={name: (mine[name], self._tied_groups[group]) for name, group in step_program.tied_groups.items()},
             loss=self.loss, communicator=self.communicator, groups=self.groups,
-            receives_ahead=receives_ahead(self.backend),
+            receives_ahead=receives_ahead(self.backend), gatherers=gatherers,
         )
         self._executor = (
             ModuleExecutor(self._context) if stages is None

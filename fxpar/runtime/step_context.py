@@ -28,6 +28,7 @@ bind.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from fxpar.mesh import Axis
     from fxpar.runtime.communicator import Communicator
     from fxpar.runtime.gradient_buckets import GradientBuckets
+    from fxpar.runtime.parameter_gatherer import ParameterGatherer
     from fxpar.runtime.process_groups import RankGroup
     from fxpar.runtime.step_guard import StepGuard
     from fxpar.runtime.step_loss import StepLoss
@@ -63,3 +65,10 @@ class StepContext:
     groups: Mapping[Axis, RankGroup]
     receives_ahead: int
     record_timeline: bool = False
+    # ZeRO-3's eager gathers per module (`runtime.parameter_gatherer`), or () without ZeRO-3.
+    gatherers: tuple[ParameterGatherer, ...] = ()
+
+    def saving(self, module: int):
+        """The context a forward of module `module` runs in (ZeRO-3 packs what autograd saves of
+        gathered parameters as recipes; nothing otherwise)."""
+        return self.gatherers[module].saving() if self.gatherers else contextlib.nullcontext()

@@ -86,12 +86,11 @@ def test_estimated_model_state_of_a_program_follows_the_stage(zero):
         expected + 4 * tensors, rel=1e-12)
 
 
-@pytest.mark.parametrize("zero, volume", [(0, 2), (1, 2), (2, 2), (3, 2)])
-def test_data_parallel_traffic_is_2p(zero, volume):
-    """FORMULAS.md / ZeRO Sec. 7: DP and ZeRO-1/2 move 2P per step (wire, ring). ZeRO-3 moves
-    the paper's 3P when it gathers the parameters again for backward; fxpar's keeps what
-    autograd saves from forward (reshard_after_forward=false, the only setting built), so each
-    layer is gathered once and its gradients reduce-scattered once: 2P."""
+@pytest.mark.parametrize("zero, volume", [(0, 2), (1, 2), (2, 2), (3, 3)])
+def test_data_parallel_traffic_is_2p_or_3p_for_zero_3(zero, volume):
+    """FORMULAS.md / ZeRO Sec. 7: DP and ZeRO-1/2 move 2P per step, ZeRO-3 3P (wire, ring):
+    each layer gathered for forward and again for backward (reshard_after_forward=true, the
+    default), its gradients reduce-scattered."""
     program = compile_gpt(*SHAPES[0], plan=f"dp=4 zero={zero} bucket_mb=0.05")
     P = program.captured.parameter_count()
     comm = program.estimate("h100").comm

@@ -1,0 +1,180 @@
+"""ZeRO-3 at run time: each layer gathered once per use, prefetched, and re-gathered for backward.
+
+The ZeRO-3 pass (`passes.zero3`) writes the ops; this is their eager form for one bound rank
+module, as `distributed_ops.lower_for_eager` is for the other ops. At bind the gatherer points
+every `gather_parameters` and `regather_parameters` node of the module at its own methods:
+
+    forward   gather_parameters of layer k: wait for layer k's all-gather (issue it now if it
+              is not in flight), then issue the next `prefetch` layers' (in forward order)
+    backward  regather_parameters of layer k (the first of layer k's backward): the same, in
+              backward order, into what the forward's saved tensors are re-made from
+              gather_parameters of layer k: one reduce-scatter of the layer's gradients; the
+              layer's re-gathered values are dropped
+
+Which calls go out when is what `lowering.prefetched` wrote into the step program, so the
+step guard admits them.
+
+With `reshard_after_forward`, forward runs inside `saving()`: a saved-tensor hook
+(`torch.autograd.graph.saved_tensors_hooks`) packs a tensor that lies in a gathered layer's
+memory as (layer, output, geometry) instead of the tensor, so nothing keeps the layer's whole
+weights alive after its forward; unpacking in backward re-makes the view on the layer's
+re-gathered values, which are bit-identical (the same pieces, gathered the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar.parameter_gathers import OP, REGATHER, reduce_scatter
+from fxpar.runtime.communicator import Communicator, PendingCollective
+from fxpar.runtime.process_groups import RankGroup
+
+GATHER_TARGET = torch.ops.fxpar.gather_parameters.default
+REGATHER_TARGET = torch.ops.fxpar.regather_parameters.default
+
+
+@dataclass
+class _Layer:
+    shards: list[torch.Tensor]  # this rank's pieces, the module's parameters
+    pending: PendingCollective | None = None
+    flat: torch.Tensor | None = None  # the gathered flat buffer in flight or done
+    outputs: list[torch.Tensor] | None = None  # the re-gathered values (backward)
+
+
+class ParameterGatherer:
+    """The ZeRO-3 ops of one rank module, run eagerly (module doc)."""
+
+    def __init__(self, module: fx.GraphModule, group: RankGroup, communicator: Communicator, *,
+                 prefetch: int, reshard_after_forward: bool):
+        self.group, self.communicator, self.depth = group, communicator, prefetch
+        self.reshard = reshard_after_forward
+        gathers = [n for n in module.graph.nodes if n.target is GATHER_TARGET]
+        regathers = [n for n in module.graph.nodes if n.target is REGATHER_TARGET]
+        index = {tuple(n.args[0]): k for k, n in enumerate(gathers)}
+        self.layers = [_Layer([_parameter(module, s) for s in n.args[0]]) for n in gathers]
+        self.forward_order = list(range(len(gathers)))
+        self.backward_order = [index[tuple(n.args[1])] for n in reversed(regathers)]
+        # storage pointer -> the gathered value living there (while it lives)
+        self._by_storage: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        for k, node in enumerate(gathers):
+            node.target = self._gather_function(k)
+        for node in regathers:
+            node.target = self._regather_function(index[tuple(node.args[1])])
+        module.recompile()
+
+    # -- the calls --------------------------------------------------------------------------
+
+    def _issue(self, k: int, *, tag: str, phase: str) -> None:
+        layer = self.layers[k]
+        if layer.pending is None and layer.flat is None:
+            flat = torch.cat([s.detach().reshape(-1) for s in layer.shards])
+            layer.flat = flat.new_empty(self.group.size * flat.numel())
+            layer.pending = self.communicator.all_gather(layer.flat, flat, self.group, tag=tag, phase=phase)
+
+    def _take(self, k: int, order: list[int], *, tag: str, phase: str) -> list[torch.Tensor]:
+        """Layer k's whole values: its gather waited for, the next `depth` in `order` issued."""
+        self._issue(k, tag=tag, phase=phase)
+        layer = self.layers[k]
+        layer.pending.wait()
+        position = order.index(k)
+        for later in order[position + 1 : position + 1 + self.depth]:
+            self._issue(later, tag=tag, phase=phase)
+        flat, layer.flat, layer.pending = layer.flat, None, None
+        widths = [s.numel() for s in layer.shards]
+        blocks = flat.view(self.group.size, sum(widths)).split(widths, dim=1)
+        return [block.reshape(-1) for block in blocks]
+
+    def _gather_function(self, k: int):
+        gatherer = self
+
+        class Gather(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, axis, size, *shards):
+                outputs = gatherer._take(k, gatherer.forward_order, tag=OP.tag(axis, "forward"), phase="forward")
+                if gatherer.reshard:
+                    for j, out in enumerate(outputs):
+                        gatherer._remember(out, k, j)
+                ctx.widths, ctx.shapes, ctx.axis, ctx.size = [s.numel() for s in shards], [s.shape for s in shards], axis, size
+                return tuple(outputs)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                gatherer.layers[k].outputs = None  # the layer's backward is over
+                like = next(g for g in grads if g is not None)
+                flat = reduce_scatter(list(grads), ctx.widths, like, ctx.axis, ctx.size)
+                return None, None, *(p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes))
+
+        def gather_parameters(shards, axis, size):
+            return list(Gather.apply(axis, size, *shards))
+
+        return gather_parameters
+
+    def _regather_function(self, k: int):
+        gatherer = self
+
+        class Regather(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                gatherer._regathered(k)
+                return grad
+
+        def regather_parameters(x, shards, axis, size):
+            return Regather.apply(x)
+
+        return regather_parameters
+
+    def _regathered(self, k: int) -> list[torch.Tensor]:
+        layer = self.layers[k]
+        if layer.outputs is None:
+            layer.outputs = self._take(k, self.backward_order, tag=REGATHER.tag("dp", "backward"), phase="backward")
+        return layer.outputs
+
+    # -- saved tensors ------------------------------------------------------------------------
+
+    def saving(self):
+        """The context forward runs in: gathered values saved for backward as recipes."""
+        if not self.reshard:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _remember(self, out: torch.Tensor, k: int, j: int) -> None:
+        out.fxpar_gathered = (k, j)  # which layer's output it is, for `_pack`
+        self._by_storage[out.untyped_storage().data_ptr()] = out
+
+    def _pack(self, tensor: torch.Tensor):
+        pointer = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else None
+        out = self._by_storage.get(pointer)
+        if out is None or out.untyped_storage().data_ptr() != pointer:
+            return tensor
+        k, j = out.fxpar_gathered
+        return _Recipe(k, j, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Recipe):
+            return packed
+        whole = self._regathered(packed.layer)[packed.output]
+        return whole.as_strided(packed.shape, packed.stride, packed.offset)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """A saved tensor that lies in a gathered layer's memory, as what re-makes it."""
+
+    layer: int
+    output: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _parameter(module: fx.GraphModule, node: fx.Node) -> torch.nn.Parameter:
+    return module.get_parameter(node.target)
