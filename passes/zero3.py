@@ -140,6 +140,8 @@ def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, be
     for shard in shards:
         meta.set_placement(shard, "dp", FlatShard())
     pieces = [local_shape(s.meta["val"].shape, meta.placements(s), mesh.sizes)[0] for s in shards]
+    for shard in shards:  # a stage's graph may read a parameter first deep inside (no inputs: free to move)
+        before.prepend(shard)
     wholes = []
     with graph.inserting_before(before):
         gather = graph.call_function(GATHER, (list(shards), "dp", mesh.dp))
