@@ -4,14 +4,19 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --plans 20
 
 `--scale` builds examples/gpt.py's GPT in GPT-3 175B's shape (96 layers, 96 heads, width
-12288, sequence 2048; Brown et al. 2020, Table 2.1; GPT-2's vocabulary of 50257 padded to
-50304 so that tp=8 divides it) on the meta device, so nothing is allocated, and times each
-step of planning it at `dp=8 tp=8 pp=16 mb=16` (1024 ranks, global batch 128 x 2048):
+12288, sequence 2048; Brown et al. 2020, Table 2.1; a vocabulary of 51200, a multiple of 64
+that tp=8 divides) on the meta device, so nothing is allocated, and times each step of
+planning it at `dp=8 tp=8 pp=16 mb=16 zero=1` (1024 ranks, global batch 128 x 2048):
 
     capture         fxpar.capture(model, (tokens, labels)): one torch.export
-    compile         fxpar.compile(captured, plan): the passes, the 16-stage cut
-    rank_module     program.rank_module(517): the code one rank runs, its shards sliced
+    compile         fxpar.compile(captured, plan, check=False): the passes, the 16-stage cut
+    rank_module     program.rank_module(517).code: the code one rank runs, its shards sliced
     check           program.check(): every rank's collectives matched, the schedule simulated
+    estimate        program.estimate(): memory, time and bytes moved of the worst rank
+
+and the process's peak resident memory (`resource.getrusage`). Targets (the whole-job
+issue): all of it within 60 s and 4 GB. `--layers 48 96` plans the same shape at each depth
+and prints how compile time grows with layers (target: 2x layers <= 2.3x time).
 
 Each row gives wall-clock seconds (`time.perf_counter`) and this process's CPU seconds
 (`time.process_time`; on a shared machine the wall clock includes waiting for a core).
@@ -34,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import os
 import pstats
+import resource
 import sys
 import time
 import warnings
@@ -56,8 +63,8 @@ from harness import format_table  # noqa: E402
 
 # GPT-2's vocabulary of 50257 padded to 50304 (a multiple of 64, as examples/gpt.py does and
 # Megatron's --make-vocab-size-divisible-by): tp=8 splits the embedding's rows, and 50257 is odd.
-GPT3_175B = GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=50304, block_size=2048)
-SCALE_PLAN = "dp=8 tp=8 pp=16 mb=16"
+GPT3_175B = GPTConfig(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048)
+SCALE_PLAN = "dp=8 tp=8 pp=16 mb=16 zero=1"
 SCALE_BATCH = 128  # dp * mb: one sample per microbatch per replica
 SCALE_RANK = 517
 SMALL = GPTConfig(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=128)
@@ -130,26 +137,42 @@ def timed(rows: list, label: str, call: Callable):
     return result
 
 
-def run_scale(profile: bool, top: int) -> None:
+def run_scale(profile: bool, top: int, layers: int = GPT3_175B.n_layer) -> dict[str, float]:
+    """Plan the GPT-3 shape at `layers` layers; returns each step's wall seconds."""
+    config = dataclasses.replace(GPT3_175B, n_layer=layers)
     with torch.device("meta"):
-        model = GPT(GPT3_175B)
-    inputs = tokens(GPT3_175B, SCALE_BATCH)
-    print(f"GPT-3 175B shape ({sum(p.numel() for p in model.parameters()) / 1e9:.1f}B parameters, "
-          f"meta), plan {SCALE_PLAN}, batch {SCALE_BATCH} x {GPT3_175B.block_size}", flush=True)
+        model = GPT(config)
+    inputs = tokens(config, SCALE_BATCH)
+    print(f"GPT-3 175B shape at {layers} layers ({sum(p.numel() for p in model.parameters()) / 1e9:.1f}B "
+          f"parameters, meta), plan {SCALE_PLAN}, batch {SCALE_BATCH} x {config.block_size}", flush=True)
     rows: list = []
     captured = timed(rows, "capture", lambda: fxpar.capture(model, inputs))
-    program = timed(rows, "compile", lambda: fxpar.compile(captured, SCALE_PLAN))
+    program = timed(rows, "compile", lambda: fxpar.compile(captured, SCALE_PLAN, check=False))
     assert program.world_size == 1024, program.world_size
-    timed(rows, f"rank_module({SCALE_RANK})", lambda: program.rank_module(SCALE_RANK))
+    timed(rows, f"rank_module({SCALE_RANK}).code", lambda: program.rank_module(SCALE_RANK).code)
     timed(rows, "check (1024 ranks)", program.check)
+    timed(rows, "estimate", program.estimate)
     total = [sum(float(r[c]) for r in rows) for c in (1, 2)]
     rows.append(["total", f"{total[0]:.2f}", f"{total[1]:.2f}"])
     print(format_table(["step", "wall s", "CPU s"], rows))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    print(f"peak resident memory: {peak:.2f} GiB (target 4 GiB); total {total[0]:.1f} s (target 60 s)")
     if profile:
         profiler = cProfile.Profile()
         profiler.runcall(program.check)
         print(f"\ncheck() under cProfile, top {top} by cumulative time:")
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
+    return {r[0]: float(r[1]) for r in rows}
+
+
+def run_layers(depths: list[int]) -> None:
+    """Compile time against depth: each depth planned from scratch, ratios to the first."""
+    times = {layers: run_scale(False, 0, layers) for layers in depths}
+    first = depths[0]
+    for layers in depths[1:]:
+        for step in ("capture", "compile"):
+            ratio = times[layers][step] / times[first][step]
+            print(f"{step}: {layers} layers / {first} layers = {ratio:.2f}x time for {layers / first:.1f}x layers")
 
 
 def run_plans(count: int) -> int:
@@ -200,10 +223,12 @@ def main() -> int:
     parser.add_argument("--plans", type=int, nargs="?", const=20, default=None, metavar="N",
                         help="compile N plans from one capture (default N: 20)")
     parser.add_argument("--profile", action="store_true", help="with --scale: cProfile check()")
+    parser.add_argument("--layers", type=int, nargs="+", default=None, metavar="L",
+                        help="plan the 175B shape at these depths and compare compile times")
     parser.add_argument("--top", type=int, default=10, help="rows of the profile")
     args = parser.parse_args()
-    if not args.scale and args.plans is None:
-        parser.error("give --scale, --plans [N], or both")
+    if not args.scale and args.plans is None and args.layers is None:
+        parser.error("give --scale, --plans [N], --layers L ..., or several")
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, fxpar from {fxpar.__file__}")
@@ -212,6 +237,8 @@ def main() -> int:
         status |= run_plans(args.plans)
     if args.scale:
         run_scale(args.profile, args.top)
+    if args.layers:
+        run_layers(args.layers)
     return status
 
 
