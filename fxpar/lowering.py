@@ -200,7 +200,7 @@ def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) 
     if mesh.tp == 1 or not names:
         return []
     nodes = meta.parameter_nodes(gm.graph)
-    numel = sum(nodes[n].meta["val"].numel() for n in names)
+    numel = sum(local_numel(nodes[n].meta["val"].shape, meta.placements(nodes[n]), mesh.sizes) for n in names)
     call = Call(kind="all_reduce", numel=numel, dtype=nodes[names[0]].meta["val"].dtype, axis="tp",
                 tag="tp partial parameter gradients", phase="step")
     return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]

@@ -25,6 +25,10 @@ names share the path up to their first numeric part (`h.3.attn.q.weight` -> `h.3
 others (embeddings, final norm, head) form one unit of the root, as FSDP wraps the root. A
 unit holds one dtype (a mixed-dtype layer makes one unit per dtype).
 
+A gradient summed at the step's end (a parameter tied across pipeline ranks; under sp, a
+replicated norm's partial tp gradient) is summed on the pieces: the sum commutes with the
+dp reduce-scatter, and every copy of the parameter has the same pieces.
+
 Requires: the placements of every parameter on the tp axis (the tp pass), gradient buckets
 (`meta.trained_parameters`: which parameters are trained).
 Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather (and
@@ -90,8 +94,6 @@ def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: b
     graph, trained = gm.graph, meta.trained_parameters(gm)
     order = {node: i for i, node in enumerate(graph.nodes)}
     nodes = {name: node for name, node in meta.parameter_nodes(graph).items() if name in trained}
-    for name, node in nodes.items():
-        _check_shardable(name, node)
     first_use = {name: min(order[u] for u in node.users) for name, node in nodes.items()}
     layers: dict[tuple[str, torch.dtype], list[str]] = {}
     for name in sorted(nodes, key=first_use.__getitem__):
@@ -106,25 +108,6 @@ def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: b
     gm.meta[meta.GRAPH_PARAMETER_UNITS] = tuple(units)
     gm.recompile()
     return gm
-
-
-def _check_shardable(name: str, node: fx.Node) -> None:
-    """A gradient summed at the step's end before it is whole cannot be reduce-scattered per
-    layer in backward, as ZeRO-3 does: refused, saying which and why."""
-    if node.meta.get(meta.TIED_ACROSS_STAGES):
-        why = "is shared by pipeline stages on different ranks (its gradient is summed over them at the step's end)"
-        fix = "untie it, use pp=1, or zero=2"
-    elif node.meta.get(meta.GRAD_PARTIAL):
-        why = "gets a partial gradient on each tp rank (summed over tp at the step's end, as under sp=true)"
-        fix = "sp=false, or zero=2"
-    else:
-        return
-    raise PlanError(
-        f"plan zero=3 reduce-scatters each layer's gradients as backward leaves the layer, and "
-        f"parameter {name} {why}, so its gradient is not whole then. Fix: {fix}",
-        field="zero",
-        value=3,
-    )
 
 
 def layer_of(name: str) -> str:
