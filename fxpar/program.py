@@ -103,6 +103,9 @@ def compile(
     graph_module = run_passes(captured.graph_module, passes.graph)
     _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
     _warn_of_batch_statistics(plan, captured)
+    if plan.zero and plan.dp == 1:
+        warnings.warn(f"fxpar: plan zero={plan.zero} shards model state over the data-parallel ranks, "
+                      "and dp=1: nothing is sharded. Fix: dp=2 or more, or drop zero", stacklevel=2)
     stages = build_stages(graph_module, stage_passes=passes.stage) if passes.stage else None
     program = Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
                       stages=stages, hardware=hardware, passes=passes)

@@ -238,3 +238,9 @@ def test_a_program_pickles_and_loads_by_compiling_again():
     programs[0].replace_step_program(1, resize_call(programs[0].step_program(1), 0, 7))
     again = pickle.loads(pickle.dumps(programs[0]))
     assert again.collectives(1) == programs[0].collectives(1) != loaded[0].collectives(1)
+
+
+def test_zero_without_data_parallelism_warns_that_nothing_is_sharded():
+    with pytest.warns(UserWarning, match="plan zero=3 shards model state .* and dp=1: nothing is sharded"):
+        program = compile_gpt("zero=3")
+    assert not any("gather_parameters" in c.tag for c in program.step_program(0).calls())
