@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 import fxpar.vocab_parallel_ops  # noqa: F401  (the torch.ops.fxpar lookups priced below)
+import fxpar.random_ops  # noqa: F401
 from fxpar import meta
 from fxpar.deferred_linear import stands_for
 from fxpar.distributed_ops import distributed_op
@@ -90,8 +91,14 @@ MATMUL_RULES: dict[object, Callable] = {
     aten.baddbmm: _mm,
     aten.matmul: _matmul,
     aten.scaled_dot_product_attention: _attention,
+    torch.ops.fxpar.attention_with_dropout_mask: _attention,  # sdpa with dropout (passes.random_draws)
 }
-_ATTENTION = {aten.scaled_dot_product_attention}
+_ATTENTION = {aten.scaled_dot_product_attention, torch.ops.fxpar.attention_with_dropout_mask}
+# Random draws (fxpar.random_ops): FLOPs per element drawn (the draw and the test against p).
+# Under rng=exact a rank draws the whole value, `DrawSlice.whole_factor` times its piece: the
+# stated price of drawing one device's values.
+_DRAWS = {torch.ops.fxpar.random_like, torch.ops.fxpar.attention_dropout_mask}
+_DRAW_FLOPS = 2
 
 # op -> FLOPs per output element (per input element for reductions and losses).
 _PER_ELEMENT: dict[object, int] = {
@@ -198,6 +205,10 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
         matmul = sympy.sympify(matmul)
         attention = matmul if packet in _ATTENTION else sympy.Integer(0)
         return OpCost(matmul, sympy.sympify(other), moved, attention_flops=attention)
+    if packet in _DRAWS:
+        where = fxpar.random_ops.DrawSlice(*node.args[5:11])
+        drawn = _numel(out_shape) * (where.whole_factor if node.args[4] else 1)
+        return OpCost(sympy.Integer(0), _DRAW_FLOPS * drawn, moved)
     if packet in _PER_ELEMENT:
         counted = in_shapes[0] if packet in _REDUCING and in_shapes else out_shape
         return OpCost(sympy.Integer(0), _PER_ELEMENT[packet] * _numel(counted), moved)
