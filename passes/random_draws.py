@@ -58,7 +58,7 @@ def draws_from_streams(gm: fx.GraphModule) -> None:
             continue
         if node.target in DRAWS:
             indices.append(node.args[3])
-        elif _seeded(node) or _attention_dropout(node) is not None:
+        elif _seeded(node):
             raise broken("every random op draws from an fxpar stream", node)
     if indices != list(range(len(indices))):
         raise broken(f"random ops numbered 0.. in graph order, got {indices}")
@@ -102,7 +102,13 @@ def draw_from_streams(gm: fx.GraphModule, *, exact: bool, dp: int, tp: int, micr
 
 
 def _seeded(node: fx.Node) -> bool:
+    """Whether `node` draws from the process's generator: torch tags such ops, and
+    scaled_dot_product_attention among them, which draws only with dropout_p > 0."""
     target = node.target
+    if target is aten.scaled_dot_product_attention.default:
+        return _attention_dropout(node) is not None
+    if target is aten.dropout.default:
+        return node.args[2] and node.args[1] > 0
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
