@@ -9,7 +9,7 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
     graph: normalise_loss
            shard_tensor_parallel(placements=..., tp=2, sequence_parallel=False, ...)
            place_data_parallel(batch=frozenset({s35}))
-           draw_from_streams(exact=False, dp=2, tp=2, microbatches=1)
+           draw_from_streams(exact=False, dp=2, tp=2, microbatches=1)   (a model that draws)
            assign_stages(stages=2, split=(), cost=..., memory=..., in_flight=(2.0, 1.0))
     stage: defer_weight_gradients
            assign_gradient_buckets(bucket_bytes=1048576, mesh=Mesh(dp=2, pp=2, tp=2))
@@ -39,7 +39,7 @@ from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
 from fxpar.passes.loss_normalisation import normalise_loss
 from fxpar.passes.pipeline import assign_stages
-from fxpar.passes.random_draws import draw_from_streams
+from fxpar.passes.random_draws import draw_from_streams, draws_randomness
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
@@ -77,8 +77,9 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
             gathered_outputs=placements.gathered_outputs,
         ))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
-    graph.append(partial(draw_from_streams, exact=plan.rng == "exact", dp=plan.dp, tp=plan.tp,
-                         microbatches=plan.microbatches))
+    if draws_randomness(captured.graph_module):
+        graph.append(partial(draw_from_streams, exact=plan.rng == "exact", dp=plan.dp, tp=plan.tp,
+                             microbatches=plan.microbatches))
     buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
                       hold=plan.zero >= 1)
     # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.

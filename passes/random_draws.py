@@ -101,6 +101,11 @@ def draw_from_streams(gm: fx.GraphModule, *, exact: bool, dp: int, tp: int, micr
     return gm
 
 
+def draws_randomness(gm: fx.GraphModule) -> bool:
+    """Whether the captured graph has a random op (what decides that the pass runs)."""
+    return any(node.op == "call_function" and _seeded(node) for node in gm.graph.nodes)
+
+
 def _seeded(node: fx.Node) -> bool:
     """Whether `node` draws from the process's generator: torch tags such ops, and
     scaled_dot_product_attention among them, which draws only with dropout_p > 0."""
