@@ -23,11 +23,16 @@ from fxpar.runtime.process_groups import RankGroup
 _SEED_RANGE = 2**63  # torch.initial_seed() is a uint64; the collective carries an int64
 
 
+def check_seed(seed: object) -> None:
+    """A BindError unless `seed` is None or an int in [0, 2**63) (checked before any group)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_RANGE):
+        raise BindError(f"bind(seed={seed!r}): a seed is an int in [0, 2**63). Fix: bind(seed=0), or leave it out")
+
+
 def agree_seed(seed: int | None, *, rank: int, world_size: int, communicator: Communicator,
                device: torch.device) -> int:
     """The job's seed (module doc), the same on every rank."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_RANGE):
-        raise BindError(f"bind(seed={seed!r}): a seed is an int in [0, 2**63). Fix: seed=0, or leave it out")
+    check_seed(seed)
     own = torch.initial_seed() % _SEED_RANGE if seed is None else seed
     if world_size == 1:
         return own

@@ -48,7 +48,7 @@ from fxpar.pipeline_program import receives_ahead
 from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
-from fxpar.runtime.random_seed import agree_seed
+from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters, require_elementwise
 from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
@@ -128,6 +128,7 @@ class Runner:
         seed: int | None = None,
     ) -> Runner:
         timeout = bind_timeout(timeout)
+        check_seed(seed)
         check_runnable(program.plan)
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)

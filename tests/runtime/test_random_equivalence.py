@@ -138,3 +138,11 @@ def test_fast_reproduces_with_the_same_seed_whatever_each_process_set(ranks, ref
         assert all(torch.equal(first["state"][k], again["state"][k]) for k in first["state"])
         # Dropout is on: the fast run is not the exact one's, which is one device's.
         assert first["losses"][0] != pytest.approx(reference["losses"][0], rel=1e-6)
+
+
+def test_a_seed_given_to_bind_is_the_jobs_and_must_agree(ranks):
+    for rank, results in enumerate(ranks):
+        assert results["seed=5"] == {"seed": 5, "step": 0}
+        message = results["seed=rank"]
+        assert "different seeds on different ranks (from 0 to 3" in message
+        assert f"this rank passed {rank}" in message and "Fix: pass the same seed on every rank" in message

@@ -6,7 +6,8 @@ tests/runtime/test_random_equivalence.py compares.
 Before each bind every process seeds its own generator differently (rank 0 with 0, the others
 with a number of their own and of the run), as a script seeding `base + rank` would: the job's
 seed is rank 0's whatever the others set. A plan given twice is trained twice (its second run
-under `plan#2`), with other per-process seeds, to show a run reproduces.
+under `plan#2`), with other per-process seeds, to show a run reproduces. Last, the last plan is
+bound with `seed=5` on every rank, then with each rank's own seed, which must fail everywhere.
 
 Besides losses, gradients and the final state, each rank saves its own copy of every parameter
 tensor parallelism replicates, and, for rng=fast plans, the masks its draws give at the next
@@ -22,6 +23,7 @@ import torch
 
 import fxpar
 from fxpar import meta
+from fxpar.errors import BindError
 from fxpar.placement import Replicate, local_shape
 from fxpar.random_ops import DrawSlice
 from tiny_training import GPT, OPTIMIZER, GPTConfig, global_batches
@@ -89,6 +91,17 @@ def main(out_dir: Path, plans: list[str]) -> None:
                        for node in runner.module.graph.nodes if node.target in DRAWS},
         }
         runner.close()
+    # The seed given to bind: the same on every rank, or a BindError on every rank.
+    runner = program.bind(timeout=60, seed=5)
+    results["seed=5"] = runner.rng_state()
+    runner.close()
+    try:
+        program.bind(timeout=60, seed=rank)
+    except BindError as error:
+        results["seed=rank"] = str(error)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
