@@ -16,6 +16,7 @@ the op and this rank's slice (`fxpar.random_streams`), never from the process.
 
 Captured as                                     becomes
     aten.dropout (train, p > 0)                 x * random_like(x, "dropout", p)
+    aten.native_dropout (train)                 (x * that mask, the mask != 0)
     aten.rand_like, aten.randn_like             random_like(x, "uniform" / "normal")
     aten.bernoulli(x), aten.bernoulli.p(x, p)   random_like(x, "bernoulli" / "bernoulli_p")
     scaled_dot_product_attention, dropout_p > 0 attention_with_dropout_mask (torch's math
@@ -27,6 +28,8 @@ process's own generator it would silently differ across ranks.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -81,6 +84,8 @@ def draw_from_streams(gm: fx.GraphModule, *, exact: bool, dp: int, tp: int, micr
             p, train = node.args[1], node.args[2]
             if train and p > 0:  # otherwise the identity, drawing nothing
                 drawing.dropout(node, p)
+        elif node.target is aten.native_dropout.default and node.args[2] is not False:
+            drawing.native_dropout(node, node.args[1])
         elif node.target in _LIKE:
             drawing.like(node, _LIKE[node.target])
         elif (p := _attention_dropout(node)) is not None:
@@ -114,6 +119,8 @@ def _seeded(node: fx.Node) -> bool:
         return _attention_dropout(node) is not None
     if target is aten.dropout.default:
         return node.args[2] and node.args[1] > 0
+    if target is aten.native_dropout.default:
+        return node.args[2] is not False
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
@@ -170,6 +177,22 @@ class _Drawing:
             product = self._new(aten.mul.Tensor, (x, mask), like=node, val=node.meta["val"],
                                 grad=meta.requires_grad(node))
         self._replace(node, product)
+
+    def native_dropout(self, node: fx.Node, p: float) -> None:
+        """(x * mask, the kept elements), as `aten.native_dropout` returns them."""
+        x = node.args[0]
+        mask = self._draw(x, "dropout", p, node)
+        out_val, kept_val = node.meta["val"]
+        with self.graph.inserting_before(node):
+            product = self._new(aten.mul.Tensor, (x, mask), like=node, val=out_val, grad=meta.requires_grad(x))
+            product.meta[meta.PLACEMENT] = meta.placements(x)
+            kept = self._new(aten.ne.Scalar, (mask, 0), like=node, val=kept_val, grad=False)
+            kept.meta[meta.PLACEMENT] = meta.placements(x)
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise CaptureError(f"native_dropout's result is used whole by {user.format_node()}")
+            self._replace(user, (product, kept)[user.args[1]])
+        self.graph.erase_node(node)
 
     def like(self, node: fx.Node, distribution: str) -> None:
         x = node.args[0]

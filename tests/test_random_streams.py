@@ -219,6 +219,32 @@ def test_a_model_in_eval_mode_draws_nothing(gpt_example):
     assert draws(program) == []
 
 
+class NativeDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        out, kept = torch.native_dropout(self.linear(x), 0.5, True)
+        return (out * kept + torch.rand_like(out)).sum()
+
+
+def test_native_dropout_and_rand_like_draw_from_streams(stream):
+    torch.manual_seed(0)
+    model, x = NativeDropout(), torch.randn(4, 3, 4)
+    with pytest.warns(UserWarning, match="averaged as means"):  # a sum, not a cross entropy
+        program = fxpar.compile(model, "dp=2", example_inputs=(x,))
+    assert [(d, i) for d, i, _, _ in draws(program)] == [("dropout", 0), ("uniform", 1)]
+    module = fxpar.compile(model, "", example_inputs=(x,)).rank_module(0)
+    loss = module(x)
+    mask = random_like(x, "dropout", 0.5, 0, False, *DrawSlice(dp_dim=0).args)
+    noise = random_like(x, "uniform", 0.0, 1, False, *DrawSlice(dp_dim=0).args)
+    hidden = model.linear(x)
+    torch.testing.assert_close(loss, (hidden * mask * (mask != 0) + noise).sum())
+    loss.backward()
+    assert model.linear.weight.grad is not None
+
+
 class RandintModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
