@@ -2,8 +2,9 @@
 
 One launch of 4 gloo ranks (tests/workers/random_worker.py) trains the tiny GPT with dropout
 0.1 (embedding, attention probabilities over tp-sharded heads, the MLP's output after the
-row-parallel all-reduce) for 3 AdamW steps under each plan, every process having seeded its
-own generator differently before bind.
+row-parallel all-reduce), and Hugging Face's GPT-2 with its default dropouts (eager attention:
+an aten.dropout on the probabilities of tp-sharded heads), for 3 AdamW steps under each plan,
+every process having seeded its own generator differently before bind.
 
 rng=exact is compared with one device: fxpar's program for one rank (plan "rng=exact"),
 trained here by hand with the same seed, which draws each random value whole from the same
@@ -28,27 +29,27 @@ import fxpar
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
-from random_worker import DROPOUT, STEPS  # noqa: E402
-from tiny_training import GPT, OPTIMIZER, global_batches  # noqa: E402
+from random_worker import MODELS, STEPS, model_and_plan  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 RELATIVE = 1e-5
-EXACT = ("dp=2 tp=2 mb=2 rng=exact", "dp=2 pp=2 mb=2 rng=exact", "tp=2 sp=true pp=2 mb=2 rng=exact")
+EXACT = ("dp=2 tp=2 mb=2 rng=exact", "dp=2 pp=2 mb=2 rng=exact", "tp=2 sp=true pp=2 mb=2 rng=exact",
+         "hf-gpt2:dp=2 tp=2 rng=exact")
 FAST = "dp=2 tp=2 mb=2"
 
 
-def one_device() -> dict:
+def one_device(name: str) -> dict:
     """Plan "rng=exact" on one device, by hand: what Runner.step does with one rank."""
-    torch.manual_seed(0)
-    model = GPT(DROPOUT)
-    program = fxpar.compile(model, "rng=exact", example_inputs=global_batches()[0])
+    build, batches, options = MODELS[name]
+    model = build()
+    program = fxpar.compile(model, "rng=exact", example_inputs=batches()[0])
     module, count = program.rank_module(0), program.loss_reduction.count_module
-    optimizer = torch.optim.AdamW(module.parameters(), **OPTIMIZER)
+    optimizer = torch.optim.AdamW(module.parameters(), **options)
     stream = RandomStream(seed=0)  # rank 0's torch.manual_seed(0)
     bind_random(stream)
     losses, grads = [], None
     try:
-        for tokens, labels in global_batches()[:STEPS]:
+        for tokens, labels in batches():
             loss = module(tokens, labels, count(tokens, labels).to(program.loss_reduction.count_dtype))
             loss.backward()
             losses.append(loss.item())
@@ -68,19 +69,26 @@ def ranks(module_torchrun):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return one_device()
+def references():
+    return {name: one_device(name) for name in MODELS}
 
 
-def test_dropout_is_active_in_the_reference(reference):
-    torch.manual_seed(0)
-    model = GPT(DROPOUT).eval()
-    tokens, labels = global_batches()[0]
-    assert abs(reference["losses"][0] - model(tokens, labels).item()) > 1e-4
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["gpt"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_dropout_is_active_in_the_reference(references, name):
+    build, batches, _ = MODELS[name]
+    model = build().eval()
+    tokens, labels = batches()[0]
+    assert abs(references[name]["losses"][0] - model(tokens, labels).item()) > 1e-4
 
 
 @pytest.mark.parametrize("plan", EXACT)
-def test_exact_trains_as_one_device(ranks, reference, plan):
+def test_exact_trains_as_one_device(ranks, references, plan):
+    reference = references[model_and_plan(plan)[0]]
     for results in ranks:
         result = results[plan]
         assert result["rng_state"] == {"seed": 0, "step": STEPS}  # rank 0's seed, on every rank

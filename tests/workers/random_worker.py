@@ -1,7 +1,12 @@
-"""torchrun worker: trains the tiny GPT with dropout under each plan given, saves what
+"""torchrun worker: trains a model with dropout under each plan given, saves what
 tests/runtime/test_random_equivalence.py compares.
 
-    torchrun --standalone --nproc-per-node 4 random_worker.py OUT_DIR "dp=2 tp=2 mb=2 rng=exact" ...
+    torchrun --standalone --nproc-per-node 4 random_worker.py OUT_DIR "dp=2 tp=2 mb=2 rng=exact" \
+        "hf-gpt2:dp=2 tp=2 rng=exact" ...
+
+A plan trains the tiny GPT (dropout 0.1), or, after "hf-gpt2:", Hugging Face's GPT-2 with its
+default dropouts (0.1 on embeddings, attention probabilities and both residual branches) and
+eager attention (`MODELS`).
 
 Before each bind every process seeds its own generator differently (rank 0 with 0, the others
 with a number of their own and of the run), as a script seeding `base + rank` would: the job's
@@ -28,9 +33,41 @@ from fxpar.placement import Replicate, local_shape
 from fxpar.random_ops import DrawSlice
 from tiny_training import GPT, OPTIMIZER, GPTConfig, global_batches
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_models  # noqa: E402
+
 DROPOUT = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
 STEPS = 3
 DRAWS = (torch.ops.fxpar.random_like.default, torch.ops.fxpar.attention_dropout_mask.default)
+
+
+def hf_gpt2() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=hf_models.VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     use_cache=False, bos_token_id=hf_models.VOCAB - 1,
+                                     eos_token_id=hf_models.VOCAB - 1, attn_implementation="eager")
+    return hf_models.LossOf(transformers.AutoModelForCausalLM.from_config(config).train())
+
+
+def _gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(DROPOUT)
+
+
+# name -> (model builder, the steps' global batches, AdamW's options)
+MODELS = {
+    "gpt": (_gpt, lambda: global_batches()[:STEPS], OPTIMIZER),
+    "hf-gpt2": (hf_gpt2, lambda: [(b["input_ids"], b["labels"]) for b in hf_models.batches("gpt2", STEPS)],
+                hf_models.OPTIMIZER),
+}
+
+
+def model_and_plan(entry: str) -> tuple[str, str]:
+    """("hf-gpt2", "dp=2") for "hf-gpt2:dp=2"; ("gpt", entry) for a plain plan."""
+    name, _, plan = entry.rpartition(":")
+    return name or "gpt", plan
 
 def local_tensor(program, node, microbatch_sizes):
     """An empty tensor of this rank's shape of `node`'s value at one microbatch's sizes."""
@@ -38,9 +75,8 @@ def local_tensor(program, node, microbatch_sizes):
     return torch.empty(local_shape(shape, meta.placements(node), program.mesh.sizes))
 
 
-def masks(runner, program):
+def masks(runner, program, tokens):
     """(op index, microbatch) -> this rank's mask of every draw at the runner's next step."""
-    tokens, _ = global_batches()[0]
     readable = {s.name: s for s in program.captured.example_sizes}
     sizes = {readable["batch"]: tokens.shape[0] // program.plan.microbatches, readable["seq"]: tokens.shape[1]}
     stream, found = runner._random, {}
@@ -59,19 +95,19 @@ def main(out_dir: Path, plans: list[str]) -> None:
     torch.set_num_threads(1)
     results = {}
     runs: dict[str, int] = {}
-    for plan in plans:
-        runs[plan] = runs.get(plan, 0) + 1
-        key = plan if runs[plan] == 1 else f"{plan}#{runs[plan]}"
-        torch.manual_seed(0)
-        model = GPT(DROPOUT)
-        program = fxpar.compile(model, plan, example_inputs=global_batches()[0])
+    for entry in plans:
+        runs[entry] = runs.get(entry, 0) + 1
+        key = entry if runs[entry] == 1 else f"{entry}#{runs[entry]}"
+        name, plan = model_and_plan(entry)
+        build, batches, options = MODELS[name]
+        program = fxpar.compile(build(), plan, example_inputs=batches()[0])
         program.check()
         rank = int(os.environ["RANK"])
-        torch.manual_seed(0 if rank == 0 else 1000 * runs[plan] + rank)  # each process its own
+        torch.manual_seed(0 if rank == 0 else 1000 * runs[entry] + rank)  # each process its own
         runner = program.bind(timeout=60)
-        optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+        optimizer = runner.optimizer(torch.optim.AdamW, **options)
         losses, grads = [], None
-        for tokens, labels in global_batches()[:STEPS]:
+        for tokens, labels in batches():
             losses.append(runner.step(*runner.local_batch(tokens, labels)))
             if grads is None:
                 grads = runner.full_gradients()
@@ -85,7 +121,7 @@ def main(out_dir: Path, plans: list[str]) -> None:
         results[key] = {
             "losses": losses, "grads": grads, "state": runner.full_state_dict(),
             "replicated": replicated, "coord": program.mesh.coord(runner.rank),
-            "masks": masks(runner, program) if program.plan.rng == "fast" else None,
+            "masks": masks(runner, program, tokens) if program.plan.rng == "fast" else None,
             "rng_state": runner.rng_state(),
             "slices": {node.args[3]: DrawSlice(*node.args[-6:])
                        for node in runner.module.graph.nodes if node.target in DRAWS},
