@@ -271,3 +271,53 @@ def test_one_device_exact_training_by_hand_draws_fresh_masks_each_step(gpt_examp
     assert module(*inputs).item() == first  # same step: the same masks
     stream.step += 1
     assert module(*inputs).item() != first
+
+
+def test_a_recompute_draws_what_its_forward_drew(gpt_example, stream):
+    """Activation checkpointing: torch.utils.checkpoint runs the forward again in backward;
+    the draws' generators are made again from the same facts (the executors set the
+    microbatch for the B action too), so the gradients are the uncheckpointed ones, bit for
+    bit, whatever the process's generator did in between."""
+    program = fxpar.compile(gpt_example, "dp=1 mb=2")
+    module, count = program.rank_module(0), program.loss_reduction.count_module
+    tokens, labels = global_batches()[0]
+    inputs = (tokens, labels, count(tokens, labels).to(program.loss_reduction.count_dtype))
+
+    def gradients(run, backward_microbatch=1):
+        module.zero_grad()
+        with stream.at(1):
+            loss = run()
+        torch.manual_seed(999)
+        with stream.at(backward_microbatch):
+            loss.backward()
+        return [p.grad.clone() for p in module.parameters()]
+
+    plain = gradients(lambda: module(*inputs))
+    checkpointed = gradients(lambda: torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False))
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+    # What makes it so: a recompute under another microbatch draws other masks.
+    elsewhere = gradients(lambda: torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False),
+                          backward_microbatch=0)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, elsewhere))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_hugging_face_gpt2s_dropouts_are_drawn_by_placement(attention):
+    """GPT-2's default dropouts (0.1 on embeddings, attention probabilities, both residual
+    branches): with sdpa the probabilities' dropout is sdpa's dropout_p, with eager attention
+    an aten.dropout; either way split over tp like the heads, the rest replicated on tp."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import VOCAB, LossOf, _batch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     use_cache=False, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+                                     attn_implementation=attention)
+    model = LossOf(transformers.AutoModelForCausalLM.from_config(config).train())
+    batch = _batch()
+    found = draws(fxpar.compile(model, "dp=2 tp=2", example_inputs=(batch["input_ids"], batch["labels"])))
+    heads = "attention" if attention == "sdpa" else "dropout"
+    assert [(d, where.tp_dim) for d, _, _, where in found] == [("dropout", -1)] + [
+        (heads, 1), ("dropout", -1), ("dropout", -1)] * 2
