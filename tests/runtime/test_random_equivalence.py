@@ -34,7 +34,7 @@ from random_worker import MODELS, STEPS, model_and_plan  # noqa: E402
 pytestmark = pytest.mark.multirank
 RELATIVE = 1e-5
 EXACT = ("dp=2 tp=2 mb=2 rng=exact", "dp=2 pp=2 mb=2 rng=exact", "tp=2 sp=true pp=2 mb=2 rng=exact",
-         "hf-gpt2:dp=2 tp=2 rng=exact")
+         "dp=2 tp=2 zero=3 mb=2 rng=exact", "hf-gpt2:dp=2 tp=2 rng=exact")
 FAST = "dp=2 tp=2 mb=2"
 
 
