@@ -65,16 +65,18 @@ class DrawSlice:
         return batch * (self.tp_size if self.tp_dim >= 0 else 1)
 
     def coords(self) -> dict[str, int]:
-        """This rank's coordinate on each axis that splits the value (0 on an axis of one)."""
-        return {axis: _index(axis, size) for axis, dim, size in
-                (("dp", self.dp_dim, self.dp_size), ("tp", self.tp_dim, self.tp_size)) if dim >= 0}
+        """This rank's coordinate on each axis that splits the value."""
+        return {axis: bound(axis).index for axis, dim, size in
+                (("dp", self.dp_dim, self.dp_size), ("tp", self.tp_dim, self.tp_size)) if dim >= 0 and size > 1}
 
     def generator_seed(self, op_index: int, exact: bool) -> int:
-        """The seed of this op's generator on this rank (`random_streams.stream_seed`)."""
+        """The seed of this op's generator on this rank (`random_streams.stream_seed`). A
+        value nothing splits is drawn whole under either mode, so one device draws the same
+        masks with rng=fast as with rng=exact."""
         stream = bound_random()
-        if exact:
+        if exact or self.whole_factor == 1:
             return stream_seed(stream.seed, stream.step, op_index)
-        microbatch = stream.microbatch if self.dp_dim >= 0 else None
+        microbatch = stream.microbatch if self.dp_dim >= 0 and self.microbatches > 1 else None
         return stream_seed(stream.seed, stream.step, op_index, microbatch=microbatch, coords=self.coords())
 
     def whole_shape(self, shape: torch.Size) -> list[int]:

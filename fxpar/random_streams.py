@@ -25,7 +25,8 @@ dropout on replicated ones), with the choice of stream read from the value's pla
     any of them, microbatch m                                     differs across microbatches
 
 `rng=fast` (the default) draws only this rank's piece, from `stream_seed(seed, step, op,
-slice)`. `rng=exact` draws the *whole* value, as one device does with the whole global batch,
+slice)` (a value nothing splits, as on one device, is drawn whole: `stream_seed(seed, step,
+op)`, as rng=exact draws it). `rng=exact` draws the *whole* value, as one device does with the whole global batch,
 from `stream_seed(seed, step, op)` alone, and keeps this rank's slice (`exact_piece`): every
 rank then holds exactly one device's values, at the price of drawing dp x microbatches x (tp,
 where the value is tp-sharded) times the elements (the cost model prices it: `cost.ops`).

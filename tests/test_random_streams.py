@@ -143,6 +143,16 @@ def test_fast_masks_follow_the_placement(stream):
     assert torch.equal(base, mask(replicated_on_tp, dp=(2, 0), tp=(2, 0)))
 
 
+def test_one_device_draws_alike_under_fast_and_exact(stream):
+    x = torch.empty(4, 6, 8)
+    whole = DrawSlice(dp_dim=0, tp_dim=1)  # one rank, one microbatch: nothing splits it
+    fast = on_rank(stream, random_like, x, "dropout", 0.5, 2, False, *whole.args)
+    assert torch.equal(fast, on_rank(stream, random_like, x, "dropout", 0.5, 2, True, *whole.args))
+    split = DrawSlice(dp_dim=0, microbatches=2)  # two microbatches: fast draws each its own
+    assert not torch.equal(on_rank(stream, random_like, x, "dropout", 0.5, 2, False, *split.args),
+                           on_rank(stream, random_like, x, "dropout", 0.5, 2, True, *split.args))
+
+
 def test_the_other_distributions(stream):
     x = torch.full((2000,), 0.25)
     args = (0, False, *DrawSlice().args)
