@@ -19,11 +19,12 @@ Captured as                                     becomes
     aten.native_dropout (train)                 (x * that mask, the mask != 0)
     aten.rand_like, aten.randn_like             random_like(x, "uniform" / "normal")
     aten.bernoulli(x), aten.bernoulli.p(x, p)   random_like(x, "bernoulli" / "bernoulli_p")
+    aten.rand(size), aten.randn(size), tp=1     random_like(empty(size), "uniform" / "normal")
     scaled_dot_product_attention, dropout_p > 0 attention_with_dropout_mask (torch's math
                                                 kernel: no fused kernel takes a mask)
 
 Any other op torch tags `nondeterministic_seeded` (`randint`, `randperm`, `normal`, `rand`
-with a size, ...) is refused with a CaptureError naming it and its module: drawn from each
+with a size under tp, ...) is refused with a CaptureError naming it and its module: drawn from each
 process's own generator it would silently differ across ranks.
 """
 
@@ -49,6 +50,10 @@ _LIKE = {
     aten.bernoulli.default: "bernoulli",
     aten.bernoulli.p: "bernoulli_p",
 }
+# Draws given a size, not a tensor: their sizes are read from tensors' (`torch.rand(x.shape)`),
+# which under tensor parallelism may be a shard's while the draw looks replicated, so they are
+# drawn without tp only (rand_like is drawn under every plan).
+_SIZED = {aten.rand.default: "uniform", aten.randn.default: "normal"}
 DRAWS = (fxpar_ops.random_like.default, fxpar_ops.attention_dropout_mask.default)
 
 
@@ -88,6 +93,8 @@ def draw_from_streams(gm: fx.GraphModule, *, exact: bool, dp: int, tp: int, micr
             drawing.native_dropout(node, node.args[1])
         elif node.target in _LIKE:
             drawing.like(node, _LIKE[node.target])
+        elif node.target in _SIZED and tp == 1:
+            drawing.sized(node, _SIZED[node.target])
         elif (p := _attention_dropout(node)) is not None:
             drawing.attention(node, p)
         elif _seeded(node):
@@ -97,7 +104,8 @@ def draw_from_streams(gm: fx.GraphModule, *, exact: bool, dp: int, tp: int, micr
                 f"{f'module {path!r}' if path else 'the root module'} ({node.format_node()}), "
                 "which fxpar cannot draw per slice yet: each process would draw its own, so "
                 "ranks would silently differ. fxpar draws dropout, scaled_dot_product_attention's "
-                "dropout, rand_like, randn_like and bernoulli. Fix: write the draw with one of "
+                "dropout, rand_like, randn_like, bernoulli, and rand and randn without tensor "
+                "parallelism. Fix: write the draw with one of "
                 "those (torch.rand_like(x) for torch.rand(x.shape)), or draw it outside forward "
                 "and pass it as an input"
             )
@@ -193,6 +201,14 @@ class _Drawing:
                 raise CaptureError(f"native_dropout's result is used whole by {user.format_node()}")
             self._replace(user, (product, kept)[user.args[1]])
         self.graph.erase_node(node)
+
+    def sized(self, node: fx.Node, distribution: str) -> None:
+        """`rand(size)` as `random_like(empty(size))`: the empty tensor lends its shape."""
+        options = {k: v for k, v in node.kwargs.items() if k in ("dtype", "layout", "device", "pin_memory")}
+        with self.graph.inserting_before(node):
+            like = self._new(aten.empty.memory_format, (node.args[0],), kwargs=options, like=node,
+                             val=node.meta["val"], grad=False)
+        self._replace(node, self._draw(like, distribution, 0.0, node))
 
     def like(self, node: fx.Node, distribution: str) -> None:
         x = node.args[0]

@@ -154,3 +154,27 @@ def test_hugging_face_gpt2s_dropouts_are_drawn_by_placement(attention):
     heads = "attention" if attention == "sdpa" else "dropout"
     assert [(d, where.tp_dim) for d, _, _, where in found] == [("dropout", -1)] + [
         (heads, 1), ("dropout", -1), ("dropout", -1)] * 2
+
+
+class SizedDraws(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = self.linear(x)
+        return torch.nn.functional.mse_loss(h * torch.rand(h.shape) + torch.randn(h.shape[0], 1, 4), y)
+
+
+def test_rand_and_randn_of_a_size_draw_from_streams_without_tp(stream):
+    torch.manual_seed(0)
+    model, x, y = SizedDraws(), torch.randn(4, 3, 4), torch.randn(4, 3, 4)
+    with pytest.warns(UserWarning, match="averaged as means"):
+        found = draws(fxpar.compile(model, "dp=2", example_inputs=(x, y)))
+    assert [(d, where.dp_dim) for d, _, _, where in found] == [("uniform", 0), ("normal", 0)]
+    module = fxpar.compile(model, "", example_inputs=(x, y)).rank_module(0)
+    uniform = random_like(x, "uniform", 0.0, 0, False, *DrawSlice(dp_dim=0).args)
+    normal = random_like(torch.empty(4, 1, 4), "normal", 0.0, 1, False, *DrawSlice(dp_dim=0).args)
+    torch.testing.assert_close(module(x, y), torch.nn.functional.mse_loss(model.linear(x) * uniform + normal, y))
+    with pytest.raises(CaptureError, match=r"aten\.rand\.default in the root module.*without tensor parallelism"):
+        fxpar.compile(model, "tp=2", example_inputs=(x, y))
