@@ -31,6 +31,7 @@ from fxpar import meta
 from fxpar.errors import BindError
 from fxpar.placement import Replicate, local_shape
 from fxpar.random_ops import DrawSlice
+from fxpar.random_streams import bound_random
 from tiny_training import GPT, OPTIMIZER, GPTConfig, global_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -79,7 +80,7 @@ def masks(runner, program, tokens):
     """(op index, microbatch) -> this rank's mask of every draw at the runner's next step."""
     readable = {s.name: s for s in program.captured.example_sizes}
     sizes = {readable["batch"]: tokens.shape[0] // program.plan.microbatches, readable["seq"]: tokens.shape[1]}
-    stream, found = runner._random, {}
+    stream, found = bound_random(), {}  # the runner bound its stream at bind
     for module in runner.modules:
         for node in module.graph.nodes:
             if node.target in DRAWS:
