@@ -55,7 +55,7 @@ from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.layout import shares
 from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
-from fxpar.cost.ops import cost_of, op_counts
+from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.compiled_program import CompiledProgram
 from fxpar.symbols import BATCH
@@ -207,7 +207,9 @@ def estimate(
 
     # FLOPs of the whole step; each rank does its share of them (cost.layout).
     formulas["flops.matmul"] = 3 * compute.matmul_flops
-    formulas["flops.other"] = 3 * compute.other_flops
+    # rng=exact: each rank draws the whole of every random value (`fxpar.random_streams`).
+    drawn = exact_draws(program.graph_module, captured.shape)
+    formulas["flops.other"] = 3 * compute.other_flops + sum((d.extra_flops for d in drawn), sympy.Integer(0))
     formulas["flops.total"] = formulas["flops.matmul"] + formulas["flops.other"]
 
     # Each candidate rank: without a pipeline all ranks are alike; with one, each pipeline
@@ -297,7 +299,11 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     timed = {id(p): seconds(p) for p in all_shares}
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
     backward = sum((timed[id(p)][1] for p in mine), sympy.Integer(0))
-    formulas["time.compute"] = forward + backward
+    # rng=exact: the whole value drawn (fp32, written once) for each microbatch.
+    stages = {s.stage for s in mine}
+    drawn = sum((d.extra_per_rank() for d in exact_draws(program.graph_module, program.captured.shape)
+                 if pipeline is None or d.stage in stages), sympy.Integer(0))
+    formulas["time.compute"] = forward + backward + device.kernel_seconds(0, 0, 4 * drawn, precision)
     updated = parameters * (share if plan.zero >= 1 else 1)
     formulas["time.optimizer"] = optimizer_seconds(optimizer, tensors, updated, device)
     formulas["time.bubble"] = sympy.Integer(0)

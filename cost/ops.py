@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 import fxpar.vocab_parallel_ops  # noqa: F401  (the torch.ops.fxpar lookups priced below)
+import fxpar.random_ops
 from fxpar import meta
 from fxpar.deferred_linear import stands_for
 from fxpar.distributed_ops import distributed_op
@@ -90,8 +91,14 @@ MATMUL_RULES: dict[object, Callable] = {
     aten.baddbmm: _mm,
     aten.matmul: _matmul,
     aten.scaled_dot_product_attention: _attention,
+    torch.ops.fxpar.attention_with_dropout_mask: _attention,  # sdpa with dropout (passes.random_draws)
 }
-_ATTENTION = {aten.scaled_dot_product_attention}
+_ATTENTION = {aten.scaled_dot_product_attention, torch.ops.fxpar.attention_with_dropout_mask}
+# Random draws (fxpar.random_ops): FLOPs per element drawn (the draw and the test against p).
+# Under rng=exact a rank draws the whole value, `DrawSlice.whole_factor` times its piece: the
+# stated price of drawing one device's values.
+_DRAWS = {torch.ops.fxpar.random_like, torch.ops.fxpar.attention_dropout_mask}
+_DRAW_FLOPS = 2
 
 # op -> FLOPs per output element (per input element for reductions and losses).
 _PER_ELEMENT: dict[object, int] = {
@@ -198,6 +205,8 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
         matmul = sympy.sympify(matmul)
         attention = matmul if packet in _ATTENTION else sympy.Integer(0)
         return OpCost(matmul, sympy.sympify(other), moved, attention_flops=attention)
+    if packet in _DRAWS:
+        return OpCost(sympy.Integer(0), _DRAW_FLOPS * _numel(out_shape), moved)
     if packet in _PER_ELEMENT:
         counted = in_shapes[0] if packet in _REDUCING and in_shapes else out_shape
         return OpCost(sympy.Integer(0), _PER_ELEMENT[packet] * _numel(counted), moved)
@@ -209,6 +218,40 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
         if not any(t.is_floating_point() for t in tensors):
             return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
     return OpCost(sympy.Integer(0), sympy.Integer(0), moved, costed=False)
+
+
+@dataclass(frozen=True)
+class ExactDraw:
+    """A draw of rng=exact: `numel` values of the whole step's (global batch) value, of which
+    each rank keeps `1 / pieces` (`fxpar.random_ops.DrawSlice.whole_factor`) per microbatch."""
+
+    stage: int | None
+    numel: sympy.Expr
+    pieces: int
+    microbatches: int
+
+    @property
+    def extra_flops(self) -> sympy.Expr:
+        """What drawing the whole value for every piece adds to the whole step's FLOPs
+        (counted as the captured graph's are: work repeated on tp peers of a replicated
+        value counts once)."""
+        return _DRAW_FLOPS * self.numel * (self.pieces - 1)
+
+    def extra_per_rank(self) -> sympy.Expr:
+        """Values one rank draws in a step beyond its own pieces': the whole value for each of
+        its microbatches, instead of its 1/pieces share of the whole step."""
+        return self.numel * self.microbatches - self.numel * self.microbatches / self.pieces
+
+
+def exact_draws(gm: fx.GraphModule, shape_of: Callable[[fx.Node], Shape]) -> list[ExactDraw]:
+    """The draws of `gm` (the compiled global graph) made under rng=exact."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _DRAWS and node.args[4]:
+            where = fxpar.random_ops.DrawSlice(*node.args[5:11])
+            found.append(ExactDraw(node.meta.get(meta.STAGE),
+                                   _numel(shape_of(node)), where.whole_factor, where.microbatches))
+    return found
 
 
 def op_counts(gm: fx.GraphModule) -> tuple[int, int]:

@@ -54,7 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up length")
     parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
+    parser.add_argument("--seed", type=int, default=1337,
+                        help="model init, data order and dropout's masks (rank 0's seed is the job's)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout probability; add rng=exact to the plan for one device's masks")
     parser.add_argument("--save", type=Path, default=None,
                         help="write the consolidated state dict here (rank 0) at the end")
     parser.add_argument("--timeline", action="store_true",
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     # Identical on every rank: same weights, same data, same example batch.
     torch.manual_seed(args.seed)
     config = GPTConfig(block_size=args.seq, vocab_size=VOCAB_SIZE, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=True)
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout, bias=True)
     model = GPT(config)
     dataset = ByteDataset(load_stdlib_text())
     generator = torch.Generator().manual_seed(args.seed)

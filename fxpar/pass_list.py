@@ -9,6 +9,7 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
     graph: normalise_loss
            shard_tensor_parallel(placements=..., tp=2, sequence_parallel=False, ...)
            place_data_parallel(batch=frozenset({s35}))
+           draw_from_streams(exact=False, dp=2, tp=2, microbatches=1)   (a model that draws)
            assign_stages(stages=2, split=(), cost=..., memory=..., in_flight=(2.0, 1.0))
     stage: defer_weight_gradients
            assign_gradient_buckets(bucket_bytes=1048576, mesh=Mesh(dp=2, pp=2, tp=2))
@@ -17,7 +18,9 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
 (the vocabulary-parallel loss, the pipeline's last stage) works on the sum. Tensor
 parallelism runs next: it decides which parameters are split, and gradient buckets are sized
 by the shards each rank really holds. Placements on the dp axis follow, over the ops tensor
-parallelism inserted too. The pipeline cut comes after: stages hold tensor-parallel shards,
+parallelism inserted too. Random ops are given their streams once both axes are placed (a
+draw's slice is read from its placements) and before the cut, so that they are numbered in
+the whole graph's order (`passes.random_draws`). The pipeline cut comes after: stages hold tensor-parallel shards,
 and each stage's buckets hold only that stage's parameters, so buckets are a stage pass; a
 zero-bubble stage defers its linear weights' gradients before its buckets are drawn up.
 """
@@ -36,6 +39,7 @@ from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
 from fxpar.passes.loss_normalisation import normalise_loss
 from fxpar.passes.pipeline import assign_stages
+from fxpar.passes.random_draws import draw_from_streams, draws_randomness
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
 from fxpar.passes.tp_rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
@@ -73,6 +77,9 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
             gathered_outputs=placements.gathered_outputs,
         ))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
+    if draws_randomness(captured.graph_module):
+        graph.append(partial(draw_from_streams, exact=plan.rng == "exact", dp=plan.dp, tp=plan.tp,
+                             microbatches=plan.microbatches))
     buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
                       hold=plan.zero >= 1)
     # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.

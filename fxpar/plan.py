@@ -433,10 +433,3 @@ def check_runnable(plan: Plan) -> None:
             field="checkpoint",
             value=plan.checkpoint,
         )
-    if plan.rng != "fast":
-        raise PlanError(
-            f"plan rng={plan.rng}: drawing one device's exact random values is not built yet. "
-            "Fix: bind a plan with rng=fast",
-            field="rng",
-            value=plan.rng,
-        )

@@ -402,6 +402,7 @@ class Program:
         timeout: timedelta | float = timedelta(minutes=5),
         device: torch.device | str | None = None,
         backend: str | None = None,
+        seed: int | None = None,
     ) -> Runner:
         """Inside a torchrun worker: create the process groups and return this rank's Runner.
 
@@ -409,6 +410,8 @@ class Program:
         seconds, or a timedelta): a peer that died makes the others fail with an error naming
         the group instead of hanging. `device` defaults to `cuda:LOCAL_RANK` when CUDA is
         available, else the CPU; `backend` to NCCL on CUDA devices and gloo otherwise.
+        `seed` is the one every rank's dropout draws from (`fxpar.random_streams`): by
+        default rank 0's `torch.initial_seed()`, what the script gave `torch.manual_seed`.
 
         A program is bound once at a time: binding it again while its runner is live (or
         binding another program of the same model) is a BindError, since both runners would
@@ -417,7 +420,7 @@ class Program:
         """
         from fxpar.runtime.runner import Runner
 
-        return Runner.create(self, timeout=timeout, device=device, backend=backend)
+        return Runner.create(self, timeout=timeout, device=device, backend=backend, seed=seed)
 
     def __reduce__(self) -> tuple:
         return (_compile_again, (self.captured, self.plan, self.hardware, dict(self._edited)))

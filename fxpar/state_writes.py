@@ -118,6 +118,20 @@ def refuse_state_writes(model: torch.nn.Module, exported: ExportedProgram) -> No
         raise CaptureError(_explain(model, writes))
 
 
+def refuse_running_statistics(model: torch.nn.Module) -> None:
+    """Raise CaptureError for the first normalisation module in training mode that keeps
+    running statistics: what the writes found in an exported program stand for, read from the
+    modules themselves. `trace.capture` asks when export itself fails, since some of them
+    cannot be exported at all (BatchNorm with `momentum=None` turns its step counter into a
+    Python float, a data-dependent value export refuses), so the user learns what to change
+    instead of reading export's guard error."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training and module.track_running_stats:
+            op = f"{type(module).__name__} in training mode"
+            names = [f"{path}.{b}" if path else b for b in ("running_mean", "running_var", "num_batches_tracked")]
+            raise CaptureError(_explain(model, [StateWrite("buffer", n, op, path, True) for n in names]))
+
+
 def _walk(
     graph_module: fx.GraphModule,
     roots: dict[fx.Node, tuple[StateKind, str]],

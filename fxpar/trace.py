@@ -53,7 +53,7 @@ from fxpar.declared_plans import DeclaredPlans, declared_plans
 from fxpar.errors import CaptureError
 from fxpar.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
 from fxpar.export_checks import refuse_nested_graphs, warn_fixed_sizes
-from fxpar.state_writes import refuse_state_writes
+from fxpar.state_writes import refuse_running_statistics, refuse_state_writes
 
 # Readable names of the dynamic dims, by position in an input tensor.
 _DIM_NAMES = {0: "batch", 1: "seq"}
@@ -165,7 +165,11 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
     values = tuple(values)
 
     args, kwargs = ((), dict(zip(names, values))) if keyword else (values, {})
-    exported = _export(model, args, kwargs)
+    try:
+        exported = _export(model, args, kwargs)
+    except CaptureError:
+        refuse_running_statistics(model)  # the cause, where a BatchNorm's update is it
+        raise
     refuse_state_writes(model, exported)  # BatchNorm in train mode, buffer.add_(), ...
     refuse_nested_graphs(exported)  # torch.no_grad() or autocast blocks
     source = (model, {k: v.detach().clone() for k, v in example_inputs.items()} if keyword

@@ -172,6 +172,14 @@ def test_bind_timeout_must_be_positive_finite_seconds(
         data_parallel.bind(timeout=timeout)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63, 1.5, "7", True])
+def test_bind_seed_must_be_an_int63(monkeypatch, data_parallel, seed):
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(BindError, match=rf"bind\(seed={re.escape(repr(seed))}\): a seed is an int in \[0, 2\*\*63\)"):
+        data_parallel.bind(timeout=30, seed=seed)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "expected"),
     [

@@ -154,3 +154,20 @@ def test_writes_recorded_in_the_signature_are_found_too():
     assert [(w.kind, w.name, w.op) for w in find_state_writes(exported)] == [
         ("buffer", "steps", "aten.add_.Tensor")
     ]
+
+
+@pytest.mark.parametrize("options, norm", [({"momentum": None}, nn.BatchNorm1d), ({}, nn.SyncBatchNorm)])
+def test_every_batch_norm_in_train_mode_is_refused_by_module_and_buffer(options, norm):
+    # momentum=None (a cumulative average) cannot even be exported: its step counter becomes a
+    # Python float. The refusal names the module, not export's guard error. Issue 13 saw a
+    # BatchNorm in train mode train silently per rank under dp=2; every form is refused now.
+    model = _Normed()
+    model.block[1] = norm(4, **options)
+    with pytest.raises(CaptureError) as error:
+        fxpar.compile(model, "dp=2", example_inputs=(X, X.clone()))
+    message = str(error.value)
+    assert message.startswith(
+        f"the model writes buffer 'block.1.running_mean' of module 'block.1' ({norm.__name__}) in "
+        "place during forward"
+    )
+    assert "Fix: put the module in eval mode before capture" in message

@@ -6,6 +6,7 @@
     collective_failures.py  what a failure says: the time really waited, timeout or gone peer
     live_runners.py      the lifecycle: one live runner per parameter, close ends them all
     gradient_buckets.py  data parallelism's hooks: bucketed all-reduce overlapping backward
+    random_seed.py       the job's one random seed, agreed at bind (rank 0's torch.manual_seed)
     step_loss.py         valid-target counts and each microbatch's share of the step's loss
     step_context.py      StepContext: everything of the bound rank an executor reads
     module_executor.py   a step without a pipeline: each microbatch on the rank's one module

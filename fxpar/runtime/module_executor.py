@@ -41,13 +41,15 @@ class ModuleExecutor:
             elif not isinstance(action, Compute):
                 raise TypeError(f"a single-stage step has no {type(action).__name__} actions")
             elif action.kind == "F":
-                with context.saving(0):
-                    loss = context.loss.share(module(*state.inputs(context, action.microbatch)), microbatches)
+                with context.saving(0), context.random.at(action.microbatch):
+                    output = module(*state.inputs(context, action.microbatch))
+                loss = context.loss.share(output, microbatches)
                 state.loss += loss.detach()
                 state.losses[action.microbatch] = loss
                 if action.microbatch == microbatches - 1:
                     for buckets in all_buckets:
                         buckets.carry(state.loss)
             else:
-                state.losses.pop(action.microbatch).backward()
+                with context.random.at(action.microbatch):  # a recompute draws as its forward did
+                    state.losses.pop(action.microbatch).backward()
         return state.result()

@@ -139,12 +139,13 @@ class PipelineExecutor:
                 for transfer in transfers:
                     transfer.wait()
                 start = time.perf_counter()  # the timeline shows compute, not waiting for peers
-                if action.kind == "F":
-                    sends = self._forward(action, received, step)
-                elif action.kind == "B":
-                    sends = self._backward(action, received, step)
-                else:
-                    self.weights.run((action.stage, action.microbatch))
+                with context.random.at(action.microbatch):  # a recompute draws as its forward did
+                    if action.kind == "F":
+                        sends = self._forward(action, received, step)
+                    elif action.kind == "B":
+                        sends = self._backward(action, received, step)
+                    else:
+                        self.weights.run((action.stage, action.microbatch))
                 if context.record_timeline:
                     self.timeline.append((str(action), start, time.perf_counter()))
         for send in step.sends:

@@ -47,6 +47,8 @@ from fxpar.runtime.parameter_gatherer import ParameterGatherer
 from fxpar.pipeline_program import receives_ahead
 from fxpar.plan import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
+from fxpar.random_streams import RandomStream, bind_random, unbind_random
+from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters, require_elementwise
 from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
@@ -123,8 +125,10 @@ class Runner:
         timeout: timedelta | float,
         device: torch.device | str | None,
         backend: str | None,
+        seed: int | None = None,
     ) -> Runner:
         timeout = bind_timeout(timeout)
+        check_seed(seed)
         check_runnable(program.plan)
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)
@@ -148,7 +152,7 @@ class Runner:
             program, rank=env.rank, device=device, groups=groups, tied_groups=tied_groups,
             communicator=Communicator(timeout), backend=backend,
         )
-        runner._place_state()
+        runner._place_state(seed)
         runner._bind_step()
         buckets = runner._context.buckets  # the finalizer must not hold the runner itself
         live_runners.register(runner, release=lambda: [b.remove() for b in buckets])
@@ -156,8 +160,9 @@ class Runner:
 
     # -- binding ------------------------------------------------------------------------
 
-    def _place_state(self) -> None:
-        """Move this rank's state to its device and make every replica and tied copy identical."""
+    def _place_state(self, seed: int | None = None) -> None:
+        """Move this rank's state to its device, make every replica and tied copy identical,
+        and agree on the job's random seed (`runtime.random_seed`)."""
         state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
         if any(t.is_meta for t in state):
             raise BindError(
@@ -186,6 +191,10 @@ class Runner:
         mine = dict(_parameters_of(self.modules))
         for name, group in self._step_program.tied_groups.items():
             self._broadcast([mine[name]], self._tied_groups[group])
+        seed = agree_seed(seed, rank=self.rank, world_size=self.world_size, communicator=self.communicator,
+                          device=self.device)
+        self._random = RandomStream(seed)
+        bind_random(self._random)
         self.communicator.reset()
 
     def _bind_step(self) -> None:
@@ -219,7 +228,7 @@ class Runner:
             ),
             tied={name: (mine[name], self._tied_groups[group]) for name, group in step_program.tied_groups.items()},
             loss=self.loss, communicator=self.communicator, groups=self.groups,
-            receives_ahead=receives_ahead(self.backend), gatherers=gatherers,
+            receives_ahead=receives_ahead(self.backend), gatherers=gatherers, random=self._random,
         )
         self._executor = (
             ModuleExecutor(self._context) if stages is None
@@ -299,13 +308,24 @@ class Runner:
         guard.start(self._sizes[shapes])
         self.communicator.start_step(guard)
         bind_axes(self._axes)
+        bind_random(self._random)
         try:
             loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
             self.communicator.end_step(check=False)  # a failed step leaves no guard behind
             raise
         self.communicator.end_step()
+        self._random.step += 1
         return loss
+
+    def rng_state(self) -> dict[str, int]:
+        """What resumes this run's random draws: `{"seed": ..., "step": ...}`, the same on
+        every rank (`fxpar.random_streams`); a checkpoint saves it."""
+        return self._random.state()
+
+    def load_rng_state(self, state: Mapping[str, int]) -> None:
+        """Draw from `rng_state()`'s seed and step from the next step on."""
+        self._random.load_state(state)
 
     def optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], *, elementwise: bool = False, **options: Any
@@ -421,6 +441,7 @@ class Runner:
         for buckets in self._context.buckets:
             buckets.remove()
         unbind_axes(self._axes)
+        unbind_random(self._random)
         self.groups, self._tied_groups = {}, {}
         self._context, self._executor = replace(self._context, buckets=(), groups={}), None
         self._dp = replace(self._dp, handle=None)

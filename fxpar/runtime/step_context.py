@@ -19,6 +19,8 @@ which reads nothing of the Runner itself.
     receives_ahead        how many actions ahead a pipeline posts receives
                           (`pipeline_program.receives_ahead`)
     record_timeline       whether the executor keeps each action's start and end
+    random                the step's random stream: executors set the microbatch each compute
+                          action is for (`fxpar.random_streams`)
 
 The last two are settings, which the Runner's attributes of the same name change between
 steps (a new `receives_ahead` comes with its step program and guard); the rest is fixed at
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from fxpar.mesh import Axis
+    from fxpar.random_streams import RandomStream
     from fxpar.runtime.communicator import Communicator
     from fxpar.runtime.gradient_buckets import GradientBuckets
     from fxpar.runtime.parameter_gatherer import ParameterGatherer
@@ -64,6 +67,7 @@ class StepContext:
     communicator: Communicator
     groups: Mapping[Axis, RankGroup]
     receives_ahead: int
+    random: RandomStream
     record_timeline: bool = False
     # ZeRO-3's eager gathers per module (`runtime.parameter_gatherer`), or () without ZeRO-3.
     gatherers: tuple[ParameterGatherer, ...] = ()
