@@ -385,10 +385,10 @@ class Plan:
         below, above = batch // unit * unit, (batch // unit + 1) * unit
         fixes = [f"use a global batch of {f'{below} or {above}' if below else above}"]
         if batch % dp == 0:  # keep dp: the most microbatches that still divide the local batch
-            best = max(m for m in range(1, mb + 1) if batch % (dp * m) == 0)
+            best = max(m for m in range(1, min(mb, batch) + 1) if batch % (dp * m) == 0)
             fixes.append(f"keep the batch and use mb={best}")
         if batch % mb == 0:  # keep mb: the most replicas that still divide the batch
-            best = max(d for d in range(1, dp + 1) if batch % (d * mb) == 0)
+            best = max(d for d in range(1, min(dp, batch) + 1) if batch % (d * mb) == 0)
             fixes.append(f"keep the batch and use dp={best} (and launch that many ranks)")
         raise PlanError(
             f"global batch {batch} is not divisible by dp * microbatches = {dp} * {mb} = {unit}: "

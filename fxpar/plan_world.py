@@ -85,4 +85,5 @@ def _with_degrees(plan: P, *, dp: int, pp: int, tp: int) -> P | None:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -512,3 +513,13 @@ def test_plan_schedules_are_the_ones_fxpar_schedules_builds() -> None:
     from fxpar import plan, schedules
 
     assert set(plan.SCHEDULES) == set(schedules.SCHEDULES)
+
+
+@pytest.mark.parametrize("plan", ["dp=1000000000000", "dp=8 mb=1000000000000"])
+def test_huge_degrees_are_refused_at_once(plan: str) -> None:
+    """The fixes a batch error suggests are searched among divisors of the batch, not up to
+    the degree: a 10^12-way plan fails in microseconds, not hours."""
+    started = time.perf_counter()
+    with pytest.raises(PlanError, match="is not divisible by dp \\* microbatches"):
+        Plan.parse(plan).check_batch(8)
+    assert time.perf_counter() - started < 1.0
