@@ -252,3 +252,24 @@ def test_zero_without_data_parallelism_warns_that_nothing_is_sharded():
     with pytest.warns(UserWarning, match="plan zero=3 shards model state .* and dp=1: nothing is sharded"):
         program = compile_gpt("zero=3")
     assert not any("gather_parameters" in c.tag for c in program.step_program(0).calls())
+
+
+def test_a_bind_that_fails_after_the_groups_exist_destroys_them(monkeypatch):
+    """A model on the meta device passes every check before the groups and fails placing its
+    state: the process is left as it was, so a corrected bind can start again."""
+    import socket
+
+    import torch.distributed as dist
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    tokens = torch.randint(0, 64, (2, 16))
+    program = fxpar.compile(model, "dp=1", example_inputs=(tokens, tokens))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {**TORCHRUN_ENV, "WORLD_SIZE": "1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(fxpar.BindError, match="meta device, which is for planning only"):
+        program.bind(timeout=10)
+    assert not dist.is_initialized()

@@ -148,12 +148,17 @@ class Runner:
             device_id=device if backend == "nccl" else None,
             extra=tied,
         )
-        runner = cls(
-            program, rank=env.rank, device=device, groups=groups, tied_groups=tied_groups,
-            communicator=Communicator(timeout), backend=backend,
-        )
-        runner._place_state(seed)
-        runner._bind_step()
+        try:
+            runner = cls(
+                program, rank=env.rank, device=device, groups=groups, tied_groups=tied_groups,
+                communicator=Communicator(timeout), backend=backend,
+            )
+            runner._place_state(seed)
+            runner._bind_step()
+        except BaseException:  # a bind that fails leaves no groups behind: bind may try again
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         buckets = runner._context.buckets  # the finalizer must not hold the runner itself
         live_runners.register(runner, release=lambda: [b.remove() for b in buckets])
         return runner
