@@ -52,6 +52,7 @@ from fxpar import meta
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.passes.contracts import broken, ensures
+from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.placement import FlatShard, R, local_shape
 
 aten = torch.ops.aten
@@ -91,6 +92,14 @@ def every_trained_parameter_sharded(gm: fx.GraphModule) -> None:
 @ensures(every_trained_parameter_sharded)
 def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: bool = False) -> fx.GraphModule:
     """Shard every trained parameter over dp and gather each layer's before use (module doc)."""
+    if deferred := deferred_weights(gm):
+        raise PlanError(
+            f"plan zero=3 reduce-scatters each layer's gradients when backward leaves the layer, "
+            f"and the zero-bubble schedule defers weight gradients ({deferred[0]}, ...) to W "
+            "actions after it. Fix: schedule=1f1b (or gpipe, interleaved), or zero=2",
+            field="zero",
+            value=3,
+        )
     graph, trained = gm.graph, meta.trained_parameters(gm)
     order = {node: i for i, node in enumerate(graph.nodes)}
     nodes = {name: node for name, node in meta.parameter_nodes(graph).items() if name in trained}

@@ -18,11 +18,15 @@ from pathlib import Path
 
 import pytest
 
+import fxpar
+from fxpar.errors import PlanError
+
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parent))
 from test_data_parallel_equivalence import assert_equivalent, reference  # noqa: E402,F401
 from test_tensor_parallel_equivalence import assert_collectives_as_predicted  # noqa: E402
+from tiny_training import build_model, global_batches  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -110,3 +114,12 @@ def test_zero3_refuses_a_parameter_whose_gradient_is_summed_at_the_step_end():
     with pytest.raises(PlanError, match="parameter .*wte.weight is shared by pipeline stages") as error:
         fxpar.compile(build_model("gpt"), "dp=2 pp=2 zero=3 mb=2", example_inputs=(tokens, labels))
     assert error.value.field == "zero" and "Fix: untie it, use pp=1, or zero=2" in str(error.value)
+
+
+def test_zero3_refuses_weight_gradients_deferred_past_the_layer():
+    """Zero bubble's W actions compute weight gradients after the layer's backward, where
+    ZeRO-3 has already reduce-scattered them: a PlanError at compile, not a wrong step."""
+    tokens, labels = global_batches()[0]
+    with pytest.raises(PlanError, match="defers weight gradients .* Fix: schedule=1f1b") as error:
+        fxpar.compile(build_model("gpt"), "dp=2 pp=2 zero=3 mb=4 schedule=zb-h1", example_inputs=(tokens, labels))
+    assert error.value.field == "zero"
