@@ -66,7 +66,8 @@ def test_zero_on_two_ranks_matches_single_device(torchrun, reference):
 def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
     plans = ["dp=4 zero=2 bucket_mb=0.05", "dp=2 tp=2 zero=1 mb=2", "dp=2 tp=2 sp=true zero=2",
              "dp=2 pp=2 zero=1 mb=4", "dp=2 pp=2 zero=2 mb=4 schedule=zb-h1", "dp=4 zero=3 prefetch=2",
-             "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3", "dp=2 pp=2 zero=3 mb=4"]
+             "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3",
+             "dp=2 pp=2 zero=3 mb=4 schedule=interleaved virtual_stages=2"]
     for results in torchrun("train_worker.py", 4, *plans):
         for plan in plans:
             assert_equivalent(results[plan], reference)
@@ -87,7 +88,8 @@ def test_zero3_on_two_ranks_matches_single_device(torchrun, reference):
 def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
     plans = ["dp=4 zero=2 bucket_mb=0.05", "dp=2 tp=2 zero=1 mb=2", "dp=2 tp=2 sp=true zero=2",
              "dp=2 pp=2 zero=1 mb=4", "dp=2 pp=2 zero=2 mb=4 schedule=zb-h1", "dp=4 zero=3 prefetch=2",
-             "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3", "dp=2 pp=2 zero=3 mb=4"]
+             "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3",
+             "dp=2 pp=2 zero=3 mb=4 schedule=interleaved virtual_stages=2"]
     for results in torchrun("train_worker.py", 4, *plans):
         for plan in plans:
             assert_equivalent(results[plan], reference)
