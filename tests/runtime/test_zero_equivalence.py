@@ -85,39 +85,6 @@ def test_zero3_on_two_ranks_matches_single_device(torchrun, reference):
             assert_model_state_as_predicted(results[plan], zero=3, dp=2)
 
 
-def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
-    plans = ["dp=4 zero=2 bucket_mb=0.05", "dp=2 tp=2 zero=1 mb=2", "dp=2 tp=2 sp=true zero=2",
-             "dp=2 pp=2 zero=1 mb=4", "dp=2 pp=2 zero=2 mb=4 schedule=zb-h1", "dp=4 zero=3 prefetch=2",
-             "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3",
-             "dp=2 pp=2 zero=3 mb=4 schedule=interleaved virtual_stages=2"]
-    for results in torchrun("train_worker.py", 4, *plans):
-        for plan in plans:
-            assert_equivalent(results[plan], reference)
-            assert_collectives_as_predicted(results[plan])
-
-
-def test_zero3_on_two_ranks_matches_single_device(torchrun, reference):
-    """ZeRO-3: each rank stores a flat piece of every parameter; each layer's are gathered in
-    forward and their gradients reduce-scattered in backward by the graph's own ops."""
-    plans = ["dp=2 zero=3", "dp=2 zero=3 mb=2 reshard_after_forward=false prefetch=0"]
-    for results in torchrun("train_worker.py", 2, *plans):
-        for plan in plans:
-            assert_equivalent(results[plan], reference)
-            assert_collectives_as_predicted(results[plan])
-            assert_model_state_as_predicted(results[plan], zero=3, dp=2)
-
-
-def test_zero3_refuses_a_parameter_whose_gradient_is_summed_at_the_step_end():
-    """A tied embedding and head on two pipeline ranks (summed over pp at the step's end) has
-    no whole gradient when backward leaves its layer, where ZeRO-3 reduce-scatters it."""
-    from tiny_training import build_model, global_batches
-
-    tokens, labels = global_batches()[0]
-    with pytest.raises(PlanError, match="parameter .*wte.weight is shared by pipeline stages") as error:
-        fxpar.compile(build_model("gpt"), "dp=2 pp=2 zero=3 mb=2", example_inputs=(tokens, labels))
-    assert error.value.field == "zero" and "Fix: untie it, use pp=1, or zero=2" in str(error.value)
-
-
 def test_zero3_refuses_weight_gradients_deferred_past_the_layer():
     """Zero bubble's W actions compute weight gradients after the layer's backward, where
     ZeRO-3 has already reduce-scattered them: a PlanError at compile, not a wrong step."""
