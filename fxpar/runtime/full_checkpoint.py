@@ -3,7 +3,7 @@
     runner.save_full("model.safetensors", optimizer=opt)   # every rank calls it; rank 0 writes
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))      # one device
     optimizer = torch.optim.AdamW(model.parameters(), ...)
-    optimizer.load_state_dict(load_full_optimizer_state("model.optimizer.safetensors"))
+    optimizer.load_state_dict(load_full_optimizer_state("model.optimizer.safetensors", model))
 
 The tensors are gathered by `runner.full_state_dict()` and `runner.full_optimizer_state_dict()`,
 whose collectives are the state programs' (`Program.state_program`, verified by `check()`),
@@ -49,9 +49,10 @@ def write_full(path: str | Path, state: dict[str, torch.Tensor], optimizer_state
         _atomically(optimizer_path(path), lambda p: save_file(tensors, p, metadata={"format": "pt", "param_groups": groups}))
 
 
-def load_full_optimizer_state(path: str | Path) -> dict[str, Any]:
+def load_full_optimizer_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     """The optimizer state `save_full` wrote, as `torch.optim.Optimizer.load_state_dict` takes
-    it for an optimizer over `model.parameters()` (parameters named, in the model's order)."""
+    it for an optimizer over `model.parameters()` (one group): torch matches parameters by
+    position, so the names are put in `model.named_parameters()`'s order here."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -59,17 +60,23 @@ def load_full_optimizer_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"no optimizer state at {path}. Fix: runner.save_full(..., optimizer=opt) writes it")
     with safe_open(str(path), framework="pt") as file:
         groups = json.loads((file.metadata() or {}).get("param_groups", "null"))
-        if not isinstance(groups, list):
-            raise CheckpointError(f"{path} has no param_groups in its header: not written by runner.save_full")
-        state: dict[str, dict[str, torch.Tensor]] = {}
+        if not isinstance(groups, list) or len(groups) != 1:
+            raise CheckpointError(f"{path} has no single param group in its header: not written by runner.save_full")
+        by_name: dict[str, dict[str, torch.Tensor]] = {}
         for key in file.keys():
             name, _, state_key = key.removeprefix("state.").rpartition(".")
-            state.setdefault(name, {})[state_key] = file.get_tensor(key)
-    for group in groups:
-        for option in ("betas",):  # torch.optim keeps these as tuples
-            if isinstance(group.get(option), list):
-                group[option] = tuple(group[option])
-    return {"state": state, "param_groups": groups}
+            by_name.setdefault(name, {})[state_key] = file.get_tensor(key)
+    names = [name for name, _ in model.named_parameters()]
+    unknown = sorted(set(by_name) - set(names))
+    if unknown:
+        raise CheckpointError(f"{path} holds optimizer state of {unknown[0]!r}, which the model has no parameter "
+                              f"named ({len(unknown)} such). Fix: load it with the model it was saved from")
+    (group,) = groups
+    if isinstance(group.get("betas"), list):  # torch.optim keeps it as a tuple
+        group["betas"] = tuple(group["betas"])
+    group["params"] = list(range(len(names)))
+    state = {index: by_name[name] for index, name in enumerate(names) if name in by_name}
+    return {"state": state, "param_groups": [group]}
 
 
 def _atomically(path: Path, write) -> None:

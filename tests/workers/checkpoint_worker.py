@@ -4,11 +4,11 @@
 
 Jobs run in order, each binding its own program (closed after):
 
-    save|PLAN|NAME|K       train the tiny GPT K steps (tiny_training's batches 0..K-1), then
-                           runner.save(OUT_DIR/NAME) and runner.save_full(OUT_DIR/NAME.safetensors)
-    load|PLAN|NAME|M       build the model from another seed (so only the load can make it
-                           right), runner.load(OUT_DIR/NAME), train the next M steps
-    errors|PLAN|NAME       loading OUT_DIR/NAME into another model, and a missing path: the messages
+    save|PLAN|NAME|K[|MODEL]  train the tiny GPT K steps (tiny_training's batches 0..K-1), then
+                              runner.save(OUT_DIR/NAME) and runner.save_full(OUT_DIR/NAME.safetensors)
+    load|PLAN|NAME|M[|MODEL]  build the model from another seed (so only the load can make it
+                              right), runner.load(OUT_DIR/NAME), train the next M steps
+    errors|PLAN|NAME          loading OUT_DIR/NAME into another model, and a missing path: the messages
 
 Each rank saves `rank{r}.pt`: per job, what the test compares (losses, the full state and
 optimizer state after the job, what load returned, the error messages).
@@ -28,7 +28,7 @@ from tiny_training import CONFIG, GPT, OPTIMIZER, build_model, global_batches
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
 batches = global_batches()
-results = {}
+results = {"folder": out_dir}
 
 
 def bind(plan: str, model: torch.nn.Module):
@@ -49,16 +49,17 @@ def train(runner, optimizer, steps) -> list[float]:
 
 for job in jobs:
     kind, plan, name, *count = job.split("|")
-    path = out_dir / name
+    model_name = count[1] if len(count) > 1 else "gpt"
+    path = out_dir / name  # (an absolute NAME: another launch's checkpoint)
     if kind == "save":
-        runner, optimizer = bind(plan, build_model())
+        runner, optimizer = bind(plan, build_model(model_name))
         k = int(count[0])
         losses = train(runner, optimizer, batches[:k])
         runner.save(path, optimizer=optimizer, step=k, extra={"next_batch": k, "plan": plan})
         runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
         results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir)}
     elif kind == "load":
-        runner, optimizer = bind(plan, build_model(seed=7))
+        runner, optimizer = bind(plan, build_model(model_name, seed=7))
         resumed = runner.load(path, optimizer=optimizer)
         start = resumed.extra["next_batch"]
         losses = train(runner, optimizer, batches[start : start + int(count[0])])
