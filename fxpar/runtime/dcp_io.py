@@ -192,7 +192,7 @@ class SafeReader(FileSystemReader):
         return read_checkpoint_metadata(Path(self.path))
 
 
-_ALLOWED = {
+_ALLOWED = frozenset({
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
                  "BytesStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
@@ -204,7 +204,7 @@ _ALLOWED = {
     ("pathlib", "WindowsPath"),
     ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
-}
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -55,15 +55,18 @@ for job in jobs:
         runner, optimizer = bind(plan, build_model(model_name))
         k = int(count[0])
         losses = train(runner, optimizer, batches[:k])
+        generator_state = torch.get_rng_state()
         runner.save(path, optimizer=optimizer, step=k, extra={"next_batch": k, "plan": plan})
         runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
-        results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir)}
+        results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir), "rng": generator_state}
+        torch.manual_seed(1000 + runner.rank)  # what a load under the same plan must undo
     elif kind == "load":
         runner, optimizer = bind(plan, build_model(model_name, seed=7))
         resumed = runner.load(path, optimizer=optimizer)
+        generator_state = torch.get_rng_state()
         start = resumed.extra["next_batch"]
         losses = train(runner, optimizer, batches[start : start + int(count[0])])
-        results[job] = {"losses": losses, "resumed": resumed, "state": runner.full_state_dict(),
+        results[job] = {"losses": losses, "resumed": resumed, "rng": generator_state, "state": runner.full_state_dict(),
                         "optimizer": runner.full_optimizer_state_dict(optimizer)}
     elif kind == "errors":  # the checkpoint into other models: their messages
         other_models = {
