@@ -32,7 +32,7 @@ from fxpar.errors import CheckpointError  # noqa: E402
 from fxpar.placement import Placements, R, Shard, local_slice  # noqa: E402
 from fxpar.runtime.checkpoint import latest_checkpoint, read_manifest  # noqa: E402
 from fxpar.runtime.checkpoint_pieces import flat_range_pieces, placed_pieces, row_major_boxes  # noqa: E402
-from fxpar.runtime.dcp_io import read_checkpoint_metadata  # noqa: E402
+from fxpar.runtime.dcp_io import read_checkpoint_metadata, replace_folder  # noqa: E402
 from fxpar.runtime.full_checkpoint import load_full_optimizer_state, optimizer_path  # noqa: E402
 
 RELATIVE = 1e-5
@@ -114,6 +114,19 @@ def test_missing_and_incomplete_checkpoints_are_clear_errors(tmp_path):
     (tmp_path / "half" / ".metadata").write_bytes(b"")
     with pytest.raises(CheckpointError, match="not a complete fxpar checkpoint: it lacks fxpar.json"):
         read_manifest(tmp_path / "half")
+
+
+def test_a_checkpoint_replaced_in_place_is_never_half_there(tmp_path):
+    """Saving over an existing checkpoint moves the old one aside, renames the new one in,
+    then removes the old: at every moment one complete folder answers to the name."""
+    old, new = tmp_path / "latest", tmp_path / "latest.partial"
+    old.mkdir()
+    (old / "a").write_text("old")
+    new.mkdir()
+    (new / "b").write_text("new")
+    replace_folder(new, old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    assert [p.name for p in old.iterdir()] == ["b"]
 
 
 class _RunsCode:
