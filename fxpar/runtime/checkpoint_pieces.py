@@ -8,15 +8,17 @@ global coordinates. This module does that, from the placements (`placement.local
 is the one source of where a shard lies):
 
     key                                   global tensor           this rank's pieces
-    transformer.h.0.attn.q.weight         the parameter           its local_intervals (tp, and
-                                                                  dp once parameters shard there)
+    transformer.h.0.attn.q.weight         the parameter           its local_intervals (tp), and
+                                                                  under ZeRO-3 the flat_range of
+                                                                  them its FlatShard piece keeps
     optim.state.<name>.exp_avg            shaped as <name>        the same; under ZeRO-1/2 the
                                                                   part of this rank's flat shard
                                                                   that falls in <name>
     optim.state.<name>.step               0-dim                   whole (every holder the same)
 
-A ZeRO shard is a contiguous range of a bucket's flat buffer, so within one parameter it is a
-range of the parameter's row-major elements, which `row_major_boxes` cuts into rectangles
+A ZeRO-1/2 shard is a contiguous range of a bucket's flat buffer, and a ZeRO-3 piece one of the
+parameter's own flattened (tp) piece, so within one parameter either is a range of row-major
+elements, which `row_major_boxes` cuts into rectangles
 (a partial first row, whole rows, a partial last row, recursively):
 
     param (4, 6), flat range [5, 20)     (0, 5):(1, 1)   (1, 0):(2, 6)   (3, 0):(1, 2)
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxpar.placement import Placements, global_shape, local_intervals
+from fxpar.placement import AXES, R, FlatShard, Placements, flat_range, local_intervals, local_shape
 
 
 @dataclass(frozen=True)
@@ -58,18 +60,26 @@ class GlobalTensor:
     pieces: list[Piece] = field(default_factory=list)
 
 
-def placed_pieces(local: torch.Tensor, placements: Placements, coord: Mapping[str, int],
+def tensor_pieces(local: torch.Tensor, shape: Sequence[int], placements: Placements, coord: Mapping[str, int],
                   sizes: Mapping[str, int]) -> list[Piece]:
-    """The pieces of a rank's whole local tensor `local` under `placements`."""
-    shape = global_shape_of(local.shape, placements, sizes)
-    return _pieces(local, (0,) * local.dim(), _intervals(shape, placements, coord, sizes))
+    """The pieces of a rank's local tensor `local` of a value of global `shape` under
+    `placements`: its intervals (`placement.local_intervals`), or under a FlatShard (ZeRO-3's
+    parameters) the part of the flattened piece it keeps (`placement.flat_range`; the zero
+    padding after it belongs to no element)."""
+    unflat = Placements(**{axis: R if isinstance(placements[axis], FlatShard) else placements[axis] for axis in AXES})
+    piece_shape = tuple(int(d) for d in local_shape(shape, unflat, sizes))
+    kept = flat_range(math.prod(piece_shape), placements, coord, sizes)
+    if kept is None:
+        return _pieces(local, (0,) * local.dim(), _intervals(shape, placements, coord, sizes))
+    start, stop = kept
+    return flat_range_pieces(local.reshape(-1)[: stop - start], start, piece_shape, unflat, coord, sizes, shape)
 
 
 def flat_range_pieces(flat: torch.Tensor, start: int, local_shape: Sequence[int], placements: Placements,
-                      coord: Mapping[str, int], sizes: Mapping[str, int]) -> list[Piece]:
-    """The pieces of `flat`, elements `start ... start + len(flat)` of a local tensor of
-    `local_shape` flattened row-major (a ZeRO shard's part of one parameter)."""
-    shape = global_shape_of(local_shape, placements, sizes)
+                      coord: Mapping[str, int], sizes: Mapping[str, int], shape: Sequence[int]) -> list[Piece]:
+    """The pieces of `flat`, elements `start ... start + len(flat)` of a rank's local tensor
+    of `local_shape` (of a value of global `shape`) flattened row-major: a ZeRO shard's part
+    of one parameter."""
     intervals = _intervals(shape, placements, coord, sizes)
     strides = [math.prod(local_shape[d + 1:]) for d in range(len(local_shape))]
     pieces = []
@@ -101,11 +111,6 @@ def row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple
         r = start // row
         boxes += [((r, *o), (1, *s)) for o, s in row_major_boxes(shape[1:], 0, stop - r * row)]
     return boxes
-
-
-def global_shape_of(local_shape: Sequence[int], placements: Placements, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """The global shape of a piece of `local_shape` (placement.global_shape, as ints)."""
-    return tuple(int(d) for d in global_shape(local_shape, placements, sizes))
 
 
 def _intervals(shape, placements, coord, sizes) -> list[list[tuple[int, int, int]]]:

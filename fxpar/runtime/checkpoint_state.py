@@ -17,7 +17,7 @@ layouts differ and their pieces would overlap. Loading, every holder reads its p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fxpar import meta
 from fxpar.errors import CheckpointError
 from fxpar.placement import REPLICATED, Placements
-from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece, flat_range_pieces, global_shape_of, placed_pieces
+from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece, flat_range_pieces, tensor_pieces
 
 OPTIMIZER_PREFIX = "optim.state."
 RNG_PREFIX = "rng."
@@ -40,6 +40,12 @@ class RankState:
     modules: tuple[torch.fx.GraphModule, ...]
     buckets: tuple  # per module, its GradientBuckets (empty without data parallelism)
     device: torch.device
+    shapes: dict[str, tuple[int, ...]] = field(init=False)  # tensor name -> its global shape
+
+    def __post_init__(self) -> None:
+        # The value's own shape (a ZeRO-3 piece does not say it): the captured model's.
+        captured = self.program.captured.graph_module.state_dict()
+        object.__setattr__(self, "shapes", {k: tuple(v.shape) for k, v in captured.items()})
 
     @property
     def coord(self):
@@ -82,10 +88,8 @@ def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalT
                 if tensor.data_ptr() != held[key].data_ptr():
                     copies.append((tensor, held[key]))
                 continue
-            placements = state.placements(module, key)
             held[key] = tensor
-            tensors[key] = GlobalTensor(global_shape_of(tensor.shape, placements, state.sizes), tensor.dtype,
-                                        placed_pieces(tensor, placements, state.coord, state.sizes))
+            tensors[key] = _placed(tensor, key, state.placements(module, key), state)
     return tensors, copies
 
 
@@ -134,7 +138,7 @@ def _whole_tensors(optimizer, state, writers, by_parameter, *, loading):
                         f"{tuple(value.shape)}, not the parameter's {tuple(parameter.shape)}: only state "
                         "shaped as its parameter (or 0-dim) reshards. Fix: an elementwise optimizer"
                     )
-                tensors[f"{OPTIMIZER_PREFIX}{name}.{key}"] = _placed(value, placements, state)
+                tensors[f"{OPTIMIZER_PREFIX}{name}.{key}"] = _placed(value, name, placements, state)
     return tensors, lambda: None
 
 
@@ -171,9 +175,8 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
                     tensors.setdefault(full_key, _whole(value))
                     continue
                 pieces = flat_range_pieces(value[shard_start:shard_stop], param_start, parameter.shape,
-                                           placements, state.coord, state.sizes)
-                tensors[full_key] = GlobalTensor(global_shape_of(parameter.shape, placements, state.sizes),
-                                                 value.dtype, pieces)
+                                           placements, state.coord, state.sizes, state.shapes[name])
+                tensors[full_key] = GlobalTensor(state.shapes[name], value.dtype, pieces)
 
     def finish() -> None:  # one scalar per shard: every parameter's copy must agree
         for shard, by_key in scalars:
@@ -248,11 +251,12 @@ def _fresh(entry: TensorStorageMetadata, *, like: torch.Tensor, group: dict) -> 
     return torch.zeros((), dtype=dtype, device=like.device if on_device else "cpu")
 
 
-def _placed(value: torch.Tensor, placements: Placements, state: RankState) -> GlobalTensor:
-    if value.dim() == 0:
+def _placed(value: torch.Tensor, name: str, placements: Placements, state: RankState) -> GlobalTensor:
+    """`value`, this rank's piece of tensor `name` (or a state shaped as it), by its placements."""
+    if value.dim() == 0:  # a 0-dim tensor, or a 0-dim state of a parameter (Adam's step)
         return _whole(value)
-    return GlobalTensor(global_shape_of(value.shape, placements, state.sizes), value.dtype,
-                        placed_pieces(value, placements, state.coord, state.sizes))
+    shape = state.shapes[name]
+    return GlobalTensor(shape, value.dtype, tensor_pieces(value, shape, placements, state.coord, state.sizes))
 
 
 def _whole(value: torch.Tensor) -> GlobalTensor:

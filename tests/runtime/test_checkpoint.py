@@ -1,7 +1,7 @@
 """Checkpoints: runner.save / runner.load reshard across plans, save_full, resume after SIGKILL.
 
 The multi-rank checks train the tiny GPT K=3 steps under one plan, save, load under another
-plan (other dp / tp / pp / zero degrees, another world size) into a model built from another
+plan (other dp / tp / pp / zero degrees, ZeRO-3's flat pieces among them, another world size) into a model built from another
 seed, and train the remaining 2 steps: the losses of those steps, all parameters and the
 optimizer state after them must be one device's uninterrupted 5 steps (tiny_training), to the
 equivalence tests' relative 1e-5 (a resharded run sums gradients in another order than one
@@ -13,6 +13,7 @@ arithmetic), asserted as rel 1e-5 only so that the message shows the numbers if 
 """
 
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -29,9 +30,9 @@ from test_data_parallel_equivalence import assert_optimizer_state_equal  # noqa:
 from tiny_training import OPTIMIZER, build_model, global_batches, train_single_device  # noqa: E402
 
 from fxpar.errors import CheckpointError  # noqa: E402
-from fxpar.placement import Placements, R, Shard, local_slice  # noqa: E402
+from fxpar.placement import FlatShard, Placements, R, Shard, local_slice  # noqa: E402
 from fxpar.runtime.checkpoint import latest_checkpoint, read_manifest  # noqa: E402
-from fxpar.runtime.checkpoint_pieces import flat_range_pieces, placed_pieces, row_major_boxes  # noqa: E402
+from fxpar.runtime.checkpoint_pieces import flat_range_pieces, row_major_boxes, tensor_pieces  # noqa: E402
 from fxpar.runtime.dcp_io import read_checkpoint_metadata, replace_folder  # noqa: E402
 from fxpar.runtime.full_checkpoint import load_full_optimizer_state, optimizer_path  # noqa: E402
 
@@ -51,27 +52,35 @@ def test_row_major_boxes_tile_a_flat_range_in_order():
     assert row_major_boxes((4, 6), 5, 20) == [((0, 5), (1, 1)), ((1, 0), (2, 6)), ((3, 0), (1, 2))]
 
 
-@pytest.mark.parametrize("placements", [
-    Placements(), Placements(tp=Shard(0)), Placements(tp=Shard(1)), Placements(tp=Shard(1, parts=3)),
-    Placements(dp=Shard(0), tp=Shard(1, parts=3)),  # a parameter stored as a dp shard (ZeRO-3)
+@pytest.mark.parametrize("shape, placements", [
+    ((8, 12), Placements()), ((8, 12), Placements(tp=Shard(0))), ((8, 12), Placements(tp=Shard(1))),
+    ((8, 12), Placements(tp=Shard(1, parts=3))), ((8, 12), Placements(dp=Shard(0), tp=Shard(1, parts=3))),
+    ((5, 12), Placements(dp=FlatShard(), tp=Shard(1, parts=3))),  # ZeRO-3: 15 elements, 8 + 7 and a pad
+    ((5, 7), Placements(dp=FlatShard())),
 ])
-def test_pieces_hold_the_global_elements_at_their_offsets(placements):
-    """Every rank's pieces, of its whole local shard and of any flat range of it (a ZeRO
-    shard), are views holding the global tensor's elements at the pieces' offsets, and all
-    ranks' pieces of a partition of each shard tile the global tensor exactly once."""
-    whole = torch.arange(8 * 12, dtype=torch.float32).view(8, 12)
+def test_pieces_hold_the_global_elements_at_their_offsets(shape, placements):
+    """Every rank's pieces, of its local tensor and (without a FlatShard) of any flat range of
+    it (a ZeRO-1/2 shard), are views holding the global tensor's elements at the pieces'
+    offsets, and all ranks' pieces tile the global tensor once per replica."""
+    whole = torch.arange(math.prod(shape), dtype=torch.float32).view(shape) + 1
     sizes = {"dp": 2, "tp": 2}
     covered = torch.zeros_like(whole)
     for dp in range(2):
         for tp in range(2):
             coord = {"dp": dp, "tp": tp}
             local = local_slice(whole, placements, coord, sizes).clone()
-            for piece in placed_pieces(local, placements, coord, sizes):
+            pieces = tensor_pieces(local, shape, placements, coord, sizes)
+            for piece in pieces:
                 assert torch.equal(piece.view, _at(whole, piece)), piece
+                assert piece.view.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+            if isinstance(placements.dp, FlatShard):
+                for piece in pieces:
+                    _at(covered, piece).add_(1)
+                continue
             flat = local.flatten()
             cut = flat.numel() // 3 + 1  # a range boundary inside a row
             for start, stop in ((0, cut), (cut, flat.numel())):
-                for piece in flat_range_pieces(flat[start:stop], start, local.shape, placements, coord, sizes):
+                for piece in flat_range_pieces(flat[start:stop], start, local.shape, placements, coord, sizes, shape):
                     assert torch.equal(piece.view, _at(whole, piece)), piece
                     # a view of the shard, not a copy: loading writes through it
                     assert piece.view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
@@ -149,8 +158,9 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path):
 
 # -- multi-rank: save under one plan, load under others -----------------------------------------
 
-SAVES_2 = ["save|dp=2 zero=1|a|3", "save|tp=2|b|3", "save|dp=2 zero=1|g|3|gpt2"]
+SAVES_2 = ["save|dp=2 zero=1|a|3", "save|tp=2|b|3", "save|dp=2 zero=1|g|3|gpt2", "save|dp=2 zero=3|z|3"]
 LOADS_2 = ["load|tp=2|a|2", "load|pp=2 mb=2|a|2", "load|dp=2 zero=2|b|2", "load|tp=2|g|2|gpt2",
+           "load|dp=2 zero=3|b|2", "load|tp=2|z|2",
            "load|dp=2 zero=1|a|2"]  # and under the plan it was saved with
 
 
@@ -162,10 +172,10 @@ def two_ranks(module_torchrun):
 
 @pytest.fixture(scope="module")
 def four_ranks(two_ranks, module_torchrun):
-    """World 4 loads world 2's checkpoint `a`, saves `c` under pp + ZeRO (a tied embedding and
-    head in two stages' flat layouts) and loads it under tp + ZeRO-2. (The same folder as
-    `two_ranks`, whose per-rank results are read already.)"""
-    jobs = ["load|dp=2 tp=2 zero=1|a|2", "save|dp=2 pp=2 zero=1 mb=2|c|3", "load|tp=2 dp=2 zero=2|c|2"]
+    """World 4 loads world 2's checkpoint `a` (ZeRO-1) under tp + ZeRO-3, saves `c` under pp +
+    ZeRO-1 (a tied embedding and head in two stages' flat layouts) and loads it under tp +
+    ZeRO-2. (The same folder as `two_ranks`, whose per-rank results are read already.)"""
+    jobs = ["load|dp=2 tp=2 zero=3|a|2", "save|dp=2 pp=2 zero=1 mb=2|c|3", "load|tp=2 dp=2 zero=2|c|2"]
     return module_torchrun("checkpoint_worker.py", 4, *jobs)
 
 
@@ -191,7 +201,7 @@ def _assert_continues_uninterrupted(result: dict, reference: dict) -> None:
 @pytest.mark.parametrize("job", LOADS_2)
 def test_a_checkpoint_loads_under_another_plan_and_training_continues(two_ranks, references, job):
     model = job.split("|")[4] if job.count("|") == 4 else "gpt"
-    saved_under = {"a": "dp=2 zero=1", "b": "tp=2", "g": "dp=2 zero=1"}[job.split("|")[2]]
+    saved_under = {"a": "dp=2 zero=1", "b": "tp=2", "g": "dp=2 zero=1", "z": "dp=2 zero=3"}[job.split("|")[2]]
     same_plan = job.split("|")[1] == saved_under
     for rank in two_ranks:
         _assert_continues_uninterrupted(rank[job], references[model])
