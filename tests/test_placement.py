@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from fxpar.placement import Placements, R, Shard, global_tensor, local_intervals, local_slice
+from fxpar.placement import FlatShard, Placements, R, Shard, flat_range, global_tensor, local_intervals, local_slice
 
 
 def _old_local_slice(tensor, placements, coord, sizes):
@@ -39,6 +39,20 @@ def test_intervals_locate_every_element_of_the_piece():
             index = [torch.cat([torch.arange(s, s + n) for s, n in r]) for r in (rows, cols)]
             assert torch.equal(piece, whole[index[0][:, None], index[1][None, :]]), (dp, tp, coord)
     assert checked >= 80  # of 100: only fused blocks on an already halved 12 fail to split
+
+
+def test_a_flat_shard_keeps_its_flat_range_of_the_tp_piece_zero_padded():
+    """ZeRO-3's FlatShard on dp after tp's Shard: rank (dp, tp) holds elements `flat_range` of
+    its tp piece flattened, padded with zeros to `flat_piece` elements."""
+    whole = torch.arange(5 * 6).view(5, 6) + 1
+    placements, sizes = Placements(dp=FlatShard(), tp=Shard(1, parts=3)), {"dp": 2, "tp": 2}
+    for tp in range(2):
+        tp_piece = local_slice(whole, Placements(tp=Shard(1, parts=3)), {"tp": tp}, sizes).flatten()  # 15
+        pieces = [local_slice(whole, placements, {"dp": dp, "tp": tp}, sizes) for dp in range(2)]
+        assert [tuple(p.shape) for p in pieces] == [(8,), (8,)]
+        assert [flat_range(15, placements, {"dp": dp, "tp": tp}, sizes) for dp in range(2)] == [(0, 8), (8, 15)]
+        assert torch.equal(torch.cat(pieces), torch.cat([tp_piece, tp_piece.new_zeros(1)]))
+    assert flat_range(15, Placements(tp=Shard(0)), {"dp": 0, "tp": 0}, sizes) is None
 
 
 def test_interval_pieces_put_back_by_global_tensor():
