@@ -2,7 +2,6 @@
 
 import itertools
 
-import pytest
 import torch
 
 from fxpar.placement import FlatShard, Placements, R, Shard, flat_range, global_tensor, local_intervals, local_slice

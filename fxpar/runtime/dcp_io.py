@@ -49,7 +49,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from fxpar.errors import CheckpointError
-from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece
 
 METADATA_FILE = ".metadata"  # DCP's
 MANIFEST_FILE = "fxpar.json"  # fxpar's: what the checkpoint is, written last (`CommittingWriter`)
