@@ -3,6 +3,10 @@
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --plan dp=4 --steps 200
     python examples/train_gpt.py --steps 50          # no torchrun: one process, dp=1
 
+    # checkpoints every 50 steps; a crash restarts the job from the newest complete one
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py \
+        --plan "dp=2 zero=1" --steps 200 --save-every 50 --resume auto --checkpoint-dir ckpt
+
 The script is the whole user-side story of fxpar, top to bottom:
 
 1. build an ordinary single-device model (`gpt.py`), with the same seed on every rank so
@@ -12,7 +16,11 @@ The script is the whole user-side story of fxpar, top to bottom:
 3. `program.bind()` joins the torchrun job: process groups, this rank's shards, its device;
 4. each step every rank draws the *same global batch* from an identically seeded generator
    and keeps its own data-parallel slice (`runner.local_batch`); `runner.step` runs forward
-   and backward and returns the global-batch mean loss, the same number on every rank.
+   and backward and returns the global-batch mean loss, the same number on every rank;
+5. every `--save-every` steps `runner.save` writes a checkpoint (each rank its own shards,
+   with the optimizer state, the step and the data generator's position); `--resume auto`
+   loads the newest complete one, under this plan or another, so a job that torchrun restarts
+   after a crash goes on exactly where its last checkpoint left it.
 
 The data is the standard library's own source, one token per byte (`text_data.py`), so
 there is nothing to download and the run is reproducible on any machine with the same Python.
@@ -21,8 +29,10 @@ there is nothing to download and the run is reproducible on any machine with the
 from __future__ import annotations
 
 import argparse
+import base64
 import math
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -36,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example 
 
 import fxpar  # noqa: E402
 from fxpar.gantt import gantt  # noqa: E402
+from fxpar.runtime.checkpoint import latest_checkpoint  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from text_data import VOCAB_SIZE, ByteDataset, load_stdlib_text  # noqa: E402
 
@@ -60,9 +71,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="dropout probability; add rng=exact to the plan for one device's masks")
     parser.add_argument("--save", type=Path, default=None,
                         help="write the consolidated state dict here (rank 0) at the end")
+    parser.add_argument("--save-full", type=Path, default=None,
+                        help="write the whole model as one safetensors file here at the end "
+                             "(and the optimizer state beside it, NAME.optimizer.safetensors)")
     parser.add_argument("--timeline", action="store_true",
                         help="with a pipeline: print the last step's Gantt chart (rank 0)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"),
+                        help="where --save-every writes step-NNNNNNNN checkpoint folders")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="write a checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", default="none",
+                        help='"auto": the newest complete checkpoint in --checkpoint-dir (none: '
+                             'start fresh); a checkpoint folder; or "none"')
+    # The resume test's crash: rank R SIGKILLs itself as step S starts, on torchrun's first
+    # attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job runs through.
+    parser.add_argument("--kill-rank-at", default=None, metavar="R:S", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def generator_position(generator: torch.Generator) -> str:
+    """The data generator's state as JSON-able text (a checkpoint's `extra`)."""
+    return base64.b64encode(generator.get_state().numpy().tobytes()).decode()
+
+
+def set_generator_position(generator: torch.Generator, position: str) -> None:
+    state = torch.frombuffer(bytearray(base64.b64decode(position)), dtype=torch.uint8)
+    generator.set_state(state)
+
+
+def resume(args: argparse.Namespace, runner, opt, generator: torch.Generator) -> int:
+    """Load `--resume`'s checkpoint (the model, the optimizer, the data position); the step
+    to go on from (0 when there is none to load)."""
+    if args.resume == "none":
+        return 0
+    path = latest_checkpoint(args.checkpoint_dir) if args.resume == "auto" else Path(args.resume)
+    if path is None:
+        if runner.is_main:
+            print(f"--resume auto: no checkpoint in {args.checkpoint_dir}; starting fresh", flush=True)
+        return 0
+    resumed = runner.load(path, optimizer=opt)
+    set_generator_position(generator, resumed.extra["data_generator"])
+    if runner.is_main:
+        print(f"resumed from {path} at step {resumed.step} (saved under plan '{resumed.plan}')", flush=True)
+    return resumed.step
+
+
+def crash_if_asked(args: argparse.Namespace, rank: int, step: int) -> None:
+    if args.kill_rank_at is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kill_rank, kill_step = (int(x) for x in args.kill_rank_at.split(":"))
+    if rank == kill_rank and step == kill_step:
+        print(f"rank {rank}: killing myself at step {step} (--kill-rank-at)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def learning_rate(step: int, *, max_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -151,12 +211,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{n_params / 1e6:.2f}M parameters; {len(dataset.train):,} training bytes; "
                   f"global batch {args.batch} x {args.seq} tokens", flush=True)
 
+        start = resume(args, runner, opt, generator)
         tokens_per_step = args.batch * args.seq  # global, summed over data-parallel ranks
         losses: list[float] = []
         step_seconds: list[float] = []
         smooth_loss: float | None = None
-        bar = tqdm(range(args.steps), disable=not runner.is_main, desc="train", unit="step")
+        bar = tqdm(range(start, args.steps), disable=not runner.is_main, desc="train", unit="step")
         for step in bar:
+            crash_if_asked(args, runner.rank, step)
             lr = learning_rate(step, max_lr=args.lr, warmup_steps=args.warmup_steps,
                                total_steps=args.steps)
             for group in opt.param_groups:
@@ -177,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
             smooth_loss = loss if smooth_loss is None else 0.9 * smooth_loss + 0.1 * loss
             bar.set_postfix(loss=f"{smooth_loss:.3f}",
                             tok_s=f"{tokens_per_step / step_seconds[-1]:,.0f}", lr=f"{lr:.1e}")
+            if args.save_every and (step + 1) % args.save_every == 0:
+                runner.save(args.checkpoint_dir / f"step-{step + 1:08d}", optimizer=opt, step=step + 1,
+                            extra={"data_generator": generator_position(generator)})
         bar.close()
 
         comm = runner.comm_stats()
@@ -188,6 +253,10 @@ def main(argv: list[str] | None = None) -> None:
                 args.save.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(state, args.save)
                 print(f"saved {len(state)} tensors to {args.save}", flush=True)
+        if args.save_full is not None:
+            runner.save_full(args.save_full, optimizer=opt)  # gathered on every rank, rank 0 writes
+            if runner.is_main:
+                print(f"saved the full model to {args.save_full}", flush=True)
         if runner.is_main and losses:
             median_s = statistics.median(step_seconds)
             print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps | "

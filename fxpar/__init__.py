@@ -15,7 +15,7 @@ Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `f
 
 import fxpar.distributed_ops  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
 import fxpar.vocab_parallel_ops  # noqa: F401
-from fxpar.errors import BindError, CaptureError, CollectiveError, FxparError, PlanError
+from fxpar.errors import BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.plan_diff import PlanDiff, diff
@@ -26,6 +26,7 @@ __all__ = [
     "BindError",
     "CapturedGraph",
     "CaptureError",
+    "CheckpointError",
     "CollectiveError",
     "FxparError",
     "Mesh",

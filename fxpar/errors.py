@@ -39,6 +39,11 @@ class CollectiveError(FxparError, RuntimeError):
     """A collective failed or did not complete within its process group's timeout."""
 
 
+class CheckpointError(FxparError, RuntimeError):
+    """A checkpoint that cannot be loaded here: missing or incomplete, of another model (a
+    key missing, extra or of another shape), or holding something fxpar does not unpickle."""
+
+
 class StepProgramError(CollectiveError):
     """A rank was about to issue a collective its step program does not list (or left one of
     its listed calls out): raised before the call is made, so no peer is paired with it."""

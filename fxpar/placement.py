@@ -24,8 +24,9 @@ the tp axis op by op (`passes.tp_propagation`) and, where an op needs its input 
 otherwise, inserts the op that `fxpar.redistribution`'s table names for the move; the
 data-parallel pass derives the dp axis (`passes.dp_placement.place_data_parallel`).
 
-`local_shape` (and `local_numel`, `local_slice`) is the one place that turns a global shape into
-one rank's piece: nothing else divides by a degree. `global_shape` is its inverse.
+`local_shape` (and `local_numel`, `local_slice`, `local_intervals`, `flat_range`) is the one
+place that turns a global shape into one rank's piece: nothing else divides by a degree.
+`global_shape` is its inverse.
 """
 
 from __future__ import annotations
@@ -134,30 +135,70 @@ def local_numel(shape, placements: Placements, sizes: Sizes):
     return math.prod(local_shape(shape, placements, sizes))
 
 
-def local_slice(tensor: torch.Tensor, placements: Placements, coord: Mapping[str, int], sizes: Sizes) -> torch.Tensor:
-    """The piece of the global `tensor` that the rank at mesh coordinate `coord` (axis ->
-    index) holds under `placements`: sliced on each sharded axis, outermost first."""
+def local_intervals(shape, placements: Placements, coord: Mapping[str, int], sizes: Sizes) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Where the piece of the rank at mesh coordinate `coord` lies in a value of global
+    `shape` (ints), before any FlatShard flattens it (`flat_range` says which of the piece's
+    elements that keeps): per dim, the (global start, length) ranges the piece holds, in the
+    order the piece lays them out. One range per dim, except a Shard with parts > 1 (each
+    block's slice), or several axes sharding one dim (the inner axis slices the outer one's):
+
+        shape (12, 4), tp=Shard(0, parts=3), rank 1 of 2     dim 0: (2, 2) (6, 2) (10, 2)
+
+    What a checkpoint writes as one rank's chunks; `local_slice` cuts the piece by it."""
+    ranges = [((0, int(d)),) for d in shape]
     for axis in AXES:
         placement, size = placements[axis], sizes.get(axis, 1)
         if isinstance(placement, Shard) and size > 1:
-            tensor = _piece(tensor, placement, coord[axis], size)
+            ranges[placement.dim] = _shard_ranges(ranges[placement.dim], placement, coord[axis], size)
+    return tuple(ranges)
+
+
+def _shard_ranges(ranges, placement: Shard, index: int, size: int) -> tuple[tuple[int, int], ...]:
+    """The rank `index` of `size`'s part of a dim already laid out as `ranges`: the index-th
+    of `size` equal slices of each of the dim's `parts` blocks, mapped back to global ranges."""
+    dim, parts = placement.dim, placement.parts
+    length = sum(n for _, n in ranges)
+    if length % (parts * size):
+        raise ValueError(f"dim {dim} of size {length} does not split into {parts} x {size} pieces")
+    block, piece = length // parts, length // (parts * size)
+    result = []
+    for b in range(parts):
+        want_start, want_stop = b * block + index * piece, b * block + (index + 1) * piece
+        local = 0  # where each range starts in the piece being sliced
+        for start, n in ranges:
+            lo, hi = max(want_start, local), min(want_stop, local + n)
+            if lo < hi:
+                result.append((start + lo - local, hi - lo))
+            local += n
+    return tuple(result)
+
+
+def flat_range(numel: int, placements: Placements, coord: Mapping[str, int], sizes: Sizes) -> tuple[int, int] | None:
+    """Under a FlatShard: which elements (start, stop) of the other axes' piece of `numel`
+    elements, flattened, the rank's flat piece holds (the piece has `flat_piece` elements, the
+    ones past `stop` zero padding); None without a FlatShard."""
     for axis in AXES:
         size = sizes.get(axis, 1)
         if isinstance(placements[axis], FlatShard) and size > 1:
-            piece = flat_piece(tensor.numel(), size)
-            flat = tensor.reshape(-1)[coord[axis] * piece : (coord[axis] + 1) * piece]
+            piece = flat_piece(numel, size)
+            return min(coord[axis] * piece, numel), min((coord[axis] + 1) * piece, numel)
+    return None
+
+
+def local_slice(tensor: torch.Tensor, placements: Placements, coord: Mapping[str, int], sizes: Sizes) -> torch.Tensor:
+    """The piece of the global `tensor` that the rank at mesh coordinate `coord` (axis ->
+    index) holds under `placements`: its `local_intervals` cut and put side by side, then
+    under a FlatShard its `flat_range` of that, zero-padded to `flat_piece` elements."""
+    for dim, ranges in enumerate(local_intervals(tensor.shape, placements, coord, sizes)):
+        if ranges != ((0, tensor.shape[dim]),):
+            tensor = torch.cat([tensor.narrow(dim, start, n) for start, n in ranges], dim=dim)
+    for axis in AXES:
+        size = sizes.get(axis, 1)
+        if isinstance(placements[axis], FlatShard) and size > 1:
+            start, stop = flat_range(tensor.numel(), placements, coord, sizes)
+            piece, flat = flat_piece(tensor.numel(), size), tensor.reshape(-1)[start:stop]
             tensor = torch.cat([flat, flat.new_zeros(piece - flat.numel())]) if flat.numel() < piece else flat
     return tensor
-
-
-def _piece(tensor: torch.Tensor, placement: Shard, index: int, size: int) -> torch.Tensor:
-    dim, parts = placement.dim, placement.parts
-    if tensor.shape[dim] % (parts * size):
-        raise ValueError(
-            f"dim {dim} of size {tensor.shape[dim]} does not split into {parts} x {size} pieces"
-        )
-    blocks = tensor.chunk(parts, dim=dim)
-    return torch.cat([block.chunk(size, dim=dim)[index] for block in blocks], dim=dim)
 
 
 def global_tensor(pieces: list[torch.Tensor], placement: Placement, shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ every group of every axis in the same order, as `torch.distributed.new_group` re
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,17 +96,26 @@ def init_process_groups(
 # to nothing (pytorch/pytorch#55967; here a bind after close timed out one run in three).
 # Every default group after the first gets its own key prefix, the same on every rank because
 # all ranks bind and close in step.
+#
+# The same happens across torchrun's restarts (`--max-restarts`): the elastic agent keeps one
+# TCP store for every attempt (its shared rendezvous store), and torch's env:// rendezvous adds
+# no per-attempt prefix, so a restarted rank may read a dead rank's address from the attempt
+# before (seen here: "Connection refused" at once, or gloo's connect waiting past the group's
+# timeout). A restarted job's groups live under the attempt's number (TORCHELASTIC_RESTART_COUNT,
+# the same on every rank of an attempt).
 _default_groups_created = 0
 
 
 def _fresh_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
-    """None for the process's first default group (torch's own env:// rendezvous), else the
-    env:// store under a prefix no earlier group used ([Note: binding again after close])."""
-    if _default_groups_created == 0:
+    """None for the process's first default group on torchrun's first attempt (torch's own
+    env:// rendezvous), else the env:// store under a prefix no earlier group or attempt used
+    ([Note: binding again after close])."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if _default_groups_created == 0 and attempt == "0":
         return None
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    return dist.PrefixStore(f"fxpar/bind{_default_groups_created}", store)
+    return dist.PrefixStore(f"fxpar/attempt{attempt}/bind{_default_groups_created}", store)
 
 
 @contextmanager

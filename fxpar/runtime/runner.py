@@ -36,9 +36,12 @@ from fxpar.errors import BindError, PlanError
 from fxpar import lowering
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
+from fxpar.runtime import checkpoint
+from fxpar.runtime.checkpoint_state import RankState
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
+from fxpar.runtime.full_checkpoint import write_full
 from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.memory_stats import model_state_bytes
@@ -410,6 +413,35 @@ class Runner:
                 key_order=self.program.captured.graph_module.state_dict().keys(), gradient_shards=shards,
             ),
         )
+
+    # -- checkpoints (`runtime.checkpoint`, `runtime.full_checkpoint`) ----------------------
+
+    def save(self, path, *, optimizer=None, step: int | None = None, extra: Any = None) -> None:
+        """Write this rank's shards of the parameters (and `optimizer`'s state), its generator
+        states, `step` and the JSON value `extra` (the data position) to checkpoint folder
+        `path` with torch.distributed.checkpoint, nothing gathered; every rank calls it."""
+        self._require_open("save")
+        checkpoint.save(self._rank_state(), path, optimizer=optimizer, step=step, extra=extra)
+
+    def load(self, path, *, optimizer=None) -> checkpoint.Resumed:
+        """Read checkpoint folder `path`, saved under this plan or any other of the same model,
+        into this rank's parameters (and `optimizer`'s state); returns its step and extra."""
+        self._require_open("load")
+        return checkpoint.load(self._rank_state(), path, optimizer=optimizer)
+
+    def save_full(self, path, *, optimizer=None) -> None:
+        """The whole model as one safetensors file (`model.load_state_dict` takes it), and with
+        `optimizer` its whole state beside it (`runtime.full_checkpoint`); gathered by the
+        state programs, written by rank 0; every rank calls it."""
+        self._require_open("save_full")
+        state = self.full_state_dict()
+        optimizer_state = self.full_optimizer_state_dict(optimizer) if optimizer is not None else None
+        if self.is_main:
+            write_full(path, state, optimizer_state)
+
+    def _rank_state(self) -> RankState:
+        return RankState(program=self.program, rank=self.rank, modules=tuple(self.modules),
+                         buckets=self._context.buckets, device=self.device)
 
     def _gradient_shards(self, action) -> dict[str, torch.Tensor]:
         """ZeRO: bucket `action.index` of stage `action.stage`'s reduced gradient, whole."""

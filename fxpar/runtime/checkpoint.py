@@ -1,0 +1,262 @@
+"""Checkpoints that reshard: `runner.save(path)` and `runner.load(path)` with torch.distributed.checkpoint.
+
+    runner.save("ckpt/step-00000100", optimizer=opt, step=100, extra={"data": position})
+    ...                                   # later, any plan of the same model, any world size
+    resumed = runner.load("ckpt/step-00000100", optimizer=opt)
+    resumed.step, resumed.extra           # 100, {"data": position}
+
+Every rank writes its own pieces of the parameters and of the optimizer state, under the
+model's names and in global coordinates (`checkpoint_state`, `checkpoint_pieces`), so nothing
+is gathered and a load under another plan (other dp, tp, pp, zero degrees, another world size)
+reads, for each piece it holds now, the overlapping parts of what was written (`dcp_io`). The
+folder holds DCP's files and `fxpar.json`: what was saved (plan, world size, optimizer class and
+options, `step`, the caller's JSON `extra`, e.g. the data position; rank 0's, the same on every
+rank when the loop is).
+
+A save writes into `<path>.partial` and renames it to `<path>` once DCP's metadata and the
+manifest are on disk (`dcp_io.CommittingWriter`): a crash mid-save leaves `<path>` as it was,
+and `latest_checkpoint` never picks a partial one.
+
+Random state: each rank's torch generators (`rng.<rank>.*`) are restored when the plan is the
+checkpoint's (a rank's draws follow its place in the mesh); under another plan they are left
+as they are and `Resumed.rng_restored` is False.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fxpar import meta
+from fxpar.errors import CheckpointError
+from fxpar.runtime.checkpoint_state import (
+    OPTIMIZER_PREFIX,
+    RNG_PREFIX,
+    RankState,
+    model_tensors,
+    optimizer_tensors,
+    rng_tensors,
+)
+from fxpar.runtime.dcp_io import (
+    MANIFEST_FILE,
+    METADATA_FILE,
+    CommittingWriter,
+    PiecesLoadPlanner,
+    PiecesSavePlanner,
+    SafeReader,
+    read_checkpoint_metadata,
+    stored_tensors,
+)
+
+FORMAT = "fxpar-checkpoint"
+VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `runner.load` read besides the tensors."""
+
+    step: int | None
+    extra: Any  # the caller's JSON value, as given to save
+    plan: str  # the plan the checkpoint was saved under
+    world_size: int
+    rng_restored: bool
+
+
+def save(state: RankState, path: str | Path, *, optimizer=None, step: int | None = None, extra: Any = None) -> None:
+    """Write this rank's pieces to checkpoint folder `path` (module doc); every rank calls it."""
+    path = Path(path)
+    program = state.program
+    manifest = {
+        "format": FORMAT, "version": VERSION, "plan": str(program.plan), "world_size": program.world_size,
+        "step": step, "extra": extra, "optimizer": _optimizer_manifest(optimizer),
+    }
+    try:
+        encoded = json.dumps(manifest, allow_nan=False, indent=1).encode()
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"runner.save(extra=...) must be JSON (numbers, strings, lists, dicts; no NaN): {error}. "
+            "Fix: pass the data position as plain values"
+        ) from None
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise CheckpointError(f"runner.save(step={step!r}): step must be an int or None")
+    tensors, _ = model_tensors(state, writing=True)
+    if optimizer is not None:
+        tensors |= optimizer_tensors(optimizer, state)[0]
+    tensors |= rng_tensors(state, loading=False)[0]
+    staging = path.with_name(path.name + PARTIAL_SUFFIX)
+    staging.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, storage_writer=CommittingWriter(staging, path, encoded), planner=PiecesSavePlanner())
+
+
+def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
+    """Read checkpoint folder `path` into this rank's parameters (and `optimizer`'s state),
+    whatever plan wrote it; every rank calls it. Raises CheckpointError, naming the key, for
+    a checkpoint of another model, and for a missing or incomplete folder."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    stored = stored_tensors(read_checkpoint_metadata(path))
+    check_same_model(state, stored, path, manifest)
+    tensors, copies = model_tensors(state, writing=False)
+    finish = lambda: None  # noqa: E731
+    if optimizer is not None:
+        _check_optimizer(optimizer, manifest, path)
+        optimizer_state, finish = optimizer_tensors(optimizer, state, stored=stored)
+        tensors |= optimizer_state
+    same_plan = manifest["plan"] == str(state.program.plan) and manifest["world_size"] == state.program.world_size
+    rng, restore_rng = rng_tensors(state, loading=True)
+    rng_restored = same_plan and all(key in stored and tuple(stored[key].size) == t.shape for key, t in rng.items())
+    if rng_restored:
+        tensors |= rng
+    dcp.load(tensors, storage_reader=SafeReader(path), planner=PiecesLoadPlanner())
+    with torch.no_grad():
+        for copy, original in copies:
+            copy.copy_(original)
+    finish()
+    if optimizer is not None:
+        _restore_options(optimizer, manifest["optimizer"]["param_groups"])
+    if rng_restored:
+        restore_rng()
+    return Resumed(step=manifest["step"], extra=manifest["extra"], plan=manifest["plan"],
+                   world_size=manifest["world_size"], rng_restored=rng_restored)
+
+
+def read_manifest(path: Path) -> dict:
+    """`path`'s fxpar.json, after checking the folder is a complete fxpar checkpoint."""
+    if not path.exists():
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        hint = (f" ({partial} is a save that did not finish)" if partial.exists()
+                else f"; checkpoints in {path.parent}: {_listing(path.parent)}" if path.parent.is_dir() else "")
+        raise CheckpointError(f"no checkpoint at {path}{hint}. Fix: pass a folder runner.save wrote "
+                              "(latest_checkpoint(folder) finds the newest)")
+    if not (path / MANIFEST_FILE).is_file() or not (path / METADATA_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is not a complete fxpar checkpoint: it lacks {MANIFEST_FILE} or DCP's {METADATA_FILE} "
+            "(runner.save writes both, then renames the folder into place). Fix: pass a folder runner.save wrote"
+        )
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path / MANIFEST_FILE} is not valid JSON: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST_FILE} is not an fxpar checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path} is checkpoint format version {manifest.get('version')}; this fxpar reads {VERSION}")
+    return manifest
+
+
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete checkpoint in `folder` with the highest step (then the newest), or None:
+    folders a save did not finish (`.partial`) and anything without a readable manifest are
+    skipped (what `examples/train_gpt.py --resume auto` loads)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found = []
+    for candidate in folder.iterdir():
+        if not candidate.is_dir() or candidate.name.endswith((PARTIAL_SUFFIX, ".old")):
+            continue
+        try:
+            manifest = read_manifest(candidate)
+        except CheckpointError:
+            continue
+        step = manifest.get("step")
+        found.append((step if isinstance(step, int) else -1, candidate.stat().st_mtime, candidate))
+    return max(found, key=lambda f: f[:2])[2] if found else None
+
+
+def check_same_model(state: RankState, stored: dict, path: Path, manifest: dict) -> None:
+    """The checkpoint's model tensors are this model's: the same keys, shapes and dtypes; its
+    optimizer state names only this model's parameters. Otherwise a CheckpointError that
+    names the keys."""
+    captured = state.program.captured.graph_module
+    aliases = captured.meta.get(meta.GRAPH_ALIASES, {})
+    expected = {k: v for k, v in captured.state_dict().items() if k not in aliases}
+    saved = {k: e for k, e in stored.items() if not k.startswith((OPTIMIZER_PREFIX, RNG_PREFIX))}
+    where = f"checkpoint {path} (saved under plan '{manifest['plan']}')"
+    missing = [k for k in expected if k not in saved]
+    if missing:
+        raise CheckpointError(f"{where} has no tensor {missing[0]!r}, which this model has{_more(missing)}; "
+                              "it is a checkpoint of another model. Fix: load it into the model it was saved from")
+    extra = [k for k in saved if k not in expected]
+    if extra:
+        raise CheckpointError(f"{where} has a tensor {extra[0]!r} that this model does not have{_more(extra)}; "
+                              "it is a checkpoint of another model. Fix: load it into the model it was saved from")
+    for key, tensor in expected.items():
+        entry = saved[key]
+        if tuple(entry.size) != tuple(tensor.shape) or entry.properties.dtype != tensor.dtype:
+            raise CheckpointError(
+                f"{where} has {key!r} of shape {tuple(entry.size)} ({entry.properties.dtype}), but this model's "
+                f"is {tuple(tensor.shape)} ({tensor.dtype}). Fix: load it into the model it was saved from"
+            )
+    parameters = {k for k in expected if k in dict(captured.named_parameters())}
+    for key, entry in stored.items():
+        if key.startswith(OPTIMIZER_PREFIX):
+            name = key[len(OPTIMIZER_PREFIX):].rpartition(".")[0]
+            if name not in parameters:
+                raise CheckpointError(f"{where} has optimizer state {key!r} of {name!r}, not a parameter of this "
+                                      "model. Fix: load it into the model it was saved from")
+            if len(entry.size) and tuple(entry.size) != tuple(expected[name].shape):
+                raise CheckpointError(f"{where} has {key!r} of shape {tuple(entry.size)}, not its parameter's "
+                                      f"{tuple(expected[name].shape)}")
+
+
+def _optimizer_manifest(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "optimizer", optimizer)
+    groups = [{k: _json_option(v) for k, v in g.items() if k != "params" and _json_option(v) is not _SKIP}
+              for g in inner.param_groups]
+    return {"class": type(inner).__name__, "param_groups": groups}
+
+
+_SKIP = object()
+
+
+def _json_option(value):
+    """An optimizer option as JSON (tuples as lists), or _SKIP for one that is not plain data."""
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    if isinstance(value, (list, tuple)) and all(_json_option(v) is not _SKIP for v in value):
+        return [_json_option(v) for v in value]
+    return _SKIP
+
+
+def _check_optimizer(optimizer, manifest: dict, path: Path) -> None:
+    saved = manifest.get("optimizer")
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if saved is None:
+        raise CheckpointError(f"checkpoint {path} has no optimizer state (saved without optimizer=). "
+                              "Fix: load without optimizer=, or save with it")
+    if saved["class"] != type(inner).__name__:
+        raise CheckpointError(f"checkpoint {path} holds {saved['class']} state; this optimizer is "
+                              f"{type(inner).__name__}. Fix: make the optimizer the checkpoint was saved with")
+    if len(saved["param_groups"]) != len(inner.param_groups):
+        raise CheckpointError(f"checkpoint {path} has {len(saved['param_groups'])} optimizer parameter groups; "
+                              f"this optimizer has {len(inner.param_groups)}")
+
+
+def _restore_options(optimizer, saved_groups: list[dict]) -> None:
+    """The saved options (lr, betas, ...) back into the optimizer's groups, typed as they are."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for group, saved in zip(inner.param_groups, saved_groups):
+        for key, value in saved.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+def _more(keys: list[str]) -> str:
+    return f" (and {len(keys) - 1} more: {', '.join(map(repr, keys[1:4]))}{', ...' if len(keys) > 4 else ''})" \
+        if len(keys) > 1 else ""
+
+
+def _listing(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir() if p.is_dir())[:5]
+    return ", ".join(names) if names else "none"

@@ -1,0 +1,271 @@
+"""What a checkpoint holds of one rank, keyed by the model's own names (`runtime.checkpoint`).
+
+    <name>                       a parameter or persistent buffer (tied aliases once, by the
+                                 canonical name), as `model.state_dict()` names it
+    optim.state.<name>.<key>     the optimizer's state of parameter <name>: a tensor shaped as
+                                 the parameter (exp_avg), or a 0-dim one (Adam's step)
+    rng.<rank>.cpu, .cuda        each rank's torch generator states (uint8 tensors)
+
+Each is a `GlobalTensor`: its global shape and the pieces this rank holds
+(`checkpoint_pieces`), placed by the parameters' placements, and under ZeRO-1/2 by where this
+rank's flat shard falls in each parameter. Saving, a tensor several ranks hold is listed by
+each of them and written once (DCP's dedup); one held by several pipeline stages (a tied
+embedding and head) is written by its first stage only, since under ZeRO the stages' flat
+layouts differ and their pieces would overlap. Loading, every holder reads its pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fxpar import meta
+from fxpar.errors import CheckpointError
+from fxpar.placement import REPLICATED, Placements
+from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece, flat_range_pieces, tensor_pieces
+
+OPTIMIZER_PREFIX = "optim.state."
+RNG_PREFIX = "rng."
+
+
+@dataclass(frozen=True)
+class RankState:
+    """The parts of a bound rank a checkpoint reads: its program, modules and gradient buckets."""
+
+    program: object  # CompiledProgram
+    rank: int
+    modules: tuple[torch.fx.GraphModule, ...]
+    buckets: tuple  # per module, its GradientBuckets (empty without data parallelism)
+    device: torch.device
+    shapes: dict[str, tuple[int, ...]] = field(init=False)  # tensor name -> its global shape
+
+    def __post_init__(self) -> None:
+        # The value's own shape (a ZeRO-3 piece does not say it): the captured model's.
+        captured = self.program.captured.graph_module.state_dict()
+        object.__setattr__(self, "shapes", {k: tuple(v.shape) for k, v in captured.items()})
+
+    @property
+    def coord(self):
+        return self.program.mesh.coord(self.rank)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self.program.mesh.sizes
+
+    def placements(self, module: torch.fx.GraphModule, name: str) -> Placements:
+        node = meta.parameter_nodes(module.graph).get(name)
+        return meta.placements(node) if node is not None else REPLICATED
+
+    def writer_stage(self) -> dict[str, int]:
+        """Tensor name -> the first pipeline stage that holds it (the one that writes it)."""
+        if self.program.stages is None:
+            return {}
+        first: dict[str, int] = {}
+        for stage in sorted(self.program.stages, key=lambda s: s.index):
+            aliases = stage.graph_module.meta.get(meta.GRAPH_ALIASES, {})
+            for key in stage.graph_module.state_dict():
+                first.setdefault(aliases.get(key, key), stage.index)
+        return first
+
+
+def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalTensor], list]:
+    """The parameters and persistent buffers this rank holds (writing: those it writes), and
+    the (copy, original) pairs of a tensor held twice on this rank, to copy after a load."""
+    writers = state.writer_stage() if writing else {}
+    tensors: dict[str, GlobalTensor] = {}
+    held: dict[str, torch.Tensor] = {}
+    copies = []
+    for module in state.modules:
+        stage, aliases = meta.stage_of(module), module.meta.get(meta.GRAPH_ALIASES, {})
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            if key in aliases or writers.get(key, stage) != stage:
+                continue
+            tensor = tensor.detach()
+            if key in held:
+                if tensor.data_ptr() != held[key].data_ptr():
+                    copies.append((tensor, held[key]))
+                continue
+            held[key] = tensor
+            tensors[key] = _placed(tensor, key, state.placements(module, key), state)
+    return tensors, copies
+
+
+def optimizer_tensors(optimizer, state: RankState, *, stored: Mapping[str, TensorStorageMetadata] | None = None
+                      ) -> tuple[dict[str, GlobalTensor], Callable[[], None]]:
+    """The optimizer state this rank holds, as `optim.state.<name>.<key>` tensors, and what to
+    run once they are loaded. Saving (`stored` None): the state as it is, each tensor written
+    by its parameter's first stage. Loading: fresh state tensors for every key `stored` (the
+    checkpoint's tensors) has of this rank's parameters, replacing the optimizer's state."""
+    from fxpar.runtime.sharded_optimizer import ShardedOptimizer
+
+    writers = state.writer_stage() if stored is None else {}
+    by_parameter = _stored_by_parameter(stored) if stored is not None else {}
+    if isinstance(optimizer, ShardedOptimizer):
+        return _sharded_tensors(optimizer, state, writers, by_parameter, loading=stored is not None)
+    return _whole_tensors(optimizer, state, writers, by_parameter, loading=stored is not None)
+
+
+def _whole_tensors(optimizer, state, writers, by_parameter, *, loading):
+    names = {}
+    for module in state.modules:
+        for name, node in meta.parameter_nodes(module.graph).items():
+            names.setdefault(id(module.get_parameter(name)), (name, module))
+    tensors: dict[str, GlobalTensor] = {}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if id(parameter) not in names:
+                raise CheckpointError(
+                    f"optimizer {type(optimizer).__name__} steps a tensor of shape {tuple(parameter.shape)} that "
+                    "is none of the model's parameters, so the checkpoint has no name for its state. "
+                    "Fix: checkpoint the optimizer runner.optimizer(...) made"
+                )
+            name, module = names[id(parameter)]
+            stage = meta.stage_of(module)
+            if writers.get(name, stage) != stage:
+                continue
+            if loading:
+                optimizer.state[parameter] = {
+                    key: _fresh(entry, like=parameter, group=group) for key, entry in by_parameter.get(name, {}).items()
+                }
+            placements = state.placements(module, name)
+            for key, value in _state_items(optimizer, parameter, name):
+                if value.dim() and value.shape != parameter.shape:
+                    raise CheckpointError(
+                        f"optimizer {type(optimizer).__name__} keeps {key!r} of {name} with shape "
+                        f"{tuple(value.shape)}, not the parameter's {tuple(parameter.shape)}: only state "
+                        "shaped as its parameter (or 0-dim) reshards. Fix: an elementwise optimizer"
+                    )
+                tensors[f"{OPTIMIZER_PREFIX}{name}.{key}"] = _placed(value, name, placements, state)
+    return tensors, lambda: None
+
+
+def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
+    """ZeRO-1/2: each flat shard's state, cut where the shard crosses its parameters."""
+    inner = optimizer.optimizer
+    tensors: dict[str, GlobalTensor] = {}
+    scalars: list[tuple[torch.Tensor, dict[str, list[tuple[str, torch.Tensor]]]]] = []
+    group = inner.param_groups[0]
+    for buckets, index, shard in optimizer.shards:
+        module = state.modules[next(i for i, b in enumerate(state.buckets) if b is buckets)]
+        stage = meta.stage_of(module)
+        spans = list(_shard_spans(buckets, index))
+        if loading:
+            keys = {k: e for name, *_ in spans for k, e in by_parameter.get(name, {}).items()}
+            inner.state[shard] = {k: _fresh(e, like=shard, group=group) for k, e in keys.items() if len(e.size)}
+            loaded_scalars: dict[str, list[tuple[str, torch.Tensor]]] = {}
+            scalars.append((shard, loaded_scalars))
+        for name, parameter, param_start, shard_start, shard_stop in spans:
+            if writers.get(name, stage) != stage:
+                continue
+            placements = state.placements(module, name)
+            if loading:
+                for key, entry in by_parameter.get(name, {}).items():
+                    if not len(entry.size):
+                        value = _fresh(entry, like=shard, group=group)
+                        loaded_scalars.setdefault(key, []).append((name, value))
+                        tensors[f"{OPTIMIZER_PREFIX}{name}.{key}"] = _whole(value)
+            for key, value in inner.state.get(shard, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise _not_a_tensor(inner, name, key, value)
+                full_key = f"{OPTIMIZER_PREFIX}{name}.{key}"
+                if value.dim() == 0:
+                    tensors.setdefault(full_key, _whole(value))
+                    continue
+                pieces = flat_range_pieces(value[shard_start:shard_stop], param_start, parameter.shape,
+                                           placements, state.coord, state.sizes, state.shapes[name])
+                tensors[full_key] = GlobalTensor(state.shapes[name], value.dtype, pieces)
+
+    def finish() -> None:  # one scalar per shard: every parameter's copy must agree
+        for shard, by_key in scalars:
+            for key, values in by_key.items():
+                first_name, first = values[0]
+                for name, value in values[1:]:
+                    if not torch.equal(value, first):
+                        raise CheckpointError(
+                            f"the checkpoint's {OPTIMIZER_PREFIX}{name}.{key} is {value.item()} but "
+                            f"{OPTIMIZER_PREFIX}{first_name}.{key} is {first.item()}; under ZeRO they share one "
+                            "flat shard and must have been stepped together. Fix: load it with zero=0"
+                        )
+                inner.state[shard][key] = first
+
+    return tensors, finish
+
+
+def _shard_spans(buckets, index):
+    """(name, parameter, first element in the parameter, start and stop in the shard) of each
+    parameter this rank's shard of bucket `index` overlaps (`Bucket.shard`, the flat layout
+    of `sharded_optimizer.flatten_parameters`)."""
+    bucket_state = buckets.states[index]
+    shard = bucket_state.bucket.shard(buckets.group.size, buckets.group.index)
+    offset = 0
+    for name, parameter in zip(bucket_state.bucket.parameters, bucket_state.parameters):
+        start, stop = max(shard.start, offset), min(shard.stop, offset + parameter.numel())
+        if start < stop:
+            yield name, parameter, start - offset, start - shard.start, stop - shard.start
+        offset += parameter.numel()
+
+
+def rng_tensors(state: RankState, *, loading: bool) -> tuple[dict[str, GlobalTensor], Callable[[], None]]:
+    """This rank's generator states (`rng.<rank>.cpu`, and `.cuda` on a CUDA device), and what
+    sets them once loaded."""
+    states = {"cpu": torch.get_rng_state()}
+    if state.device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(state.device)
+    buffers = {kind: torch.zeros_like(s) if loading else s for kind, s in states.items()}
+
+    def restore() -> None:
+        torch.set_rng_state(buffers["cpu"])
+        if "cuda" in buffers:
+            torch.cuda.set_rng_state(buffers["cuda"], state.device)
+
+    return {f"{RNG_PREFIX}{state.rank}.{kind}": _whole(b) for kind, b in buffers.items()}, restore
+
+
+def _stored_by_parameter(stored: Mapping[str, TensorStorageMetadata]) -> dict[str, dict[str, TensorStorageMetadata]]:
+    result: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for key, entry in stored.items():
+        if key.startswith(OPTIMIZER_PREFIX):
+            name, _, state_key = key[len(OPTIMIZER_PREFIX):].rpartition(".")
+            result.setdefault(name, {})[state_key] = entry
+    return result
+
+
+def _state_items(optimizer, parameter, name):
+    for key, value in optimizer.state.get(parameter, {}).items():
+        if not isinstance(value, torch.Tensor):
+            raise _not_a_tensor(optimizer, name, key, value)
+        yield key, value
+
+
+def _fresh(entry: TensorStorageMetadata, *, like: torch.Tensor, group: dict) -> torch.Tensor:
+    """A zero tensor to load a stored optimizer state into: shaped as `like` (a parameter or a
+    flat shard) for an elementwise state, else 0-dim, on the CPU as torch.optim keeps its step
+    counters unless the optimizer is capturable or fused."""
+    dtype = entry.properties.dtype
+    if len(entry.size):
+        return torch.zeros(like.shape, dtype=dtype, device=like.device)
+    on_device = group.get("capturable") or group.get("fused")
+    return torch.zeros((), dtype=dtype, device=like.device if on_device else "cpu")
+
+
+def _placed(value: torch.Tensor, name: str, placements: Placements, state: RankState) -> GlobalTensor:
+    """`value`, this rank's piece of tensor `name` (or a state shaped as it), by its placements."""
+    if value.dim() == 0:  # a 0-dim tensor, or a 0-dim state of a parameter (Adam's step)
+        return _whole(value)
+    shape = state.shapes[name]
+    return GlobalTensor(shape, value.dtype, tensor_pieces(value, shape, placements, state.coord, state.sizes))
+
+
+def _whole(value: torch.Tensor) -> GlobalTensor:
+    return GlobalTensor(tuple(value.shape), value.dtype, [Piece((0,) * value.dim(), value.detach())])
+
+
+def _not_a_tensor(optimizer, name, key, value) -> CheckpointError:
+    return CheckpointError(
+        f"optimizer {type(optimizer).__name__} keeps {key!r} of {name} as {type(value).__name__}, not a "
+        "tensor; a checkpoint stores tensors only (nothing is pickled). Fix: an optimizer whose "
+        "state is tensors (every torch.optim one with default options)"
+    )

@@ -1,0 +1,93 @@
+"""torchrun worker: checkpoints saved under one plan and loaded under another.
+
+    torchrun --standalone --nproc-per-node 2 checkpoint_worker.py OUT_DIR JOB [JOB ...]
+
+Jobs run in order, each binding its own program (closed after):
+
+    save|PLAN|NAME|K[|MODEL]  train the tiny GPT K steps (tiny_training's batches 0..K-1), then
+                              runner.save(OUT_DIR/NAME) and runner.save_full(OUT_DIR/NAME.safetensors)
+    load|PLAN|NAME|M[|MODEL]  build the model from another seed (so only the load can make it
+                              right), runner.load(OUT_DIR/NAME), train the next M steps
+    errors|PLAN|NAME          loading OUT_DIR/NAME into another model, and a missing path: the messages
+
+Each rank saves `rank{r}.pt`: per job, what the test compares (losses, the full state and
+optimizer state after the job, what load returned, the error messages).
+"""
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import fxpar
+from fxpar.runtime.checkpoint import latest_checkpoint
+from tiny_training import CONFIG, GPT, OPTIMIZER, build_model, global_batches
+
+out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
+torch.set_num_threads(1)
+batches = global_batches()
+results = {"folder": out_dir}
+
+
+def bind(plan: str, model: torch.nn.Module):
+    program = fxpar.compile(model, plan, example_inputs=batches[0])
+    program.check()
+    runner = program.bind(timeout=60)
+    return runner, runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+
+
+def train(runner, optimizer, steps) -> list[float]:
+    losses = []
+    for tokens, labels in steps:
+        losses.append(runner.step(*runner.local_batch(tokens, labels)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+for job in jobs:
+    kind, plan, name, *count = job.split("|")
+    model_name = count[1] if len(count) > 1 else "gpt"
+    path = out_dir / name  # (an absolute NAME: another launch's checkpoint)
+    if kind == "save":
+        runner, optimizer = bind(plan, build_model(model_name))
+        k = int(count[0])
+        losses = train(runner, optimizer, batches[:k])
+        generator_state = torch.get_rng_state()
+        runner.save(path, optimizer=optimizer, step=k, extra={"next_batch": k, "plan": plan})
+        runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
+        results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir), "rng": generator_state}
+        torch.manual_seed(1000 + runner.rank)  # what a load under the same plan must undo
+    elif kind == "load":
+        runner, optimizer = bind(plan, build_model(model_name, seed=7))
+        resumed = runner.load(path, optimizer=optimizer)
+        generator_state = torch.get_rng_state()
+        start = resumed.extra["next_batch"]
+        losses = train(runner, optimizer, batches[start : start + int(count[0])])
+        results[job] = {"losses": losses, "resumed": resumed, "rng": generator_state, "state": runner.full_state_dict(),
+                        "optimizer": runner.full_optimizer_state_dict(optimizer)}
+    elif kind == "errors":  # the checkpoint into other models: their messages
+        other_models = {
+            "llama": build_model("llama"),  # other names
+            "wider": GPT(dataclasses.replace(CONFIG, n_embd=48)),  # the same names, other shapes
+        }
+        messages = {}
+        for label, model in other_models.items():
+            runner, optimizer = bind(plan, model)
+            cases = [(label, path)] + ([("missing", out_dir / "no-such-checkpoint")] if label == "llama" else [])
+            for case, target in cases:
+                try:
+                    runner.load(target, optimizer=optimizer)
+                    messages[case] = None
+                except fxpar.CheckpointError as error:
+                    messages[case] = str(error)
+            runner.close()
+        results[job] = messages
+        continue
+    else:
+        raise SystemExit(f"unknown job {job!r}")
+    runner.close()
+
+torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")
