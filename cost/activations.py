@@ -11,6 +11,16 @@ exact formula, e.g. for a 2-layer GPT with h=32 on the CPU: 4944 batch seq + 8 s
 
 No tensor is allocated: a 96-layer GPT-3 runs in seconds on a laptop.
 
+Under activation checkpointing (`fxpar.recompute_regions`) the fake forward follows the
+runtime's recomputation call by call (`recompute_regions.segments`, the runtime's own cut):
+what a recomputed run saves is not counted (torch's checkpoint drops it), and the run's
+tensor inputs are, as the checkpoint keeps them to recompute from, where one of its outputs
+needs a gradient. So `checkpoint=full` leaves each block's input and whatever ops outside
+the blocks save (embeddings, the final norm, the head and the loss), and `selective` drops
+what the attention core saves (Korthikanti et al. 2022, Sec. 5). The formula is the whole
+graph's, without the tensor-parallel collectives that cut a block into several runs on a
+tp rank: there, each collective's output is kept too (`cost.layout` shares the bytes out).
+
 The saved bytes are not the whole of backward's memory: when backward starts, every saved
 tensor is still alive and the loss's backward allocates its own tensors on top.
 `backward_workspace_bytes` gives that term, W = 2 x the largest tensor the loss is computed
@@ -28,23 +38,63 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpar.recompute_regions import block_lists, region_labels, segment_outputs, segments
+from fxpar.cost.memo import memoised
 from fxpar.trace import CapturedGraph
 
 
 class _FakeStateInterpreter(fx.Interpreter):
-    """Runs the graph with fake stand-ins for its parameters and buffers."""
+    """Runs the graph with fake stand-ins for its parameters and buffers; the nodes of a
+    recomputed run save nothing, and the run's inputs go to `kept` (module doc)."""
 
-    def __init__(self, gm: fx.GraphModule, state: dict[str, torch.Tensor]):
+    def __init__(self, gm: fx.GraphModule, state: dict[str, torch.Tensor], runs: list[list[fx.Node]],
+                 kept: list[torch.Tensor]):
         super().__init__(gm)
         self.state = state
+        self.run_of = {node: run for run in runs for node in run}
+        self.kept = kept
+        self.inputs: dict[fx.Node, torch.Tensor] = {}  # of the run being interpreted
 
     def get_attr(self, target, args, kwargs):
         return self.state[target]
 
+    def run_node(self, node: fx.Node):
+        run = self.run_of.get(node)
+        if run is None:
+            return super().run_node(node)
+        if node is run[0]:
+            self.inputs = {}
+        inside = set(run)
+        for source in node.all_input_nodes:  # read now: the interpreter frees values after use
+            if source not in inside and isinstance(value := self.env[source], torch.Tensor):
+                self.inputs.setdefault(source, value)
+        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+            value = super().run_node(node)
+        if node is run[-1]:
+            outputs = [value if n is node else self.env[n] for n in segment_outputs(run)]
+            if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
+                self.kept += list(self.inputs.values())
+        return value
 
-def saved_activation_bytes(captured: CapturedGraph) -> sympy.Expr:
-    """Bytes saved for backward by one forward over the example's (symbolic) global batch."""
+
+def plan_activation_bytes(captured: CapturedGraph, checkpoint: str) -> sympy.Expr:
+    """`saved_activation_bytes` under the plan's `checkpoint`, memoised with the capture."""
+    return memoised(captured.graph_module, f"activations.{checkpoint}",
+                    lambda: saved_activation_bytes(captured, checkpoint=checkpoint))
+
+
+def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, str]:
+    """The captured graph's nodes recomputed under `checkpoint`, with their regions."""
+    graph = captured.graph_module.graph
+    return region_labels(graph, checkpoint, block_lists(graph))
+
+
+def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none") -> sympy.Expr:
+    """Bytes saved for backward by one forward over the example's (symbolic) global batch,
+    under activation checkpointing `checkpoint` (module doc)."""
     gm = captured.graph_module
+    labels = recomputed_nodes(captured, checkpoint)
+    runs = segments(gm.graph.nodes, labels.get)
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(inputs)
     assert fake_mode is not None, "captured graphs carry export's fake tensors"
@@ -64,7 +114,7 @@ def saved_activation_bytes(captured: CapturedGraph) -> sympy.Expr:
             for name, value in getters.items()
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            _FakeStateInterpreter(gm, state).run(*inputs)
+            _FakeStateInterpreter(gm, state, runs, saved).run(*inputs)
     state_storages = {t.untyped_storage()._cdata for t in state.values()}
     seen: set[int] = set()
     total = sympy.Integer(0)

@@ -19,6 +19,9 @@ of its own below so that `model_state_bytes` stays the paper's formula.
 
 Time model, per rank:
 
+* recompute: under activation checkpointing, the recomputed nodes' forward once more
+  (`fxpar.recompute_regions`: every block for `full`, attention's core for `selective`),
+  priced like the forward, in backward (a pipeline's B);
 * compute: non-attention matmul FLOPs at the matmul rate, attention FLOPs at the attention
   rate, the other ops' bytes at the bandwidth they reach (`elementwise_efficiency` x memory
   bandwidth), backward = 2x forward for all three
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from fxpar.cost.activations import backward_workspace_bytes, saved_activation_bytes
+from fxpar.cost.activations import backward_workspace_bytes, plan_activation_bytes, recomputed_nodes
 from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.hardware import Hardware
 from fxpar.cost.profiles import hardware_profile
@@ -104,8 +107,22 @@ def _sum_rules(captured) -> GraphCompute:
 
 
 def _activations(program: CompiledProgram) -> sympy.Expr:
-    captured = program.captured
-    return memoised(captured.graph_module, "activations", lambda: saved_activation_bytes(captured))
+    return plan_activation_bytes(program.captured, program.plan.checkpoint)
+
+
+def recompute_flops(program: CompiledProgram) -> sympy.Expr:
+    """FLOPs activation checkpointing adds to the step, all ranks: one more forward of the
+    recomputed nodes (`cost.activations.recomputed_nodes`) over the global batch."""
+    captured, checkpoint = program.captured, program.plan.checkpoint
+
+    def total() -> sympy.Expr:
+        flops = sympy.Integer(0)
+        for node in recomputed_nodes(captured, checkpoint):
+            if (cost := cost_of(node, captured.shape)) is not None:
+                flops += cost.matmul_flops + cost.other_flops
+        return sympy.expand(flops)
+
+    return memoised(captured.graph_module, f"recompute_flops.{checkpoint}", total)
 
 
 def _updated_tensors(program: CompiledProgram) -> int:
@@ -128,11 +145,12 @@ class Estimate:
     sizes: dict[str, int]  # the batch and seq the numbers are evaluated at
     rank: int  # the worst rank, whose memory and time are shown
     params: int  # trainable parameters, tied weights once
-    flops: dict[str, float]  # whole step, all ranks: matmul, other, total
+    flops: dict[str, float]  # whole step, all ranks: matmul, other, total (model FLOPs), and
+    # recompute, what activation checkpointing adds on top
     memory: dict[str, float]  # worst rank: params, grads, optimizer, activations, workspace,
     # and total, the PEAK (not their sum; `cost.memory.peak_bytes`)
     comm: dict[str, dict[str, float]]  # per kind, on the worst rank: count, payload/wire bytes
-    time: dict[str, float]  # compute, optimizer, comm_exposed, bubble, total
+    time: dict[str, float]  # compute, recompute, optimizer, comm_exposed, bubble, total
     formulas: dict[str, sympy.Expr]  # "flops.total" -> expression in batch and seq
     uncosted: dict[str, int]  # ops without a compute rule -> occurrences
     peak_flops: float  # of one device, in the plan's math precision (for MFU)
@@ -211,6 +229,8 @@ def estimate(
     drawn = exact_draws(program.graph_module, captured.shape)
     formulas["flops.other"] = 3 * compute.other_flops + sum((d.extra_flops for d in drawn), sympy.Integer(0))
     formulas["flops.total"] = formulas["flops.matmul"] + formulas["flops.other"]
+    # Not in the total: model FLOPs leave recomputation out (PaLM's MFU; HFU counts it).
+    formulas["flops.recompute"] = recompute_flops(program)
 
     # Each candidate rank: without a pipeline all ranks are alike; with one, each pipeline
     # coordinate holds other stages. The worst (by peak memory) is reported.
@@ -230,11 +250,11 @@ def estimate(
         sizes=sizes,
         rank=rank,
         params=params,
-        flops=pick("flops", ("matmul", "other", "total")),
+        flops=pick("flops", ("matmul", "other", "total", "recompute")),
         memory=pick("memory", ("params", "grads", "optimizer", "activations", "workspace",
                                "total")),
         comm=comm,
-        time=pick("time", ("compute", "optimizer", "comm_exposed", "bubble", "total")),
+        time=pick("time", ("compute", "recompute", "optimizer", "comm_exposed", "bubble", "total")),
         formulas={k: sympy.nsimplify(v) if v.is_number else _rounded(v)
                   for k, v in ((k, sympy.sympify(v)) for k, v in formulas.items())},
         uncosted=compute.uncosted,
@@ -294,7 +314,11 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         forward = kernels + piece.forward_ops * overhead
         backward = 2 * kernels + piece.backward_nodes * overhead
         weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
-        return forward, backward, weight
+        recompute = share * device.kernel_seconds(
+            piece.recompute_matmul_flops, piece.recompute_attention_flops, narrow * piece.recompute_bytes,
+            precision,
+        ) + piece.recompute_ops * overhead
+        return forward, backward, weight, recompute
 
     timed = {id(p): seconds(p) for p in all_shares}
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
@@ -304,6 +328,8 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     drawn = sum((d.extra_per_rank() for d in exact_draws(program.graph_module, program.captured.shape)
                  if pipeline is None or d.stage in stages), sympy.Integer(0))
     formulas["time.compute"] = forward + backward + device.kernel_seconds(0, 0, 4 * drawn, precision)
+    # Activation checkpointing runs the recomputed nodes' forward again, in backward.
+    formulas["time.recompute"] = sum((timed[id(p)][3] for p in mine), sympy.Integer(0))
     updated = parameters * (share if plan.zero >= 1 else 1)
     formulas["time.optimizer"] = optimizer_seconds(optimizer, tensors, updated, device)
     formulas["time.bubble"] = sympy.Integer(0)
@@ -316,7 +342,8 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         # send (alpha-beta, the largest boundary of a microbatch) between dependent actions.
         # A split schedule (zb-h1) runs the weight gradients apart, as W: B is the rest.
         m = plan.microbatches
-        f, b, w = ([float(timed[id(p)][i].subs(numbers)) / m for p in all_shares] for i in range(3))
+        f, b, w, r = ([float(timed[id(p)][i].subs(numbers)) / m for p in all_shares] for i in range(4))
+        b = [backward + recompute for backward, recompute in zip(b, r)]  # B recomputes
         if pipeline.splits_backward:
             b = [whole - weight for whole, weight in zip(b, w)]
         else:
@@ -351,7 +378,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
                 exposed += sympy.Max(phase_calls[phase][-1], total - device.comm_overlap * window)
     formulas["time.comm_exposed"] = exposed
     formulas["time.total"] = sum(
-        formulas[f"time.{k}"] for k in ("compute", "optimizer", "comm_exposed", "bubble")
+        formulas[f"time.{k}"] for k in ("compute", "recompute", "optimizer", "comm_exposed", "bubble")
     )
     return formulas, comm, run
 

@@ -52,6 +52,12 @@ class Share:
     backward_nodes: int
     parameters: dict[str, int]  # this rank's parameter elements by name
     activation_share: float  # of the whole model's saved activations
+    # What activation checkpointing runs again in backward: the forward of the nodes it marks
+    # (`fxpar.recompute_regions`), counted like the forward's terms above.
+    recompute_matmul_flops: sympy.Expr = sympy.Integer(0)
+    recompute_attention_flops: sympy.Expr = sympy.Integer(0)
+    recompute_bytes: sympy.Expr = sympy.Integer(0)
+    recompute_ops: int = 0
 
 
 def shares(program: CompiledProgram) -> list[Share]:
@@ -74,6 +80,7 @@ def _shares(program: CompiledProgram) -> list[Share]:
     for stage, gm, mine in graphs:
         nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
         matmul = attention = weight = moved = sympy.Integer(0)
+        again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "bytes": sympy.Integer(0), "ops": 0}
         for node in nodes:
             cost = cost_of(node, program.captured.shape)
             if cost is None:
@@ -85,6 +92,11 @@ def _shares(program: CompiledProgram) -> list[Share]:
                 weight += cost.matmul_flops / split
             if cost.matmul_flops == 0:
                 moved += cost.bytes / split
+            if meta.recompute_region(node) is not None:
+                again["matmul"] += cost.matmul_flops / split
+                again["attention"] += cost.attention_flops / split
+                again["bytes"] += cost.bytes / split if cost.matmul_flops == 0 else 0
+                again["ops"] += 1
         forward_ops, backward_nodes = op_counts(gm)
         # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
         parameters = {
@@ -94,7 +106,8 @@ def _shares(program: CompiledProgram) -> list[Share]:
         produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)
         result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
                             sympy.expand(moved), forward_ops, backward_nodes, parameters,
-                            produced / total_output))
+                            produced / total_output, sympy.expand(again["matmul"]),
+                            sympy.expand(again["attention"]), sympy.expand(again["bytes"]), again["ops"]))
     return result
 
 

@@ -16,6 +16,8 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.stage               pipeline          the pipeline stage that computes the node
     fxpar.tied_across_stages  pipeline_program  a parameter several stages read (a tied
                                                 embedding and head), summed over them
+    fxpar.recompute           activation_       the checkpoint region a node belongs to
+                              checkpoint        ("h.3", "h.3.attn:core"): recomputed in backward
 
 Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
 """
@@ -34,6 +36,7 @@ REQUIRES_GRAD = "fxpar.requires_grad"
 GRAD_PARTIAL = "fxpar.grad_partial"
 STAGE = "fxpar.stage"
 TIED_ACROSS_STAGES = "fxpar.tied_across_stages"
+RECOMPUTE = "fxpar.recompute"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
@@ -112,3 +115,9 @@ def trained_parameters(gm: fx.GraphModule) -> set[str]:
 def partial_gradient_parameters(graph: fx.Graph) -> list[str]:
     """Replicated parameters whose gradients each tp rank holds only a summand of."""
     return [n for n, node in parameter_nodes(graph).items() if node.meta.get(GRAD_PARTIAL)]
+
+
+def recompute_region(node: fx.Node) -> str | None:
+    """The activation-checkpoint region `node` is recomputed with in backward, else None
+    (`passes.activation_checkpoint`)."""
+    return node.meta.get(RECOMPUTE)

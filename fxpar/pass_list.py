@@ -13,6 +13,7 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
            assign_stages(stages=2, split=(), cost=..., memory=..., in_flight=(2.0, 1.0))
     stage: defer_weight_gradients
            assign_gradient_buckets(bucket_bytes=1048576, mesh=Mesh(dp=2, pp=2, tp=2))
+           mark_recomputation(mode='full', blocks=('h',))
 
 [Note: pass order] The loss becomes sum / global count first, so that every later rewrite
 (the vocabulary-parallel loss, the pipeline's last stage) works on the sum. Tensor
@@ -23,6 +24,9 @@ draw's slice is read from its placements) and before the cut, so that they are n
 the whole graph's order (`passes.random_draws`). The pipeline cut comes after: stages hold tensor-parallel shards,
 and each stage's buckets hold only that stage's parameters, so buckets are a stage pass; a
 zero-bubble stage defers its linear weights' gradients before its buckets are drawn up.
+Activation checkpointing marks its regions last, on the graph each rank runs, so that what
+earlier passes inserted is marked too and their collectives are left out
+(`passes.activation_checkpoint`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
+from fxpar.passes.activation_checkpoint import mark_recomputation
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
@@ -47,6 +52,7 @@ from fxpar.passes.zero3 import shard_parameters
 from fxpar.pipeline_program import node_memory, node_time, schedule_in_flight
 from fxpar.placement import Placements, Shard, local_shape
 from fxpar.plan import Plan
+from fxpar.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
 from fxpar.schedules import schedule
 from fxpar.trace import CapturedGraph
 
@@ -85,9 +91,10 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.
     zero3 = (partial(shard_parameters, mesh=mesh, reshard_after_forward=plan.reshard_after_forward),
              ) if plan.zero == 3 and mesh.dp > 1 else ()
+    last = (buckets, *zero3, *_recomputation(plan, captured))
     stages = plan.pp * plan.virtual_stages
     if stages == 1:
-        return PassList(graph=(*graph, buckets, *zero3))
+        return PassList(graph=(*graph, *last))
     pipeline = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
     graph.append(partial(
         assign_stages, stages=stages, split=plan.split,
@@ -95,8 +102,37 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         memory=node_memory(captured, microbatch=_rank_microbatch(plan, captured, mesh), plan=plan),
         in_flight=schedule_in_flight(pipeline),
     ))
-    per_stage = (defer_weight_gradients, buckets) if pipeline.splits_backward else (buckets,)
-    return PassList(graph=tuple(graph), stage=(*per_stage, *zero3))
+    per_stage = (defer_weight_gradients, *last) if pipeline.splits_backward else last
+    return PassList(graph=tuple(graph), stage=per_stage)
+
+
+def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]:
+    """The checkpoint pass for the plan's `checkpoint`, with the model's block lists found on
+    the whole captured graph (a pipeline stage holds only some blocks); a PlanError where the
+    model has nothing to checkpoint."""
+    if plan.checkpoint == "none":
+        return ()
+    graph = captured.graph_module.graph
+    blocks = block_lists(graph)
+    if plan.checkpoint == FULL and not blocks:
+        raise PlanError(
+            "plan checkpoint=full recomputes each transformer block, and this model has no "
+            "block list: no module whose children are named 0, 1, 2, ... (at least two) and "
+            "are all of one class, as GPT-2's transformer.h or Llama's model.layers. Fix: keep "
+            "the repeated layers in an nn.ModuleList, or checkpoint=selective (attention's "
+            "core only), or checkpoint=none",
+            field="checkpoint",
+            value=plan.checkpoint,
+        )
+    if plan.checkpoint == SELECTIVE and not attention_cores(graph):
+        raise PlanError(
+            "plan checkpoint=selective recomputes attention's core (QK^T, softmax, dropout, "
+            "attention over V, or one scaled_dot_product_attention), and this model has none. "
+            "Fix: checkpoint=full (every block) or checkpoint=none",
+            field="checkpoint",
+            value=plan.checkpoint,
+        )
+    return (partial(mark_recomputation, mode=plan.checkpoint, blocks=blocks),)
 
 
 def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:

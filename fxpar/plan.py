@@ -109,7 +109,7 @@ class Plan:
     precision: Precision = "fp32"
     reduce_dtype: str = "fp32"
     # Activation checkpointing (Korthikanti et al. 2022): "full" recomputes every transformer
-    # block in backward, "selective" only attention's softmax and dropout.
+    # block in backward, "selective" only attention's core (`fxpar.recompute_regions`).
     checkpoint: str = "none"
     # Dropout's randomness: "fast" draws per rank from one seed, consistently where the math
     # needs it (Megatron's RNG tracker); "exact" draws the values one device draws.
@@ -425,11 +425,4 @@ def check_runnable(plan: Plan) -> None:
             "precision=fp32 to train",
             field="precision",
             value=plan.precision,
-        )
-    if plan.checkpoint != "none":
-        raise PlanError(
-            f"plan checkpoint={plan.checkpoint}: activation checkpointing is not built yet. "
-            "Fix: bind a plan with checkpoint=none",
-            field="checkpoint",
-            value=plan.checkpoint,
         )

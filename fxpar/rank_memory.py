@@ -21,9 +21,8 @@ from __future__ import annotations
 import sympy
 
 from fxpar.compiled_program import CompiledProgram
-from fxpar.cost.activations import backward_workspace_bytes, saved_activation_bytes
+from fxpar.cost.activations import backward_workspace_bytes, plan_activation_bytes
 from fxpar.cost.layout import shares
-from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES
 from fxpar.simulation import simulate
@@ -39,7 +38,7 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
     captured = program.captured
     numbers = dict(captured.example_sizes)
     narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
-    activations = memoised(captured.graph_module, "activations", lambda: saved_activation_bytes(captured))
+    activations = plan_activation_bytes(captured, plan.checkpoint)
     local_batch = BATCH / (plan.dp * plan.microbatches)
     every = shares(program)
     peaks = simulate(schedule, 1, 2).peak_in_flight if schedule is not None else None

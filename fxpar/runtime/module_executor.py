@@ -31,7 +31,7 @@ class ModuleExecutor:
         """One training step over this rank's microbatches (export's size symbols at `sizes`);
         returns the global-batch mean loss."""
         context, microbatches = self.context, len(chunks)
-        module, all_buckets = context.modules[0], context.buckets
+        module, all_buckets = context.forwards[0], context.buckets
         state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))
         for buckets in all_buckets:
             buckets.start_step(microbatches)

@@ -146,6 +146,11 @@ class ParameterGatherer:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def hooks(self):
+        """`saving`'s (pack, unpack) hooks, or None where nothing is packed as a recipe: for
+        a caller that composes them with its own (`runtime.saved_tensors`)."""
+        return (self._pack, self._unpack) if self.reshard else None
+
     def _remember(self, out: torch.Tensor, k: int, j: int) -> None:
         out.fxpar_gathered = (k, j)  # which layer's output it is, for `_pack`
         self._by_storage[out.untyped_storage().data_ptr()] = out

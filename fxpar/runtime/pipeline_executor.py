@@ -77,7 +77,7 @@ class PipelineExecutor:
         return self.program.mesh.rank_of(dp=self.coord.dp, pp=self.schedule.rank_of(stage), tp=self.coord.tp)
 
     def _module(self, stage: int):
-        return self.context.modules[stage // self.schedule.p]
+        return self.context.forwards[stage // self.schedule.p]
 
     def _shape(self, boundary, sizes: dict, key: tuple) -> tuple[int, ...]:
         """A boundary's local shape at this step's sizes (cached: sympy is slow per call)."""

@@ -53,6 +53,8 @@ from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
+from fxpar.runtime.recompute import recomputing
+from fxpar.runtime.saved_tensors import SavedTensorMeter
 from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters, require_elementwise
 from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
 from fxpar.runtime.step_context import StepContext
@@ -92,6 +94,7 @@ class Runner:
         self._executor: ModuleExecutor | PipelineExecutor | None = None
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
         self._optimizers: list = []  # what `optimizer` made, for `memory_stats`
+        self._saved = SavedTensorMeter()  # bytes held for backward, for `memory_stats`
         self._closed_by: str | None = None  # which close() ended this runner (live_runners)
 
     @property
@@ -227,6 +230,7 @@ class Runner:
         self._context = StepContext(
             rank=self.rank, device=self.device, step_program=step_program,
             guard=StepGuard(step_program), modules=tuple(self.modules),
+            forwards=tuple(recomputing(m, self._saved) for m in self.modules),
             module_of_stage={meta.stage_of(m): i for i, m in enumerate(self.modules)},
             buckets=tuple(buckets),
             # Replicated parameters whose gradient each tp rank holds a summand of, per module.
@@ -237,6 +241,7 @@ class Runner:
             tied={name: (mine[name], self._tied_groups[group]) for name, group in step_program.tied_groups.items()},
             loss=self.loss, communicator=self.communicator, groups=self.groups,
             receives_ahead=receives_ahead(self.backend), gatherers=gatherers, random=self._random,
+            meter=self._saved,
         )
         self._executor = (
             ModuleExecutor(self._context) if stages is None
@@ -317,8 +322,10 @@ class Runner:
         self.communicator.start_step(guard)
         bind_axes(self._axes)
         bind_random(self._random)
+        state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
         try:
-            loss = self._executor.run(chunks, self._sizes[shapes])
+            with self._saved.measuring(state):
+                loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
             self.communicator.end_step(check=False)  # a failed step leaves no guard behind
             raise
@@ -354,9 +361,12 @@ class Runner:
 
     def memory_stats(self) -> dict[str, int | None]:
         """Bytes this rank holds: `params`, `grads`, `optimizer` (the state of the optimizers
-        `runner.optimizer` made), counted from its tensors, and the allocator's `peak` on CUDA
-        (`runtime.memory_stats`); `program.estimate().memory` predicts them."""
-        return model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device)
+        `runner.optimizer` made), counted from its tensors, `activations` (held for backward at
+        their peak during the last step: `runtime.saved_tensors`) and the allocator's `peak`
+        on CUDA (`runtime.memory_stats`); `program.estimate().memory` predicts them."""
+        stats = model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device)
+        order = ("params", "grads", "optimizer", "activations", "peak")
+        return {key: {**stats, "activations": self._saved.peak}[key] for key in order}
 
     # -- observation ----------------------------------------------------------------------
 

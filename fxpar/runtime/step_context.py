@@ -8,6 +8,8 @@ which reads nothing of the Runner itself.
     step_program          what the rank does in a step, in order (`fxpar.step_program`)
     guard                 holds every collective of a step to that program (`step_guard`)
     modules               the rank's stage modules, in stage order (one without a pipeline)
+    forwards              what the executors call for each module: the module itself, or
+                          its checkpointing forward (`runtime.recompute`)
     module_of_stage       stage index -> its position in `modules`
     buckets               one `GradientBuckets` per module under data parallelism, else none
     partial_gradients     per module, the replicated parameters whose gradient each tp rank
@@ -29,7 +31,7 @@ bind.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from fxpar.runtime.gradient_buckets import GradientBuckets
     from fxpar.runtime.parameter_gatherer import ParameterGatherer
     from fxpar.runtime.process_groups import RankGroup
+    from fxpar.runtime.saved_tensors import SavedTensorMeter
     from fxpar.runtime.step_guard import StepGuard
     from fxpar.runtime.step_loss import StepLoss
     from fxpar.step_program import StepProgram
@@ -59,6 +62,7 @@ class StepContext:
     step_program: StepProgram
     guard: StepGuard
     modules: tuple[fx.GraphModule, ...]
+    forwards: tuple[Callable, ...]  # what runs each module's forward (`runtime.recompute`)
     module_of_stage: Mapping[int, int]
     buckets: tuple[GradientBuckets, ...]
     partial_gradients: tuple[list[torch.nn.Parameter], ...]
@@ -72,7 +76,15 @@ class StepContext:
     # ZeRO-3's eager gathers per module (`runtime.parameter_gatherer`), or () without ZeRO-3.
     gatherers: tuple[ParameterGatherer, ...] = ()
 
+    # The meter of what the step saves for backward (`runtime.saved_tensors`), if any.
+    meter: SavedTensorMeter | None = None
+
     def saving(self, module: int):
         """The context a forward of module `module` runs in (ZeRO-3 packs what autograd saves of
-        gathered parameters as recipes; nothing otherwise)."""
-        return self.gatherers[module].saving() if self.gatherers else contextlib.nullcontext()
+        gathered parameters as recipes, and the meter counts the rest; nothing otherwise)."""
+        hooks = self.gatherers[module].hooks() if self.gatherers else None
+        if hooks is None:
+            return contextlib.nullcontext()
+        if self.meter is None:
+            return torch.autograd.graph.saved_tensors_hooks(*hooks)
+        return self.meter.composed(*hooks)
