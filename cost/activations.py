@@ -17,9 +17,14 @@ what a recomputed run saves is not counted (torch's checkpoint drops it), and th
 tensor inputs are, as the checkpoint keeps them to recompute from, where one of its outputs
 needs a gradient. So `checkpoint=full` leaves each block's input and whatever ops outside
 the blocks save (embeddings, the final norm, the head and the loss), and `selective` drops
-what the attention core saves (Korthikanti et al. 2022, Sec. 5). The formula is the whole
-graph's, without the tensor-parallel collectives that cut a block into several runs on a
-tp rank: there, each collective's output is kept too (`cost.layout` shares the bytes out).
+what the attention core saves (Korthikanti et al. 2022, Sec. 5).
+
+Per rank, `rank_activation_bytes` runs the same fake forward over the modules the rank runs
+(`program.stage_modules`: its tensor-parallel shards, its pipeline stages, the loss divided
+by the global count, each collective's output kept where it cuts a block's recomputation),
+leaving out the batch the step is given, as the runtime's meter does
+(`runtime.saved_tensors`); times the microbatches its schedule keeps in flight, that is the
+estimate's `memory.activations`.
 
 The saved bytes are not the whole of backward's memory: when backward starts, every saved
 tensor is still alive and the loss's backward allocates its own tensors on top.
@@ -38,7 +43,9 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxpar import meta
 from fxpar.recompute_regions import block_lists, region_labels, segment_outputs, segments
+from fxpar.compiled_program import CompiledProgram
 from fxpar.cost.memo import memoised
 from fxpar.trace import CapturedGraph
 
@@ -77,6 +84,30 @@ class _FakeStateInterpreter(fx.Interpreter):
         return value
 
 
+def saved_in_flight(schedule) -> tuple[int, ...]:
+    """Per pipeline rank, the most (stage, microbatch) forwards whose saved tensors are held:
+    run (F) and not yet backward (B). A split schedule's B frees them too, as autograd does;
+    W's store then keeps only its linears' inputs and output gradients
+    (`runtime.weight_gradients`), which `memory.activations` does not count (nor the meter).
+    `simulation.Simulation.peak_in_flight` counts to W instead: the schedule's own bound."""
+    peaks = []
+    for row in schedule.actions:
+        held = peak = 0
+        for action in row:
+            held += {"F": 1, "B": -1}.get(action.kind, 0)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def rank_activation_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
+    """Bytes `rank` saves for one forward of each module it runs over the example's global
+    batch, summed (`module_activation_bytes`; memoised with the program's graph)."""
+    captured = program.captured
+    return memoised(program.graph_module, f"rank_activations.{rank}", lambda: sympy.expand(sum(
+        (module_activation_bytes(m, captured) for m in program.stage_modules(rank)), sympy.Integer(0))))
+
+
 def plan_activation_bytes(captured: CapturedGraph, checkpoint: str) -> sympy.Expr:
     """`saved_activation_bytes` under the plan's `checkpoint`, memoised with the capture."""
     return memoised(captured.graph_module, f"activations.{checkpoint}",
@@ -90,16 +121,42 @@ def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, 
 
 
 def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none") -> sympy.Expr:
-    """Bytes saved for backward by one forward over the example's (symbolic) global batch,
-    under activation checkpointing `checkpoint` (module doc)."""
+    """Bytes saved for backward by one forward of the captured graph over the example's
+    (symbolic) global batch, under activation checkpointing `checkpoint` (module doc)."""
     gm = captured.graph_module
-    labels = recomputed_nodes(captured, checkpoint)
-    runs = segments(gm.graph.nodes, labels.get)
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(inputs)
-    assert fake_mode is not None, "captured graphs carry export's fake tensors"
     real = dict(gm.named_parameters()) | dict(gm.named_buffers())
-    getters = {n.target: n.meta["val"] for n in gm.graph.nodes if n.op == "get_attr"}
+    getters = {
+        n.target: (n.meta["val"], bool(getattr(real.get(n.target), "requires_grad", False)))
+        for n in gm.graph.nodes if n.op == "get_attr"
+    }
+    runs = segments(gm.graph.nodes, recomputed_nodes(captured, checkpoint).get)
+    return _saved_bytes(gm, captured, getters, runs)
+
+
+def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph) -> sympy.Expr:
+    """Bytes saved for backward by one forward of a rank's `module` (its tensor-parallel
+    shards, its pipeline stage, the checkpoint regions its pass marked: `runtime.recompute`
+    runs the same `segments`) over the example's symbolic global batch: what the runtime's
+    meter counts (`runtime.saved_tensors`), the formula at one microbatch's share of it."""
+    getters = {}
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(module, node.target)
+            if isinstance(value, torch.Tensor):
+                getters[node.target] = (value, value.requires_grad)
+    runs = segments(module.graph.nodes, meta.recompute_region)
+    return _saved_bytes(module, captured, getters, runs, given=set(captured.input_names))
+
+
+def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
+                 given: set[str] = frozenset()) -> sympy.Expr:
+    """The fake forward of the module doc over `gm`, its state given as (tensor whose shape,
+    stride and dtype to take, requires_grad) per get_attr target; the inputs named in `given`
+    (the step's batch, which the step does not allocate) are not counted, like the state."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [n.meta.get("val") for n in placeholders]
+    fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
+    assert fake_mode is not None, "captured graphs carry export's fake tensors"
     saved: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,14 +165,16 @@ def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none")
 
     with fake_mode:
         state = {
-            name: torch.empty_strided(
-                value.shape, value.stride(), dtype=value.dtype, device=value.device
-            ).requires_grad_(bool(getattr(real.get(name), "requires_grad", False)))
-            for name, value in getters.items()
+            name: torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+            .requires_grad_(grad)
+            for name, (value, grad) in getters.items()
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             _FakeStateInterpreter(gm, state, runs, saved).run(*inputs)
-    state_storages = {t.untyped_storage()._cdata for t in state.values()}
+    state_storages = {t.untyped_storage()._cdata for t in state.values()} | {
+        value.untyped_storage()._cdata for n, value in zip(placeholders, inputs)
+        if n.name in given and isinstance(value, torch.Tensor)
+    }
     seen: set[int] = set()
     total = sympy.Integer(0)
     for tensor in saved:
@@ -125,6 +184,13 @@ def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none")
         seen.add(storage._cdata)
         total += captured.readable(storage.nbytes())
     return sympy.expand(total)
+
+
+def _attribute(module: torch.nn.Module, target: str):
+    value = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def backward_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:

@@ -41,8 +41,10 @@ Time model, per rank:
   the linear's backward; `cost.layout`), B the rest of the backward.
 
 Per rank: tensor parallelism divides the work of sharded ops and the parameters it splits,
-a pipeline gives each rank its stages and the activations of the microbatches it keeps in
-flight under the schedule (`cost.layout`). The worst rank by peak memory is reported.
+a pipeline gives each rank its stages (`cost.layout`). Its activations are the bytes its own
+modules save for backward (`cost.activations.rank_activation_bytes`, a fake forward of what
+the rank runs, activation checkpointing included) for one microbatch, times the microbatches
+it keeps in flight under the schedule. The worst rank by peak memory is reported.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from fxpar.cost.activations import backward_workspace_bytes, plan_activation_bytes, recomputed_nodes
+from fxpar.cost.activations import backward_workspace_bytes, rank_activation_bytes, recomputed_nodes, saved_in_flight
 from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.hardware import Hardware
 from fxpar.cost.profiles import hardware_profile
@@ -104,10 +106,6 @@ def _sum_rules(captured) -> GraphCompute:
         sympy.expand(matmul), sympy.expand(attention), sympy.expand(other), sympy.expand(moved),
         uncosted, forward_ops, backward_nodes,
     )
-
-
-def _activations(program: CompiledProgram) -> sympy.Expr:
-    return plan_activation_bytes(program.captured, program.plan.checkpoint)
 
 
 def recompute_flops(program: CompiledProgram) -> sympy.Expr:
@@ -290,12 +288,11 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     local_batch = BATCH / (dp * plan.microbatches)
     in_flight = 1
     if pipeline is not None:
-        in_flight = simulate(pipeline, 1, 2).peak_in_flight[pp_index] / len(mine)
-    activation_share = sum(s.activation_share for s in mine) * in_flight
+        in_flight = saved_in_flight(pipeline)[pp_index] / len(mine)
     holds_loss = not pipeline or any(s.stage == len(all_shares) - 1 for s in mine)
     formulas.update({f"memory.{k}": v for k, v in state.items()})
     formulas["memory.activations"] = (
-        narrow * _activations(program).subs(BATCH, local_batch) * sympy.nsimplify(round(activation_share, 4))
+        narrow * rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
     )
     workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
     formulas["memory.workspace"] = narrow * workspace.subs(BATCH, local_batch)

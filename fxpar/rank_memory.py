@@ -10,8 +10,9 @@ keyed by the rank `estimate()` would report for that coordinate (`mesh.rank_of(p
 data- and tensor-parallel peers hold the same. The terms are the estimate's own (`cost.estimate`,
 "Memory", and `cost.memory`), built from the same public pieces: the rank's share of the work
 (`cost.layout.shares`), the model state of the parameters it holds by precision and ZeRO stage
-(`cost.memory.model_state_bytes`, plus Adam's step counters), the saved activations of the
-microbatches it keeps in flight under the schedule, the loss's backward workspace where the
+(`cost.memory.model_state_bytes`, plus Adam's step counters), the bytes its modules save for
+backward (`cost.activations.rank_activation_bytes`) times the microbatches it keeps in flight
+under the schedule, the loss's backward workspace where the
 loss is, and the peak (`cost.memory.peak_bytes`). `total` is that peak, not the sum.
 tests/test_report.py holds the worst rank's figures equal to `estimate().memory`.
 """
@@ -21,11 +22,10 @@ from __future__ import annotations
 import sympy
 
 from fxpar.compiled_program import CompiledProgram
-from fxpar.cost.activations import backward_workspace_bytes, plan_activation_bytes
+from fxpar.cost.activations import backward_workspace_bytes, rank_activation_bytes, saved_in_flight
 from fxpar.cost.layout import shares
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES
-from fxpar.simulation import simulate
 from fxpar.symbols import BATCH
 
 TERMS = ("params", "grads", "optimizer", "activations", "workspace")
@@ -38,10 +38,9 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
     captured = program.captured
     numbers = dict(captured.example_sizes)
     narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
-    activations = plan_activation_bytes(captured, plan.checkpoint)
     local_batch = BATCH / (plan.dp * plan.microbatches)
     every = shares(program)
-    peaks = simulate(schedule, 1, 2).peak_in_flight if schedule is not None else None
+    peaks = saved_in_flight(schedule) if schedule is not None else None
     result = {}
     for pp in range(mesh.pp):
         mine = [s for s in every if s.stage is None or schedule.rank_of(s.stage) == pp]
@@ -52,13 +51,14 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
         tensors = sum(len(b) for b in buckets) if plan.zero >= 1 else len(held)
         state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
         in_flight = peaks[pp] / len(mine) if peaks is not None else 1
-        share = sympy.nsimplify(round(sum(s.activation_share for s in mine) * in_flight, 4))
+        rank = mesh.rank_of(pp=pp)
         terms = dict(state)
-        terms["activations"] = narrow * activations.subs(BATCH, local_batch) * share
+        terms["activations"] = (narrow * rank_activation_bytes(program, rank).subs(BATCH, local_batch)
+                                * sympy.nsimplify(round(in_flight, 4)))
         holds_loss = schedule is None or any(s.stage == len(every) - 1 for s in mine)
         workspace = backward_workspace_bytes(captured) if holds_loss else sympy.Integer(0)
         terms["workspace"] = narrow * workspace.subs(BATCH, local_batch)
         terms["total"] = peak_bytes(state, terms["activations"], terms["workspace"],
                                     grads_persist=plan.dp > 1 or plan.microbatches > 1)
-        result[mesh.rank_of(pp=pp)] = {k: float(sympy.sympify(v).subs(numbers)) for k, v in terms.items()}
+        result[rank] = {k: float(sympy.sympify(v).subs(numbers)) for k, v in terms.items()}
     return result

@@ -32,7 +32,7 @@ autograd runs its backward once, from the forward's own graph, as without checkp
 
 `segments(nodes, label)` cuts a graph's marked nodes into those calls: maximal runs of
 consecutive call_function nodes with one label (get_attr nodes, parameters and constants,
-and shape arithmetic neither join nor end a run: they are inputs). The runtime outlines each run into one
+and unmarked nodes that read nothing of the run, neither join nor end it: they are inputs). The runtime outlines each run into one
 `torch.utils.checkpoint` call; the cost model counts what each run keeps (its inputs) and
 recomputes (its ops), so the two agree by construction.
 """
@@ -158,9 +158,9 @@ def _explicit_core(softmax: fx.Node) -> list[fx.Node]:
 
 def segments(nodes: Iterable[fx.Node], label: Callable[[fx.Node], str | None]) -> list[list[fx.Node]]:
     """The recomputed calls: maximal runs of consecutive call_function nodes with one label
-    (module doc). get_attr nodes, and unmarked shape arithmetic (a node whose value is not a
-    tensor) that reads nothing of the run, are skipped over: they run before the run's call,
-    as its inputs. Any other node ends a run."""
+    (module doc). get_attr nodes, and unmarked nodes that read nothing of the run (shape
+    arithmetic, an attention mask's slice), are skipped over: they run before the run's call,
+    which takes their values as inputs. Any other node ends a run."""
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     current_label = None
@@ -182,7 +182,7 @@ def segments(nodes: Iterable[fx.Node], label: Callable[[fx.Node], str | None]) -
 def _skipped_over(node: fx.Node, run: list[fx.Node]) -> bool:
     if node.op == "get_attr":
         return True
-    if node.op != "call_function" or isinstance(node.meta.get("val"), torch.Tensor):
+    if node.op != "call_function":
         return False
     inside = set(run)
     return not any(source in inside for source in node.all_input_nodes)

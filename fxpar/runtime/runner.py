@@ -322,9 +322,10 @@ class Runner:
         self.communicator.start_step(guard)
         bind_axes(self._axes)
         bind_random(self._random)
-        state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
+        # Activations are what the step makes: model state and the batch it was given are not.
+        given = [t for m in self.modules for t in (*m.parameters(), *m.buffers())] + list(inputs)
         try:
-            with self._saved.measuring(state):
+            with self._saved.measuring(given):
                 loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
             self.communicator.end_step(check=False)  # a failed step leaves no guard behind

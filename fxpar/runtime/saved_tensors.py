@@ -5,9 +5,9 @@ What `runner.memory_stats()["activations"]` reports and `program.estimate().memo
 `torch.autograd.graph.saved_tensors_hooks` whose pack hook wraps every tensor autograd saves
 in a `_Held` handle; the handle lives exactly as long as autograd keeps the saved value (it
 is released when backward has used it, or with the graph), and counts its storage while it
-lives. Storages are counted once however many saved tensors view them, and the rank's
-parameters and buffers are left out (they are model state). The peak is the largest total
-held at any moment of the step.
+lives. Storages are counted once however many saved tensors view them; the rank's
+parameters and buffers (model state) and the batch the step was given (its microbatches are
+views of it) are left out. The peak is the largest total held at any moment of the step.
 
 Activation checkpointing hides a region's saved tensors from these hooks (torch's checkpoint
 pushes its own, innermost), and keeps the region's *inputs* alive instead, in the closure
@@ -36,10 +36,10 @@ class SavedTensorMeter:
         self.peak: int | None = None  # of the last step; None before the first
 
     @contextmanager
-    def measuring(self, state: Iterable[torch.Tensor]) -> Iterator[None]:
-        """Count what autograd saves inside the block, `state` (parameters, buffers) excepted;
-        `peak` is then this block's."""
-        self._excluded = {t.untyped_storage().data_ptr() for t in state}
+    def measuring(self, given: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Count what autograd saves inside the block, the storages of `given` (parameters,
+        buffers, the step's batch) excepted; `peak` is then this block's."""
+        self._excluded = {t.untyped_storage().data_ptr() for t in given}
         self.peak, self._active = self.current, True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):

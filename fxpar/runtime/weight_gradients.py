@@ -71,7 +71,10 @@ class WeightGradientStore:
         """Compute and accumulate the weight gradients recorded under `key` (the W action)."""
         summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for weight, x, grad_output in self._deferred.pop(key):
-            grad = weight_gradient(x, grad_output)
+            # No graph: x may require grad (a checkpoint's recomputed input), and autograd
+            # would keep x and grad_output for a backward of this matmul no one runs.
+            with torch.no_grad():
+                grad = weight_gradient(x, grad_output)
             if id(weight) in summed:
                 grad = summed[id(weight)][1] + grad
             summed[id(weight)] = (weight, grad)

@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc-per-node 2 recompute_worker.py OUT_DIR "dp=2" "tp=2 checkpoint=full"
 
-An argument `PLAN@sgd` trains with SGD (momentum 0.9), else AdamW (tiny_training.OPTIMIZER).
+Each argument is `[MODEL:]PLAN[@sgd]`: MODEL is one of tiny_training.MODELS or `explicit`
+(explicit_attention.ExplicitAttentionGPT, dropout on), default gpt; `@sgd` trains with SGD
+(momentum 0.9), else AdamW (tiny_training.OPTIMIZER). Every plan's training starts from the
+same RNG state, so a model with dropout draws the same masks under every plan of one world.
 Per plan it saves the loss of every step, the first step's full gradients, the final full
-state, `memory_stats()` after the first step, and the estimate's activation bytes.
-FXPAR_TEST_MODEL picks the model of tiny_training.MODELS (default gpt).
+state, `memory_stats()` after the first step, and the prediction of this rank's memory.
 """
 
 import os
@@ -15,16 +17,23 @@ from pathlib import Path
 import torch
 
 import fxpar
+from fxpar.rank_memory import predicted_memory
+from explicit_attention import ExplicitAttentionGPT
 from tiny_training import OPTIMIZER, build_model, global_batches
 
 out_dir, arguments = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
-model_name = os.environ.get("FXPAR_TEST_MODEL", "gpt")
 results = {}
 for argument in arguments:
-    plan, _, optimizer_name = argument.partition("@")
+    model_name, _, rest = argument.rpartition(":")
+    plan, _, optimizer_name = rest.partition("@")
     tokens, labels = global_batches()[0]
-    program = fxpar.compile(build_model(model_name), plan, example_inputs=(tokens, labels))
+    if model_name == "explicit":
+        torch.manual_seed(0)
+        model = ExplicitAttentionGPT()
+    else:
+        model = build_model(model_name or "gpt")
+    program = fxpar.compile(model, plan, example_inputs=(tokens, labels))
     program.check()
     runner = program.bind(timeout=60)
     if optimizer_name == "sgd":
@@ -32,6 +41,7 @@ for argument in arguments:
     else:
         optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
     losses, first_grads, memory = [], None, None
+    torch.manual_seed(1)  # dropout's masks: the same draws under every plan
     for tokens, labels in global_batches()[:4]:
         # Copies: a rank's slice of the global batch is a view of all of it, and the meter
         # counts a saved tensor's whole storage (runtime.saved_tensors).
@@ -51,6 +61,8 @@ for argument in arguments:
         "memory": memory,
         "estimate": {"rank": estimate.rank, **estimate.memory, "flops": estimate.flops,
                      "time": estimate.time},
+        # This rank's own prediction: the estimate reports the worst pipeline coordinate's.
+        "predicted": predicted_memory(program)[program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)],
     }
     runner.close()
 torch.save(results, out_dir / f"rank{os.environ['RANK']}.pt")
