@@ -112,6 +112,15 @@ def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]
     model has nothing to checkpoint."""
     if plan.checkpoint == "none":
         return ()
+    if plan.zero == 3 and plan.dp > 1:
+        raise PlanError(
+            f"plan checkpoint={plan.checkpoint} with zero=3 is not composed yet: a recomputed "
+            "region keeps its inputs until backward, and ZeRO-3's gathered weights are among "
+            "them, so each layer's whole weights would stay alive from forward to backward "
+            "(what ZeRO-3 frees). Fix: checkpoint=none with zero=3, or zero=2 with checkpointing",
+            field="checkpoint",
+            value=plan.checkpoint,
+        )
     graph = captured.graph_module.graph
     blocks = block_lists(graph)
     if plan.checkpoint == FULL and not blocks:

@@ -87,6 +87,12 @@ def test_full_on_a_model_without_blocks_is_a_plan_error():
     compile_model(Flat(), "checkpoint=none").check()
 
 
+def test_full_with_zero3_is_a_plan_error_until_composed():
+    with pytest.raises(PlanError, match="zero=3 is not composed yet") as error:
+        compile_model(build_model("gpt"), "dp=2 zero=3 checkpoint=full")
+    assert error.value.field == "checkpoint"
+
+
 def test_the_estimate_keeps_block_inputs_under_full_and_drops_the_attention_core_under_selective():
     torch.manual_seed(0)
     estimates = {mode: compile_model(ExplicitAttentionGPT(), f"checkpoint={mode}").estimate("h100")
