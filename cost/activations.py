@@ -46,8 +46,12 @@ from torch._guards import detect_fake_mode
 from fxpar import meta
 from fxpar.recompute_regions import block_lists, region_labels, segment_outputs, segments
 from fxpar.compiled_program import CompiledProgram
+from fxpar.parameter_gathers import OP as GATHER_OP, REGATHER
 from fxpar.cost.memo import memoised
 from fxpar.trace import CapturedGraph
+
+
+_GATHER, _REGATHER = GATHER_OP.overload, REGATHER.overload
 
 
 class _FakeStateInterpreter(fx.Interpreter):
@@ -61,6 +65,10 @@ class _FakeStateInterpreter(fx.Interpreter):
         self.run_of = {node: run for run in runs for node in run}
         self.kept = kept
         self.inputs: dict[fx.Node, torch.Tensor] = {}  # of the run being interpreted
+        # ZeRO-3 with re-gathering packs what is saved of a gathered layer as a recipe
+        # (`runtime.parameter_gatherer`): model state, not activations, as the meter counts.
+        self.recipes = any(n.target is _REGATHER for n in gm.graph.nodes)
+        self.gathered: list[torch.Tensor] = []
 
     def get_attr(self, target, args, kwargs):
         return self.state[target]
@@ -68,7 +76,10 @@ class _FakeStateInterpreter(fx.Interpreter):
     def run_node(self, node: fx.Node):
         run = self.run_of.get(node)
         if run is None:
-            return super().run_node(node)
+            value = super().run_node(node)
+            if node.target is _GATHER and self.recipes:
+                self.gathered += [v for v in value if isinstance(v, torch.Tensor)]
+            return value
         if node is run[0]:
             self.inputs = {}
         inside = set(run)
@@ -170,8 +181,9 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
             for name, (value, grad) in getters.items()
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            _FakeStateInterpreter(gm, state, runs, saved).run(*inputs)
-    state_storages = {t.untyped_storage()._cdata for t in state.values()} | {
+            interpreter = _FakeStateInterpreter(gm, state, runs, saved)
+            interpreter.run(*inputs)
+    state_storages = {t.untyped_storage()._cdata for t in (*state.values(), *interpreter.gathered)} | {
         value.untyped_storage()._cdata for n, value in zip(placeholders, inputs)
         if n.name in given and isinstance(value, torch.Tensor)
     }
