@@ -38,6 +38,8 @@ logits, but its gradient exists only once later layers have freed their saved te
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 import torch.fx as fx
@@ -119,12 +121,6 @@ def rank_activation_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
         (module_activation_bytes(m, captured) for m in program.stage_modules(rank)), sympy.Integer(0))))
 
 
-def plan_activation_bytes(captured: CapturedGraph, checkpoint: str) -> sympy.Expr:
-    """`saved_activation_bytes` under the plan's `checkpoint`, memoised with the capture."""
-    return memoised(captured.graph_module, f"activations.{checkpoint}",
-                    lambda: saved_activation_bytes(captured, checkpoint=checkpoint))
-
-
 def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, str]:
     """The captured graph's nodes recomputed under `checkpoint`, with their regions."""
     graph = captured.graph_module.graph
@@ -152,7 +148,7 @@ def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph) -> 
     getters = {}
     for node in module.graph.nodes:
         if node.op == "get_attr":
-            value = _attribute(module, node.target)
+            value = operator.attrgetter(node.target)(module)
             if isinstance(value, torch.Tensor):
                 getters[node.target] = (value, value.requires_grad)
     runs = segments(module.graph.nodes, meta.recompute_region)
@@ -196,13 +192,6 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
         seen.add(storage._cdata)
         total += captured.readable(storage.nbytes())
     return sympy.expand(total)
-
-
-def _attribute(module: torch.nn.Module, target: str):
-    value = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def backward_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:

@@ -52,24 +52,23 @@ def recomputing(module: fx.GraphModule, meter: SavedTensorMeter) -> fx.GraphModu
     runs = segments(module.graph.nodes, meta.recompute_region)
     if not runs:
         return module
-    last = {run[-1]: run for run in runs}
+    ending = {run[-1]: (index, run) for index, run in enumerate(runs)}
     inside = {node for run in runs for node in run}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attributes: dict[str, object] = {}
     for node in module.graph.nodes:
-        if node in last:
-            run = last[node]
-            name = f"recompute_{len([a for a in attributes if a.startswith('recompute_')])}"
+        if node in ending:
+            index, run = ending[node]
+            name = f"recompute_{index}"
             attributes[name] = RecomputedRegion(_region_module(run), meter)
-            inputs, outputs = segment_inputs(run), segment_outputs(run)
-            call = graph.call_module(name, tuple(env[i] for i in inputs))
-            for index, output in enumerate(outputs):
-                env[output] = graph.call_function(operator.getitem, (call, index))
+            call = graph.call_module(name, tuple(env[i] for i in segment_inputs(run)))
+            for position, output in enumerate(segment_outputs(run)):
+                env[output] = graph.call_function(operator.getitem, (call, position))
                 env[output].meta = dict(output.meta)
         elif node not in inside:
             if node.op == "get_attr":
-                attributes[node.target] = _attribute(module, node.target)
+                attributes[node.target] = operator.attrgetter(node.target)(module)
             env[node] = graph.node_copy(node, lambda n: env[n])
     return fx.GraphModule(attributes, graph, class_name="RecomputingModule")
 
@@ -81,11 +80,4 @@ def _region_module(run: list[fx.Node]) -> fx.GraphModule:
     for node in run:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in segment_outputs(run)))
-    return fx.GraphModule(torch.nn.Module(), graph, class_name="RecomputedRegion")
-
-
-def _attribute(module: torch.nn.Module, target: str):
-    value = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="RegionGraph")

@@ -3,7 +3,7 @@ model says.
 
 Two torchrun launches, one worker each running many plans (`workers/recompute_worker.py`):
 one device (the tiny GPT and a GPT with explicit attention and dropout 0.1, with and without
-microbatches), and world 2 (dp=2, tp=2, tp=2 with sequence parallelism, pp=2 1F1B, pp=2
+microbatches; GPT-2's layout, blocks in `transformer.h`; Llama's, in `layers`), and world 2 (dp=2, tp=2, tp=2 with sequence parallelism, pp=2 1F1B, pp=2
 ZB-H1). Each plan runs under checkpoint=none, full and selective, 4 steps of AdamW (SGD with
 momentum on some), and is compared with its own checkpoint=none run:
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 pytestmark = pytest.mark.multirank
 
 MODES = ("none", "full", "selective")
-ONE_DEVICE = ("", "mb=2", "explicit:", "explicit:mb=2")
+ONE_DEVICE = ("", "mb=2", "explicit:", "explicit:mb=2", "gpt2:", "llama:")
 TWO_RANKS = ("dp=2", "tp=2", "tp=2 sp=true", "pp=2 mb=2", "pp=2 mb=4 schedule=zb-h1")
 
 
