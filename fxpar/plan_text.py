@@ -92,8 +92,8 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "checkpoint": (
         "checkpoint",
         "one of " + ", ".join(repr(c) for c in CHECKPOINTS)
-        + " (activation checkpointing: none, every transformer block, or attention's softmax "
-        "and dropout only)",
+        + " (activation checkpointing: none, every transformer block, or attention's core: QK^T, "
+        "softmax, dropout, times V)",
         "checkpoint=selective",
     ),
     "rng": (
