@@ -15,7 +15,8 @@ the marks, by the runtime that recomputes (`runtime.recompute`):
                           explicit attention, QK^T, everything between it and the softmax
                           (scale, mask), the softmax, its dropout and the attention-times-V
                           matmul; for `scaled_dot_product_attention` (fused or math kernel)
-                          the one SDPA call. Its inputs (q, k, v, the mask: projection
+                          the one SDPA call (with its dropout mask's draw, where
+                          `passes.random_draws` drew it). Its inputs (q, k, v, the mask: projection
                           outputs, which are kept) stay saved; what its kernel saves for
                           backward (the math kernel's s x s probabilities, a flash kernel's
                           output and logsumexp) is recomputed. The linear projections'
@@ -45,7 +46,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.fx as fx
 
-from fxpar import meta
+from fxpar import meta, random_ops  # noqa: F401  (random_ops registers the ops named below)
 from fxpar.distributed_ops import COMMUNICATING, distributed_op
 
 FULL, SELECTIVE = "full", "selective"
@@ -58,6 +59,11 @@ _SDPA = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
 }
+# fxpar's random draws (`fxpar.random_ops`, written by `passes.random_draws`): dropout is
+# `x * random_like(detach(x))`, SDPA's dropout a drawn mask and the attention that keeps it.
+_RANDOM_LIKE = torch.ops.fxpar.random_like.default
+_ATTENTION_MASK = torch.ops.fxpar.attention_dropout_mask.default
+_MASKED_SDPA = torch.ops.fxpar.attention_with_dropout_mask.default
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 _MATMUL = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 # Ops between QK^T and the softmax (scale, mask, casts), and between it and the PV matmul.
@@ -67,7 +73,7 @@ _SCORE_OPS = {
     aten.to.dtype, aten._to_copy.default, aten.type_as.default,
 }
 _PROB_OPS = {
-    aten.dropout.default, aten.native_dropout.default, aten.to.dtype, aten._to_copy.default,
+    aten.dropout.default, aten.mul.Tensor, aten.native_dropout.default, aten.to.dtype, aten._to_copy.default,
     aten.type_as.default, aten.clone.default, aten.contiguous.default, operator.getitem,
 }
 
@@ -126,6 +132,8 @@ def attention_cores(graph: fx.Graph) -> dict[fx.Node, str]:
             continue
         if node.target in _SDPA:
             core = [node, *(u for u in node.users if u.target is operator.getitem)]
+        elif node.target is _MASKED_SDPA:
+            core = [node, *(a for a in node.all_input_nodes if a.target is _ATTENTION_MASK)]
         elif node.target in _SOFTMAX:
             core = _explicit_core(node)
         else:
@@ -145,15 +153,24 @@ def _explicit_core(softmax: fx.Node) -> list[fx.Node]:
         return []
     scores, down, node = node, [], softmax
     while True:
-        users = list(node.users)
+        draws = [u for u in node.users if _draws_from(u)]
+        down += [n for draw in draws for n in (draw, *draw.users)]
+        users = [u for u in node.users if u not in draws]
+        previous = node
         if len(users) != 1:
             return []
         (node,) = users
-        if node.target in _MATMUL and node.args[0] is (down[-1] if down else softmax):
+        if node.target in _MATMUL and node.args[0] is previous:
             return [scores, *reversed(up), softmax, *down, node]
         if node.target not in _PROB_OPS:
             return []
         down.append(node)
+
+
+def _draws_from(node: fx.Node) -> bool:
+    """`node` is the detach a dropout's mask is drawn like (`fxpar.random_ops`)."""
+    return node.target is aten.detach.default and bool(node.users) and all(
+        u.target is _RANDOM_LIKE for u in node.users)
 
 
 def segments(nodes: Iterable[fx.Node], label: Callable[[fx.Node], str | None]) -> list[list[fx.Node]]:

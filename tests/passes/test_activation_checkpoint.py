@@ -55,8 +55,11 @@ def test_selective_marks_the_sdpa_call_or_the_explicit_core():
     gm = compile_model(ExplicitAttentionGPT(), "checkpoint=selective").graph_module
     core = [n.target for n in gm.graph.nodes if meta.recompute_region(n) == "blocks.0.attn:core"]
     aten = torch.ops.aten
+    # Dropout is x * random_like(detach(x)) once fxpar draws it (`passes.random_draws`): the
+    # draw is recomputed too, from the same stream seed (`fxpar.random_streams`).
     assert core == [aten.matmul.default, aten.div.Tensor, aten.masked_fill.Scalar, aten.softmax.int,
-                    aten.dropout.default, aten.matmul.default]
+                    aten.detach.default, torch.ops.fxpar.random_like.default, aten.mul.Tensor,
+                    aten.matmul.default]
     # The mask's slicing runs outside the core and is skipped over: one recomputed call per core.
     assert len(segments(gm.graph.nodes, meta.recompute_region)) == 2
 
@@ -100,8 +103,9 @@ def test_the_estimate_keeps_block_inputs_under_full_and_drops_the_attention_core
     saved = {mode: e.memory["activations"] for mode, e in estimates.items()}
     b, s, h, heads, layers = 8, 16, 32, 4, 2
     # Selective drops, per layer, the three s x s fp32 tensors the core saves: the softmax's
-    # output (its backward's), the dropout's noise (CPU dropout multiplies by a float noise
-    # tensor) and the dropout's output (the PV matmul's). q, k, v are projection outputs: kept.
+    # output (its backward's and the dropout product's), the drawn mask (dropout is x * mask,
+    # the mask fp32) and the dropout's output (the PV matmul's). q, k, v are projection
+    # outputs: kept.
     assert saved["none"] - saved["selective"] == layers * b * heads * s * s * 4 * 3
     # Full keeps each block's input (b s h fp32) in place of everything the blocks save.
     outside = compile_model(ExplicitAttentionGPT(), "checkpoint=full").estimate("h100").memory["activations"]
