@@ -2,6 +2,7 @@
 model it cannot checkpoint, and what the cost model makes of the marks."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from fxpar.recompute_regions import block_lists, block_of, segments
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from explicit_attention import ExplicitAttentionGPT, Flat  # noqa: E402
-from tiny_training import build_model, global_batches  # noqa: E402
+from tiny_training import CONFIG, GPT, build_model, global_batches  # noqa: E402
 
 BATCH = global_batches()[0]
 
@@ -51,6 +52,11 @@ def test_full_marks_every_node_of_every_block_and_nothing_else():
 def test_selective_marks_the_sdpa_call_or_the_explicit_core():
     sdpa = marked(compile_model(build_model("gpt"), "checkpoint=selective").graph_module)
     assert sdpa == {"scaled_dot_product_attention": "h.0.attn:core", "scaled_dot_product_attention_1": "h.1.attn:core"}
+    # With dropout, SDPA is fxpar's masked attention and its mask's draw: both recomputed.
+    torch.manual_seed(0)
+    dropped = compile_model(GPT(replace(CONFIG, dropout=0.1)), "checkpoint=selective").graph_module
+    assert sorted(n.target.__name__ for n in dropped.graph.nodes if meta.recompute_region(n) == "h.0.attn:core") == [
+        "attention_dropout_mask.default", "attention_with_dropout_mask.default"]
     torch.manual_seed(0)
     gm = compile_model(ExplicitAttentionGPT(), "checkpoint=selective").graph_module
     core = [n.target for n in gm.graph.nodes if meta.recompute_region(n) == "blocks.0.attn:core"]
