@@ -15,7 +15,9 @@ Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `f
 
 import fxpar.distributed_ops  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
 import fxpar.vocab_parallel_ops  # noqa: F401
-from fxpar.errors import BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError
+from fxpar.errors import (
+    BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
+)
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.plan_diff import PlanDiff, diff
@@ -34,6 +36,7 @@ __all__ = [
     "PlanDiff",
     "PlanError",
     "Program",
+    "StepMismatchError",
     "capture",
     "compile",
     "diff",

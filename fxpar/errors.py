@@ -49,6 +49,12 @@ class StepProgramError(CollectiveError):
     its listed calls out): raised before the call is made, so no peer is paired with it."""
 
 
+class StepMismatchError(CollectiveError):
+    """The ranks of a group are on different steps (`runtime.step_agreement`): raised on every
+    rank of the group at the step's first collective, naming both step numbers, before any of
+    the step's data is reduced."""
+
+
 # -- showing the user's values in messages ---------------------------------------------------------
 
 SHOWN_CHARACTERS = 80  # the most of one value a message echoes

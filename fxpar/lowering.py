@@ -4,7 +4,8 @@ A step program is the same for every rank of one pipeline row (ranks that differ
 their dp and tp coordinates): `lower_row` builds that row's actions once, and `StepProgram`
 resolves the axes to one rank's groups. Without a pipeline there is one row:
 
-    VALID_TARGETS                       the step's count (a mean cross entropy, dp > 1)
+    VALID_TARGETS / STEP_AGREEMENT      ranks agree on the step, per axis; on dp the step's
+                                        count rides along (`step_start_actions`)
     F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g)
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
     PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
@@ -117,14 +118,35 @@ def _local_numel(node: fx.Node, mesh: Mesh) -> sympy.Expr | int:
     return numel if isinstance(numel, int) else sympy.expand(numel)
 
 
-def valid_targets_action(mesh: Mesh, *, counted: bool) -> list[Action]:
-    """The step's count of valid targets summed over dp before the first forward: one scalar
-    all-reduce when the loss is a sum over that count (`passes.loss_normalisation`), issued by
-    the ranks that compute the loss."""
-    if not counted or mesh.dp == 1:
-        return []
-    call = Call(kind="all_reduce", numel=1, dtype=torch.int64, axis="dp", tag="valid targets", phase="forward")
-    return [Communicate(Purpose.VALID_TARGETS, (call,))]
+def step_start_actions(mesh: Mesh, *, counted: bool) -> list[Action]:
+    """What starts every step, before the first forward: on each mesh axis of more than one
+    rank, one all-reduce by which the group's ranks agree on the step (`runtime.step_agreement`).
+
+    Each rank of the group puts the number of its `runner.step` call in its own slot of an
+    int64 vector of the group's size, zeros elsewhere, and the vector is summed: every rank
+    then holds every member's step number, and fails naming both steps when they differ,
+    before any of the step's data is reduced. On dp, where the loss is a sum over the step's
+    count of valid targets (`passes.loss_normalisation`) and this rank computes the loss, the
+    count rides in front of the slots (VALID_TARGETS): the all-reduce the step needed anyway
+    carries the agreement, so a data-parallel step costs no collective more than before.
+    Every group a rank communicates on lies inside one of these axis groups (pipeline peers and
+    tied-parameter owners inside its pp group), so checking the three before the first call of
+    the step covers them all.
+    """
+    actions: list[Action] = []
+    for axis in Axis:
+        n = mesh.size(axis)
+        if n == 1:
+            continue
+        if axis is Axis.DP and counted:
+            call = Call(kind="all_reduce", numel=1 + n, dtype=torch.int64, axis="dp",
+                        tag="valid targets + step", phase="forward")
+            actions.append(Communicate(Purpose.VALID_TARGETS, (call,)))
+        else:
+            call = Call(kind="all_reduce", numel=n, dtype=torch.int64, axis=axis.value,
+                        tag=f"step agreement on {axis.value}", phase="forward")
+            actions.append(Communicate(Purpose.STEP_AGREEMENT, (call,)))
+    return actions
 
 
 def bucket_actions(
@@ -217,7 +239,7 @@ def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[A
 
 def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
-    actions = valid_targets_action(mesh, counted=program.loss_reduction.sums)
+    actions = step_start_actions(mesh, counted=program.loss_reduction.sums)
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     for microbatch in range(program.plan.microbatches):
         actions += [Compute("F", 0, microbatch, forward), Compute("B", 0, microbatch, backward)]
@@ -238,7 +260,7 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
     local = [s for s in stages if schedule.rank_of(s.index) == pp]
     calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
     holds_loss = schedule.rank_of(last) == pp
-    actions: list[Action] = valid_targets_action(mesh, counted=program.loss_reduction.sums and holds_loss)
+    actions: list[Action] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss)
     row = schedule.actions[pp]
 
     def transfers(kind, boundaries, peer, tag, phase) -> tuple[Call, ...]:

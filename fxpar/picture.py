@@ -226,6 +226,8 @@ class _Builder:
             return ("bucket", stage, action.index)
         if action.purpose is Purpose.TIED_GRADIENT:
             return ("tied", action.name)
+        if action.purpose is Purpose.STEP_AGREEMENT:  # one per axis
+            return ("step", action.purpose, action.calls[0].axis)
         return ("step", action.purpose, stage if action.purpose is Purpose.PARTIAL_GRADIENTS else None)
 
     def _ranks(self) -> list[int]:

@@ -3,7 +3,9 @@
 Lowering (`fxpar.lowering`) turns the compiled job into one `StepProgram` per rank. Each is a
 list of actions, and each action lists the communication calls it makes:
 
-    Communicate  VALID_TARGETS         all_reduce(1 x int64) on dp      the step's count
+    Communicate  VALID_TARGETS         all_reduce(1+dp x int64) on dp   the step's count and
+                                                                     step numbers
+    Communicate  STEP_AGREEMENT        all_reduce(tp x int64) on tp     step numbers (pp too)
     Compute      F  stage 0  mb 0      tp f / g all-reduces             its graph's ops
     Exchange     send stage 1 activations, receive stage 0 gradients     pipeline transfers
     Compute      B  stage 0  mb 0      tp backward all-reduces
@@ -48,7 +50,8 @@ from fxpar.mesh import Axis, Mesh
 class Purpose(enum.Enum):
     """What a `Communicate` action is for: the runtime's handler for it."""
 
-    VALID_TARGETS = "the step's count of valid targets"
+    VALID_TARGETS = "the step's count of valid targets, with the ranks' step numbers"
+    STEP_AGREEMENT = "the ranks' step numbers, compared before the step's first data moves"
     GRADIENT_BUCKET = "a gradient bucket's reduction"
     UPDATED_PARAMETERS = "a bucket's updated parameters gathered (ZeRO-1/2)"
     PARTIAL_GRADIENTS = "replicated parameters' partial tp gradients summed"

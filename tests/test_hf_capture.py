@@ -38,7 +38,7 @@ def test_the_global_count_of_valid_targets_is_compiled_from_the_labels(llama):
     shifted = batch["labels"][:, 1:]  # a causal LM predicts the next token: the last has none
     assert reduction.count_module(*captured.arrange((), batch)) == (shifted != -100).sum()
     count, *_ = program.collectives(0)
-    assert (count.kind, count.numel, count.group, count.tag) == ("all_reduce", 1, (0, 1), "valid targets")
+    assert (count.kind, count.numel, count.group, count.tag) == ("all_reduce", 3, (0, 1), "valid targets + step")
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

@@ -47,7 +47,7 @@ def test_collectives_cover_every_gradient_once_and_the_loss():
     program = compile_gpt("dp=4 bucket_mb=0.02")
     parameters = program.captured.parameter_count()
     count, *calls = program.collectives(2)
-    assert (count.tag, count.numel, count.dtype) == ("valid targets", 1, torch.int64)
+    assert (count.tag, count.numel, count.dtype) == ("valid targets + step", 5, torch.int64)  # the count, four step slots
     assert len(calls) == len(program.buckets) > 1
     assert {c.group for c in (count, *calls)} == {(0, 1, 2, 3)}
     assert sum(c.numel for c in calls) == parameters + 1  # + the loss in the last bucket

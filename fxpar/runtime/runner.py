@@ -300,6 +300,7 @@ class Runner:
         pieces' gradients.
         """
         self._require_open("step")
+        self._context.steps += 1  # every call counts, a failing one too (runtime.step_agreement)
         inputs = self.program.captured.arrange(local_batch, keywords)
         if self.program.plan.sequence_parallel:  # an uneven shard would abort inside gloo
             for length in self.program.captured.sequence_lengths(inputs):

@@ -5,7 +5,9 @@ Both executors walk the rank's step program in order (`fxpar.step_program`): com
 run the rank's modules (`ModuleExecutor`, `PipelineExecutor`), pipeline `Exchange` actions
 post transfers, and every `Communicate` action comes here:
 
-    VALID_TARGETS        the step's count of valid targets, summed over dp
+    VALID_TARGETS        the step's count of valid targets, summed over dp, with the ranks'
+                         step numbers (`runtime.step_agreement`)
+    STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count)
     GRADIENT_BUCKET      wait for bucket i of stage s (launched by its hooks during backward)
     PARTIAL_GRADIENTS    replicated parameters' partial tp gradients of stage s, summed
     TIED_GRADIENT        a parameter's gradient summed over the pipeline ranks holding it
@@ -25,6 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.errors import BindError
 from fxpar.mesh import Axis
+from fxpar.runtime.step_agreement import agree_on_step
 from fxpar.step_program import Communicate, Purpose
 
 if TYPE_CHECKING:
@@ -58,7 +61,11 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
     """Issue the collective `action` stands for (module doc)."""
     purpose, groups = action.purpose, context.groups
     if purpose is Purpose.VALID_TARGETS:
-        context.loss.sum_count(state.count)
+        state.count = agree_on_step(context.communicator, groups[Axis.DP], context.steps,
+                                    tag=action.calls[0].tag, count=state.count)
+    elif purpose is Purpose.STEP_AGREEMENT:
+        call = action.calls[0]
+        agree_on_step(context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag)
     elif purpose is Purpose.GRADIENT_BUCKET:
         buckets = context.buckets[context.module_of_stage[action.stage]]
         buckets.finish_bucket(action.index)

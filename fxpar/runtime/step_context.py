@@ -23,10 +23,12 @@ which reads nothing of the Runner itself.
     record_timeline       whether the executor keeps each action's start and end
     random                the step's random stream: executors set the microbatch each compute
                           action is for (`fxpar.random_streams`)
+    steps                 how many times `runner.step` was called since bind, this one
+                          included: the number the ranks agree on (`runtime.step_agreement`)
 
-The last two are settings, which the Runner's attributes of the same name change between
-steps (a new `receives_ahead` comes with its step program and guard); the rest is fixed at
-bind.
+`receives_ahead` and `record_timeline` are settings, which the Runner's attributes of the same
+name change between steps (a new `receives_ahead` comes with its step program and guard);
+`steps` is counted by `runner.step`; the rest is fixed at bind.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class StepContext:
     receives_ahead: int
     random: RandomStream
     record_timeline: bool = False
+    steps: int = 0
     # ZeRO-3's eager gathers per module (`runtime.parameter_gatherer`), or () without ZeRO-3.
     gatherers: tuple[ParameterGatherer, ...] = ()
 

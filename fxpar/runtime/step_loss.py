@@ -10,7 +10,8 @@ loss (`passes.loss_normalisation.LossReduction`):
 
 With `sums`, before the first forward every rank that computes the loss runs the compiled
 count module on each of its microbatches and sums the counts over the data-parallel group in
-one scalar all-reduce (its step program's VALID_TARGETS action, `fxpar.lowering`); each
+one small all-reduce (its step program's VALID_TARGETS action, `fxpar.lowering`, which also
+carries the ranks' step numbers: `runtime.step_agreement`); each
 microbatch then gets that global count as its `valid_targets` input.
 """
 
@@ -49,10 +50,6 @@ class StepLoss:
             return None
         with torch.no_grad():
             return sum(self.reduction.count_module(*chunk) for chunk in chunks)
-
-    def sum_count(self, count: torch.Tensor) -> None:
-        """The step program's VALID_TARGETS action: the count summed over dp, in place."""
-        self.communicator.all_reduce_now(count, self.data_parallel, tag="valid targets", phase="forward")
 
     def with_count(self, chunks: list[tuple[torch.Tensor, ...]], count: torch.Tensor | None):
         """Each microbatch's inputs, plus the step's global count where the loss needs it."""

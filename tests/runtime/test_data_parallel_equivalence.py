@@ -84,12 +84,12 @@ def test_dp2_matches_single_device_and_predicted_collectives(torchrun, reference
             assert_equivalent(result, reference)
             for log, stats in result["comm"]:
                 # Exactly what the compiler predicted, call for call: the step's count of valid
-                # targets (one int64), then the buckets; the loss rides along as one element
+                # targets with each rank's step number (three int64), then the buckets; the loss rides along as one element
                 # of the last bucket.
                 assert log == list(result["predicted"])
-                assert log[0].tag == "valid targets"
+                assert log[0].tag == "valid targets + step"
                 assert stats == {
-                    "all_reduce": {"count": 1 + len(result["buckets"]), "bytes": 8 + 4 * parameters + 4}
+                    "all_reduce": {"count": 1 + len(result["buckets"]), "bytes": 8 * 3 + 4 * parameters + 4}
                 }
                 # The cost model's prediction of the same step, byte for byte.
                 estimated = result["estimated_comm"]["all_reduce"]

@@ -66,7 +66,7 @@ def test_a_gone_peer_is_named_with_the_time_really_waited(ranks):
     results = ranks[0]
     for name, call in [("full_state_dict, peer gone", "all_gather of full state: tp shards of "
                         "wte.weight (8,192 bytes) on the tp group [0, 1]"),
-                       ("step, peer gone", "all_reduce of valid targets (8 bytes) on the dp group [0, 1]")]:
+                       ("step, peer gone", "all_reduce of valid targets + step (24 bytes) on the dp group [0, 1]")]:
         message = error_of(results, name)
         assert message.startswith(f"CollectiveError: {call} failed after 0.")
         assert "well before its 10 s timeout: rank 1 is gone" in message

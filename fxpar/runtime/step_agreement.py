@@ -1,0 +1,70 @@
+"""Step agreement: the ranks of a group prove they are on the same step before it moves data.
+
+A rank that catches an exception and carries on (or calls `runner.step` once more than its
+peers) would otherwise have every collective of its next step paired with another step's:
+the shapes match, so nothing fails, and the ranks average data of different batches. So the
+first collective of every step on each mesh axis (`lowering.step_start_actions`, in the
+rank's step program, so `check()`, the cost model and the guard all see it) carries each
+member's step number in a slot of its own:
+
+    [count?, step of member 0, step of member 1, ...]      int64, summed over the group
+
+Each rank writes its step in its slot and zeros in the others, so after the sum every rank
+holds every member's step number exactly (a sum of one non-zero per slot: an all-gather
+folded into the all-reduce the step needed anyway, with the valid-target count in front on
+dp). When they differ, every rank of the group raises StepMismatchError naming itself, the
+members and their steps, before any of the step's data is reduced.
+
+A step number counts every call of `runner.step` since bind, the failed ones included (the
+runner counts at the top of `step`): a rank whose step raised before its first collective (a
+bad batch) and that carries on sends its next step's number, while its peers still wait in
+the step it left, so the two are told apart. A rank that skips a call, or makes one more,
+is caught the same way.
+
+The optimizer's collectives (ZeRO-1/2's gathers, in `opt.step()`) and gathering the full
+state happen outside a step and carry no step number: a rank that skips `opt.step()` alone is
+not caught here (its next step's first call pairs with a peer's gather of another size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.errors import StepMismatchError
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.process_groups import RankGroup
+
+
+def agree_on_step(
+    communicator: Communicator, group: RankGroup, step: int, *, tag: str,
+    count: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """All-reduce this rank's `step` (and `count`, summed) over `group` and raise
+    StepMismatchError unless every member is on `step`; return the summed count."""
+    head = [] if count is None else [int(count)]
+    vector = torch.zeros(len(head) + group.size, dtype=torch.int64)
+    if head:
+        vector[0] = head[0]
+    vector[len(head) + group.index] = step
+    communicator.all_reduce_now(vector, group, tag=tag, phase="forward")
+    steps = vector[len(head):].tolist()
+    if any(s != step for s in steps):
+        raise StepMismatchError(mismatch_message(group, step, steps))
+    if count is None:
+        return None
+    return vector[0].to(dtype=count.dtype, device=count.device).reshape(count.shape)
+
+
+def mismatch_message(group: RankGroup, step: int, steps: list[int]) -> str:
+    """What every rank of `group` says when its members' `steps` differ (`step`: this rank's)."""
+    others = sorted({(s, r) for r, s in zip(group.ranks, steps) if s != step})
+    behind = ", ".join(f"rank {r} on step {s}" for s, r in others)
+    return (
+        f"rank {group.rank} is on step {step} (its call #{step} of runner.step since bind), but on "
+        f"the {group.name} {behind}: the ranks are on different steps, so this step's collectives "
+        "would pair with another step's and mix their data; nothing of this step was reduced. A "
+        "rank skipped a step or ran one more (it caught an exception and carried on, or its data "
+        "loader gave it a different number of batches). Fix: when a step fails on one rank, end "
+        "every rank (let the exception end the worker; torchrun --max-restarts can restart the "
+        "job), and give every rank the same number of batches"
+    )
