@@ -23,6 +23,8 @@ from fxpar.plan import Plan
 from fxpar.plan_diff import PlanDiff, diff
 from fxpar.program import Program, compile
 from fxpar.trace import CapturedGraph, capture
+from fxpar.verify import VerifyError, verify
+from fxpar.verify_report import VerifyReport
 
 __all__ = [
     "BindError",
@@ -37,8 +39,11 @@ __all__ = [
     "PlanError",
     "Program",
     "StepMismatchError",
+    "VerifyError",
+    "VerifyReport",
     "capture",
     "compile",
     "diff",
+    "verify",
 ]
 __version__ = "0.1.0"

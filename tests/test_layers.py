@@ -28,6 +28,7 @@ TOOLS = {
     "fxpar.payloads", "fxpar.picture_units", "fxpar.picture_transfers", "fxpar.picture_boxes",
     "fxpar.picture", "fxpar.visualize", "fxpar.rank_memory", "fxpar.charts", "fxpar.plan_diff",
     "fxpar.report", "fxpar.model_loading", "fxpar.explain", "fxpar.cli", "fxpar.__main__",
+    "fxpar.verify", "fxpar.verify_values", "fxpar.verify_report",
 }
 ALLOWED_UPWARD = {  # function-level entry points
     ("fxpar.program", "fxpar.runtime.runner"),  # Program.bind

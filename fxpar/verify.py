@@ -1,0 +1,232 @@
+"""`fxpar.verify`: run a plan and one device side by side and name the first node that differs.
+
+    report = fxpar.verify(model, "tp=2", (tokens, labels))
+    print(report)            # "... equals one device: ..." or the first divergent node
+    assert report.equal
+
+The reference is the captured graph on one device, its loss written as a sum over the step's
+count of valid targets (the dp=1 compile: `passes.loss_normalisation`, an exact rewrite, so
+its values are the model's). The parallel program runs one training step on CPU, in
+`plan.world_size` processes forked from this one (gloo, a local store, every group with the
+finite `timeout`): forked, not spawned, so they run exactly this compiled program, also one
+a test or a tool has edited (`Program.replace_step_program`, a rank graph changed in place).
+Every rank records each node's value and gradient (`verify_values.NodeRecorder`), the
+reference does the same, and the pieces are made whole with the nodes' placements
+(`verify_values.whole_value`). Then, in this order, the first value beyond the tolerance
+(`verify_report`) is reported with its node, module path and both values' statistics:
+
+    1. forward values, in the captured graph's order (inputs, parameters, every computed node);
+    2. gradients of the values that depend on the batch, in the order backward makes them (the
+       reverse), so the first wrong one is where backward went wrong, not where it ended up;
+    3. each parameter's gradient after the step's reductions (`runner.full_gradients`), in the
+       same order: what the optimizer would be given.
+
+A node that a pass removed or the parallel graph does not compute under its name is not
+compared (the report counts what was). With `check` (the default) the program is proved
+first (`Program.check`): a program whose ranks disagree would hang, not diverge.
+`check=False` runs it anyway; a rank that fails ends the run with VerifyError naming each
+rank's error. verify is for small configurations: it keeps every node's value.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from fxpar import meta
+from fxpar.errors import FxparError
+from fxpar.mesh import Mesh
+from fxpar.placement import Replicate
+from fxpar.program import Program, compile
+from fxpar.verify_report import ATOL, RTOL, Difference, Stats, VerifyReport, compare, tolerance_used
+from fxpar.verify_values import NodeRecorder, Pieces, whole_value
+
+
+class VerifyError(FxparError, RuntimeError):
+    """The parallel run of `fxpar.verify` did not complete: each rank's error, or a timeout."""
+
+
+def verify(
+    model: torch.nn.Module | Program,
+    plan=None,
+    example_inputs=None,
+    *,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    timeout: float = 30.0,
+    check: bool = True,
+) -> VerifyReport:
+    """Compare one training step of `plan` with one device, node by node (module doc).
+
+    `model` is a module (compiled here for `plan` on `example_inputs`, one global batch) or a
+    compiled `Program` (then `plan` is not given). `timeout`: seconds any collective may wait.
+    """
+    if isinstance(model, Program):
+        if plan is not None:
+            raise TypeError("verify(program, example_inputs=...) takes no plan: the program has one")
+        program = model
+        if check:
+            program.check()
+    else:
+        program = compile(model, plan, example_inputs, check=check)
+    if example_inputs is None:
+        raise TypeError("fxpar.verify needs example_inputs: the global batch both sides train on")
+    if any(p.is_meta for p in program.captured.parameters.values()):
+        raise FxparError("fxpar.verify runs the model, and its parameters are on the meta device. "
+                         "Fix: build it on the CPU with real (random) weights")
+    inputs = program.captured.arrange(*_as_call(example_inputs))
+    reference = compile(program.captured, "dp=1", check=False)
+    names = {n.name for n in reference.graph_module.graph.nodes if n.op != "output"}
+    with tempfile.TemporaryDirectory(prefix="fxpar-verify-") as folder:
+        ranks = _run_ranks(program, example_inputs, names, Path(folder), timeout)
+        expected = _run_reference(reference, inputs)
+    return _compare(program, reference, expected, ranks, rtol=rtol, atol=atol)
+
+
+def _as_call(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    return tuple(example_inputs), {}
+
+
+# -- the two runs --------------------------------------------------------------------------------
+
+def _run_reference(reference: Program, inputs: tuple[torch.Tensor, ...]) -> dict:
+    """One device: every node's value and gradient, the parameters' gradients, the loss. The
+    model's own parameters are read, never written (gradients by `autograd.grad`)."""
+    gm = reference.rank_module(0)
+    recorder = NodeRecorder.install(gm, {n.name for n in gm.graph.nodes})
+    count = reference.loss_reduction.count_module
+    args = (*inputs, count(*inputs)) if reference.loss_reduction.sums else inputs
+    loss = gm(*args)
+    parameters = {n: gm.get_parameter(n) for n in meta.parameter_nodes(gm.graph)}
+    trained = {n: p for n, p in parameters.items() if p.requires_grad}
+    grads = torch.autograd.grad(loss, list(trained.values()), allow_unused=True)
+    return {"loss": float(loss.detach()), "values": recorder.values, "grads": recorder.grads,
+            "parameter_grads": {n: g for n, g in zip(trained, grads) if g is not None}}
+
+
+def _run_ranks(program: Program, example_inputs, names: set[str], folder: Path, timeout: float) -> list[dict]:
+    """Fork one process per rank, run one step in each, and load what each recorded."""
+    world, port = program.world_size, _free_port()
+    context = mp.start_processes(
+        _rank_main, args=(world, port, program, example_inputs, names, folder, timeout),
+        nprocs=world, join=False, start_method="fork",
+    )
+    limit = 60 + 4 * timeout  # starting the groups, one step, the gather, each bounded by timeout
+    deadline = time.monotonic() + limit
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise VerifyError(f"the {world} ranks of plan '{program.plan}' did not finish within {limit:g} s")
+    results = []
+    for rank in range(world):
+        path = folder / f"rank{rank}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else {"error": "it saved nothing"})
+    failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+    if failed:
+        raise VerifyError(f"the parallel run of plan '{program.plan}' failed, so nothing was compared:\n  "
+                          + "\n  ".join(failed))
+    return results
+
+
+def _rank_main(rank: int, world: int, port: int, program: Program, example_inputs, names: set[str],
+               folder: Path, timeout: float) -> None:
+    """One forked rank: bind, record, one step, the reduced gradients; saved to `folder`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the ranks share this machine's cores (and a forked OpenMP pool)
+    try:
+        runner = program.bind(timeout=timeout)
+        recorders = [NodeRecorder.install(m, names) for m in runner.modules]
+        args, kwargs = _as_call(example_inputs)
+        if kwargs:
+            loss = runner.step(runner.local_batch(kwargs))
+        else:
+            loss = runner.step(*runner.local_batch(*args))
+        pieces: dict[str, tuple] = {}
+        for module, recorder in zip(runner.modules, recorders):
+            nodes = {n.name: n for n in module.graph.nodes}
+            for name, values in recorder.values.items():
+                pieces.setdefault(name, (meta.placements(nodes[name]), values, recorder.grads.get(name, {})))
+        result = {"loss": loss, "pieces": pieces, "parameter_grads": runner.full_gradients()}
+        torch.save(result, folder / f"rank{rank}.pt")
+        runner.close()
+    except BaseException as error:  # noqa: BLE001  reported by the parent, with every rank's
+        torch.save({"error": f"{type(error).__name__}: {error}"}, folder / f"rank{rank}.pt")
+    os._exit(0)  # a broken group must not block the exit on a peer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the comparison -------------------------------------------------------------------------------
+
+def _compare(program: Program, reference: Program, expected: dict, ranks: list[dict], *,
+             rtol: float, atol: float) -> VerifyReport:
+    mesh: Mesh = program.mesh
+    nodes = [n for n in reference.graph_module.graph.nodes if n.op != "output"]
+    report = VerifyReport(plan=str(program.plan), loss_reference=expected["loss"],
+                          loss_parallel=ranks[0]["loss"], rtol=rtol, atol=atol)
+
+    def held(name: str, gradient: bool) -> dict[int, Pieces] | None:
+        by_rank = {}
+        for rank, result in enumerate(ranks):
+            if name not in result["pieces"]:
+                continue
+            placements, values, grads = result["pieces"][name]
+            if gradient:
+                if len(grads) != len(values):
+                    return None
+                values = [grads[k] for k in range(len(values))]
+            by_rank[rank] = Pieces(placements, tuple(values))
+        return by_rank or None
+
+    def check(what: str, node, want: torch.Tensor, got: torch.Tensor, spread: float) -> bool:
+        report.compared[what] = report.compared.get(what, 0) + 1
+        found = compare(want, got, spread, rtol=rtol, atol=atol)
+        if found is None:
+            report.closest = max(report.closest, tolerance_used(want, got, rtol=rtol, atol=atol))
+            return True
+        report.first = Difference(
+            what=what, node=node.name, module_path=meta.module_path(node), code=node.format_node(),
+            reference=Stats.of(want), parallel=Stats.of(got), max_abs=found[0], max_relative=found[1],
+            spread=spread, reason=found[2])
+        return False
+
+    for node in nodes:  # 1. forward values
+        if node.name not in expected["values"] or (by_rank := held(node.name, False)) is None:
+            continue
+        (want,) = expected["values"][node.name]
+        got, spread = whole_value(by_rank, mesh)
+        if not check("forward value", node, want, got, spread):
+            return report
+    for node in reversed(nodes):  # 2. gradients of batch-dependent values
+        grads = expected["grads"].get(node.name)
+        if not grads or node.op == "get_attr" or (by_rank := held(node.name, True)) is None:
+            continue
+        if isinstance(next(iter(by_rank.values())).placements.dp, Replicate):
+            continue  # a parameter's value: its gradient is checked reduced, below
+        got, spread = whole_value(by_rank, mesh, gradient=True)
+        if not check("gradient", node, grads[0], got, spread):
+            return report
+    reduced = ranks[0]["parameter_grads"]
+    for node in reversed(nodes):  # 3. parameters' reduced gradients
+        name = meta.parameter_name(node)
+        if name is None or name not in expected["parameter_grads"] or name not in reduced:
+            continue
+        spread = max(float((r["parameter_grads"][name] - reduced[name]).abs().max()) for r in ranks)
+        if not check("parameter gradient", node, expected["parameter_grads"][name], reduced[name], spread):
+            return report
+    return report

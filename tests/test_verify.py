@@ -1,0 +1,124 @@
+"""Tier 3: `fxpar.verify` finds the first node where a plan's step differs from one device.
+
+Each verify forks `plan.world_size` gloo ranks (a few seconds each), so the module runs three:
+a clean plan over tp, pp and microbatches reports equal; a wrong redistribution rule (the
+row-parallel output's all-reduce replaced by f, an identity in forward) is named at the first
+node that reads the unreduced value, in forward; and a dropped collective (one f removed from
+the graph and its backward all-reduce from every rank's step program, consistently, so the
+check passes and nothing hangs, but the gradient is a partial sum) is named at the gradient of
+f's input, with dp=2 x tp=2 reassembled on the way. Tolerances: verify's own (fp32, rel 1e-5
+of a value's largest magnitude + abs 1e-7, `fxpar.verify_report`); the faults are off by O(1).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import fxpar
+from fxpar import meta
+from fxpar.distributed_ops import distributed_op
+from fxpar.errors import PlanError
+from fxpar.passes import tensor_parallel
+from fxpar.placement import Partial, Replicate
+from fxpar.redistribution import BY_NAME, Conversion
+from fxpar.step_program import drop_call, resize_call
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from tiny_training import build_model, global_batches  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+BATCH = global_batches()[0]
+
+
+def reference_nodes(program) -> list:
+    """The one-device graph verify compares against, in order (the captured graph, its loss as
+    a sum over the count)."""
+    return list(fxpar.compile(program.captured, "dp=1", check=False).graph_module.graph.nodes)
+
+
+def test_a_clean_plan_equals_one_device():
+    report = fxpar.verify(build_model(), "tp=2 pp=2 mb=2", BATCH, timeout=20)
+    assert report.equal, str(report)
+    assert str(report).startswith("fxpar verify: plan 'pp=2 tp=2 mb=2' equals one device: ")
+    # every node's value (inputs, parameters, computed), the batch-dependent gradients, and each
+    # trained parameter's reduced gradient (the tied embedding and head once)
+    assert report.compared["forward value"] > 80 and report.compared["gradient"] > 40
+    assert report.compared["parameter gradient"] == len(dict(build_model().named_parameters()))
+    assert report.loss_parallel == pytest.approx(report.loss_reference, rel=1e-6)
+
+
+def test_a_wrong_redistribution_rule_is_named_at_the_first_node_reading_the_bad_value(monkeypatch):
+    """The tp pass asks the table how to make a row-parallel linear's output (Partial, each
+    rank's summand) whole; for the third it asks (h.0's MLP projection), a wrong row gives f
+    (copy_to_region: identity in forward) instead of g (all-reduce). The first node that reads
+    the unreduced value (the MLP's dropout) is the first that differs; the linear's own value,
+    whose summands are right, matches."""
+    real = tensor_parallel.redistribution
+    faulty = []
+
+    def wrong_row(have, want, into_sharded_math):
+        row = real(have, want, into_sharded_math)
+        if isinstance(have, Partial) and isinstance(want, Replicate) and not into_sharded_math:
+            faulty.append(row)
+            if len(faulty) == 3:
+                return Conversion(BY_NAME["copy_to_region"])
+        return row
+
+    monkeypatch.setattr(tensor_parallel, "redistribution", wrong_row)
+    program = fxpar.compile(build_model(), "tp=2", BATCH)
+    monkeypatch.undo()
+    (wrong,) = [n for n in program.graph_module.graph.nodes
+                if distributed_op(n) is not None and distributed_op(n).name == "copy_to_region"
+                and isinstance(meta.placement(n.args[0], "tp"), Partial)]
+    unreduced = wrong.args[0].name  # the row-parallel linear's output, whose summands are right
+    assert meta.module_path(wrong.args[0]) == "h.0.mlp.down"
+    consumer = next(n for n in reference_nodes(program) if unreduced in {a.name for a in n.all_input_nodes})
+    report = fxpar.verify(program, example_inputs=BATCH, timeout=20, check=False)
+    assert not report.equal
+    first = report.first
+    assert (first.what, first.node, first.module_path) == ("forward value", consumer.name, "h.0.mlp.dropout")
+    assert first.reference.shape == first.parallel.shape == (8, 16, 32)
+    assert first.max_relative > 0.1  # off by the other rank's summand, not by rounding
+    text = str(report)
+    assert f"first divergent: forward value of node {consumer.name} (module 'h.0.mlp.dropout')" in text
+    assert "one device" in text and "parallel" in text and "max abs difference" in text
+
+
+def test_a_dropped_collective_is_named_at_the_gradient_it_should_have_summed():
+    """f before h.1's attention (copy_to_region of ln_1's output) is removed from the graph and
+    its backward all-reduce from every rank's step program alike: the ranks still agree (check
+    passes, nothing hangs), forward is unchanged, and ln_1's output gets each tp rank's partial
+    gradient. verify names that gradient: backward's first wrong value."""
+    program = fxpar.compile(build_model(), "dp=2 tp=2", BATCH)
+    graph = program.graph_module.graph
+    (f,) = [n for n in graph.nodes if distributed_op(n) is not None
+            and distributed_op(n).name == "copy_to_region" and meta.module_path(n) == "h.1.attn.q"]
+    source = f.args[0]
+    steps = {r: program.step_program(r) for r in range(program.world_size)}
+    calls = steps[0].calls()
+    (position,) = [i for i, c in enumerate(calls)
+                   if c.tag == "tp copy_to_region (backward)" and c.where == "h.1.attn.q"]
+    f.replace_all_uses_with(source)
+    graph.erase_node(f)
+    program.graph_module.recompile()
+    for rank, step in steps.items():
+        program.replace_step_program(rank, drop_call(step, position))
+    program.check()  # consistent: the ranks agree with each other, not with the math
+    report = fxpar.verify(program, example_inputs=BATCH, timeout=20)
+    first = report.first
+    assert first is not None, str(report)
+    assert (first.what, first.node, first.module_path) == ("gradient", source.name, "h.1.ln_1")
+    assert report.compared["forward value"] > 80  # every forward value matched first
+    assert f"first divergent: gradient of node {source.name} (module 'h.1.ln_1')" in str(report)
+
+
+def test_verify_refuses_a_program_the_check_refuses_before_launching_it():
+    """A program whose ranks disagree would hang, not diverge: verify proves it first (no
+    process is started); check=False is the way to run it anyway."""
+    program = fxpar.compile(build_model(), "dp=2", BATCH)
+    program.replace_step_program(1, resize_call(program.step_program(1), 1, 7))
+    with pytest.raises(PlanError, match=r"process group \[0, 1\] does not match"):
+        fxpar.verify(program, example_inputs=BATCH)
+    with pytest.raises(TypeError, match="takes no plan"):
+        fxpar.verify(program, "dp=2", BATCH)
