@@ -6,6 +6,7 @@
     fxpar check    --hf llama --config num_hidden_layers=2 hidden_size=64 --plan "dp=2 tp=2"
     fxpar estimate --model examples/gpt.py:factory --plan dp=8 --hardware h100
     fxpar diff "dp=4" "dp=2 tp=2" --model examples/gpt.py:factory
+    fxpar verify   --model examples/gpt.py:factory --config n_layer=2 seq=16 batch=8 --plan "dp=2 tp=2"
 
 The model is `--model FILE.py:FACTORY` or `package.module:FACTORY` (a function returning the
 model and one example batch; `--config key=value` are its keyword arguments) or `--hf FAMILY`
@@ -13,7 +14,7 @@ model and one example batch; `--config key=value` are its keyword arguments) or 
 is downloaded). `--plan` takes the plan's text or a .json/.yaml file (`fxpar.Plan.parse`).
 
 Exit status: 0 when the command did what it says, 1 when `check` finds a plan that cannot
-run, 2 for a usage error (a bad flag, a model that cannot be loaded or captured, an invalid
+run or `verify` a node that differs from one device (or a run that failed), 2 for a usage error (a bad flag, a model that cannot be loaded or captured, an invalid
 plan), with the message on stderr and no traceback.
 """
 
@@ -46,6 +47,8 @@ COMMANDS = {
                  f"fxpar estimate {EXAMPLE} --plan dp=8 --hardware h100"),
     "diff": ("what changes between two plans of one model",
              f'fxpar diff "dp=4" "dp=2 tp=2" {EXAMPLE}'),
+    "verify": ("run one step of the plan on CPU ranks and one device; name the first node that differs",
+               f'fxpar verify {EXAMPLE} --config n_layer=2 seq=16 batch=8 --plan "dp=2 tp=2"'),
 }
 
 
@@ -97,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--compare", metavar="PLAN", help="another plan of the model to diff against")
         if name == "estimate":
             sub.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"))
+        if name == "verify":
+            from fxpar.verify_report import ATOL, RTOL
+
+            sub.add_argument("--rtol", type=float, default=RTOL, help=f"relative tolerance (default {RTOL:g})")
+            sub.add_argument("--atol", type=float, default=ATOL, help=f"absolute floor (default {ATOL:g})")
+            sub.add_argument("--timeout", type=float, default=30.0, help="seconds a collective may wait (default 30)")
+            sub.add_argument("--no-check", action="store_true", help="run even a program check() refuses")
     return parser
 
 
@@ -224,5 +234,27 @@ def _hardware(name: str) -> str:
     return name
 
 
+def run_verify(args) -> int:
+    from fxpar.verify import VerifyError, verify
+
+    if args.hf is not None:
+        raise UsageError("verify runs the model, and --hf builds it on the meta device without weights. "
+                         "Fix: give --model FILE.py:FACTORY returning a model with real (random) weights")
+    if args.model is None:
+        raise UsageError(f"give the model with --model FILE.py:FACTORY (e.g. {EXAMPLE})")
+    import fxpar.trace
+
+    model, inputs = build_from_factory(args.model, parse_config(args.config))
+    program = _compile(fxpar.trace.capture(model, inputs), args.plan)
+    try:
+        report = verify(program, example_inputs=inputs, rtol=args.rtol, atol=args.atol,
+                        timeout=args.timeout, check=not args.no_check)
+    except VerifyError as error:
+        print(f"fxpar verify: FAILED: {error}", file=sys.stderr)
+        return 1
+    print(report)
+    return 0 if report.equal else 1
+
+
 RUN = {"explain": run_explain, "viz": run_viz, "report": run_report, "check": run_check,
-       "estimate": run_estimate, "diff": run_diff}
+       "estimate": run_estimate, "diff": run_diff, "verify": run_verify}

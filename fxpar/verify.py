@@ -22,7 +22,8 @@ reference does the same, and the pieces are made whole with the nodes' placement
        same order: what the optimizer would be given.
 
 A node that a pass removed or the parallel graph does not compute under its name is not
-compared (the report counts what was). With `check` (the default) the program is proved
+compared (the report counts what was), nor is one made from sizes alone (`arange(batch)`:
+each rank's is its own, not a slice of one device's). With `check` (the default) the program is proved
 first (`Program.check`): a program whose ranks disagree would hang, not diverge.
 `check=False` runs it anyway; a rank that fails ends the run with VerifyError naming each
 rank's error. verify is for small configurations: it keeps every node's value.
@@ -45,7 +46,7 @@ from fxpar.errors import FxparError
 from fxpar.mesh import Mesh
 from fxpar.placement import Replicate
 from fxpar.program import Program, compile
-from fxpar.verify_report import ATOL, RTOL, Difference, Stats, VerifyReport, compare, tolerance_used
+from fxpar.verify_report import ATOL, RTOL, Difference, Stats, VerifyReport, compare, node_code, tolerance_used
 from fxpar.verify_values import NodeRecorder, Pieces, whole_value
 
 
@@ -173,6 +174,19 @@ def _free_port() -> int:
 
 # -- the comparison -------------------------------------------------------------------------------
 
+def _made_from_data(nodes: list) -> set:
+    """The nodes computed from the inputs or the parameters. The others are made from sizes
+    alone (`arange(batch)`, a causal mask): each rank makes its own from its local sizes, which
+    is what its consumers need but no slice of the one-device value, so they are not compared
+    (their consumers are)."""
+    made = set()
+    for node in nodes:  # a size (`sym_size`) is not data: only tensors carry it on
+        if node.op in ("placeholder", "get_attr") or any(a in made for a in node.all_input_nodes):
+            if isinstance(node.meta.get("val"), torch.Tensor) or node.op == "placeholder":
+                made.add(node)
+    return made
+
+
 def _compare(program: Program, reference: Program, expected: dict, ranks: list[dict], *,
              rtol: float, atol: float) -> VerifyReport:
     mesh: Mesh = program.mesh
@@ -200,13 +214,14 @@ def _compare(program: Program, reference: Program, expected: dict, ranks: list[d
             report.closest = max(report.closest, tolerance_used(want, got, rtol=rtol, atol=atol))
             return True
         report.first = Difference(
-            what=what, node=node.name, module_path=meta.module_path(node), code=node.format_node(),
+            what=what, node=node.name, module_path=meta.module_path(node), code=node_code(node),
             reference=Stats.of(want), parallel=Stats.of(got), max_abs=found[0], max_relative=found[1],
             spread=spread, reason=found[2])
         return False
 
+    from_data = _made_from_data(nodes)
     for node in nodes:  # 1. forward values
-        if node.name not in expected["values"] or (by_rank := held(node.name, False)) is None:
+        if node not in from_data or node.name not in expected["values"] or (by_rank := held(node.name, False)) is None:
             continue
         (want,) = expected["values"][node.name]
         got, spread = whole_value(by_rank, mesh)

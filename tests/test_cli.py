@@ -117,6 +117,7 @@ def test_a_hugging_face_model_from_its_config(in_tmp, capsys):
     (["viz", *SMALL, "--plan", "dp=2", "--expand", "h.7"], "names no module"),
     (["explain", *SMALL, "--plan", "dp=2", "--rank", "2"], "ranks 0..1"),
     (["estimate", *SMALL, "--plan", "dp=2", "--hardware", "tpu"], "known profiles are cpu"),
+    (["verify", "--hf", "llama", "--plan", "dp=2"], "--hf builds it on the meta device without weights"),
 ])
 def test_usage_errors_exit_2_with_what_was_wrong_and_the_fix(in_tmp, capsys, argv, message):
     status, _, err = run(capsys, *argv)
@@ -152,7 +153,8 @@ def readme_commands() -> list[str]:
 
 def test_every_fxpar_command_in_the_readme_runs_as_written(in_tmp, capsys):
     commands = readme_commands()
-    assert {shlex.split(c)[1] for c in commands} >= {"explain", "viz", "report", "check", "estimate", "diff"}
+    assert {shlex.split(c)[1] for c in commands} >= {"explain", "viz", "report", "check", "estimate", "diff",
+                                                     "verify"}
     for command in commands:
         if "gpt3_175b" in command:  # 30 s here; its timing is in the README and the report
             continue

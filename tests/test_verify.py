@@ -7,7 +7,7 @@ node that reads the unreduced value, in forward; and a dropped collective (one f
 the graph and its backward all-reduce from every rank's step program, consistently, so the
 check passes and nothing hangs, but the gradient is a partial sum) is named at the gradient of
 f's input, with dp=2 x tp=2 reassembled on the way. Tolerances: verify's own (fp32, rel 1e-5
-of a value's largest magnitude + abs 1e-7, `fxpar.verify_report`); the faults are off by O(1).
+of a value's largest magnitude + abs 1e-9, `fxpar.verify_report`); the faults are off by O(1).
 """
 
 import sys
