@@ -26,7 +26,9 @@ compared (the report counts what was), nor is one made from sizes alone (`arange
 each rank's is its own, not a slice of one device's). With `check` (the default) the program is proved
 first (`Program.check`): a program whose ranks disagree would hang, not diverge.
 `check=False` runs it anyway; a rank that fails ends the run with VerifyError naming each
-rank's error. verify is for small configurations: it keeps every node's value.
+rank's error. Refused before anything runs: a graph that draws random numbers (dropout with
+p > 0: the two sides would draw differently) and a lower precision at the fp32 tolerance.
+verify is for small configurations: it keeps every node's value. Forking needs a POSIX system.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fxpar import meta
-from fxpar.errors import FxparError
+from fxpar.errors import FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.placement import Replicate
 from fxpar.program import Program, compile
@@ -82,13 +84,44 @@ def verify(
     if any(p.is_meta for p in program.captured.parameters.values()):
         raise FxparError("fxpar.verify runs the model, and its parameters are on the meta device. "
                          "Fix: build it on the CPU with real (random) weights")
-    inputs = program.captured.arrange(*_as_call(example_inputs))
+    if program.plan.precision != "fp32" and rtol == RTOL:
+        raise PlanError(
+            f"plan precision={program.plan.precision} computes in lower precision than the one-device "
+            f"fp32 reference, which verify's default rtol={RTOL:g} is for. Fix: pass an rtol for "
+            "that precision (bf16 holds about 3 significant digits: rtol=2e-2)",
+            field="precision", value=program.plan.precision)
     reference = compile(program.captured, "dp=1", check=False)
+    _refuse_random_draws(reference)
+    inputs = program.captured.arrange(*_as_call(example_inputs))
     names = {n.name for n in reference.graph_module.graph.nodes if n.op != "output"}
     with tempfile.TemporaryDirectory(prefix="fxpar-verify-") as folder:
         ranks = _run_ranks(program, example_inputs, names, Path(folder), timeout)
         expected = _run_reference(reference, inputs)
     return _compare(program, reference, expected, ranks, rtol=rtol, atol=atol)
+
+
+# Random ops and where their probability is: one device and the ranks draw different numbers.
+_DROPOUT_P = {"aten.dropout": 1, "aten.native_dropout": 1, "aten.scaled_dot_product_attention": 4}
+
+
+def _refuse_random_draws(reference: Program) -> None:
+    """Raise VerifyError if the graph draws random numbers (dropout with p > 0, `rand`): one
+    device and the ranks would draw differently, and verify would report the first draw."""
+    for node in reference.graph_module.graph.nodes:
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+            continue
+        name = str(target.overloadpacket)
+        where = _DROPOUT_P.get(name)
+        p = node.kwargs.get("dropout_p", node.kwargs.get("p")) if where is None or len(node.args) <= where \
+            else node.args[where]
+        if where is not None and not p:
+            continue
+        raise VerifyError(
+            f"node {node.name} ({name}, module {meta.module_path(node) or '<root module>'!r}) draws random "
+            f"numbers{f' (p={p})' if p else ''}: one device and the ranks draw different ones, so the "
+            "first draw would be reported as a difference. Fix: verify the model with its dropout "
+            "probabilities set to 0 (its config, or each nn.Dropout's p)")
 
 
 def _as_call(example_inputs) -> tuple[tuple, dict]:

@@ -122,3 +122,15 @@ def test_verify_refuses_a_program_the_check_refuses_before_launching_it():
         fxpar.verify(program, example_inputs=BATCH)
     with pytest.raises(TypeError, match="takes no plan"):
         fxpar.verify(program, "dp=2", BATCH)
+
+
+def test_verify_refuses_random_draws_and_a_lower_precision_at_fp32_tolerance():
+    """Dropout with p > 0 draws differently on one device and the ranks: refused before any
+    process starts, naming the node and its module; bf16 needs a tolerance of its own."""
+    model = build_model()
+    model.h[1].mlp.dropout.p = 0.1
+    with pytest.raises(fxpar.VerifyError, match=r"node dropout_\d \(aten.dropout, module 'h.1.mlp.dropout'\) "
+                                                r"draws random numbers \(p=0.1\)"):
+        fxpar.verify(model, "dp=2", BATCH)
+    with pytest.raises(PlanError, match="precision=bf16-mixed .* Fix: pass an rtol"):
+        fxpar.verify(build_model(), "dp=2 precision=bf16-mixed", BATCH)

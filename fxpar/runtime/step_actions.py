@@ -62,10 +62,11 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
     purpose, groups = action.purpose, context.groups
     if purpose is Purpose.VALID_TARGETS:
         state.count = agree_on_step(context.communicator, groups[Axis.DP], context.steps,
-                                    tag=action.calls[0].tag, count=state.count)
+                                    tag=action.calls[0].tag, device=context.device, count=state.count)
     elif purpose is Purpose.STEP_AGREEMENT:
         call = action.calls[0]
-        agree_on_step(context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag)
+        agree_on_step(context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag,
+                      device=context.device)
     elif purpose is Purpose.GRADIENT_BUCKET:
         buckets = context.buckets[context.module_of_stage[action.stage]]
         buckets.finish_bucket(action.index)

@@ -36,23 +36,26 @@ from fxpar.runtime.process_groups import RankGroup
 
 
 def agree_on_step(
-    communicator: Communicator, group: RankGroup, step: int, *, tag: str,
+    communicator: Communicator, group: RankGroup, step: int, *, tag: str, device: torch.device,
     count: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """All-reduce this rank's `step` (and `count`, summed) over `group` and raise
-    StepMismatchError unless every member is on `step`; return the summed count."""
-    head = [] if count is None else [int(count)]
-    vector = torch.zeros(len(head) + group.size, dtype=torch.int64)
-    if head:
-        vector[0] = head[0]
-    vector[len(head) + group.index] = step
+    StepMismatchError unless every member is on `step`; return the summed count.
+
+    The vector lives on `device` (NCCL reduces device tensors only); reading the steps back is
+    the one host synchronisation it costs, at the start of the step."""
+    head = 0 if count is None else 1
+    vector = torch.zeros(head + group.size, dtype=torch.int64, device=device)
+    if count is not None:
+        vector[0] = count.reshape(())  # stays on the device: no synchronisation for the count
+    vector[head + group.index] = step
     communicator.all_reduce_now(vector, group, tag=tag, phase="forward")
-    steps = vector[len(head):].tolist()
+    steps = vector[head:].tolist()
     if any(s != step for s in steps):
         raise StepMismatchError(mismatch_message(group, step, steps))
     if count is None:
         return None
-    return vector[0].to(dtype=count.dtype, device=count.device).reshape(count.shape)
+    return vector[0].to(count.dtype).reshape(count.shape)
 
 
 def mismatch_message(group: RankGroup, step: int, steps: list[int]) -> str:

@@ -84,8 +84,8 @@ def test_dp2_matches_single_device_and_predicted_collectives(torchrun, reference
             assert_equivalent(result, reference)
             for log, stats in result["comm"]:
                 # Exactly what the compiler predicted, call for call: the step's count of valid
-                # targets with each rank's step number (three int64), then the buckets; the loss rides along as one element
-                # of the last bucket.
+                # targets with each rank's step number (three int64), then the buckets; the
+                # loss rides along as one element of the last bucket.
                 assert log == list(result["predicted"])
                 assert log[0].tag == "valid targets + step"
                 assert stats == {

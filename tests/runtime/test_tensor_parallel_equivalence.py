@@ -56,8 +56,12 @@ def test_tp2_matches_single_device(torchrun, model):
     ranks = train_and_compare(torchrun, 2, plans, model)
     if model == "gpt":
         layers = CONFIG.n_layer
-        kinds = lambda plan: Counter(  # noqa: E731
-            (c.kind, c.phase) for c in ranks[0][plan]["comm"][0][0]
+        log = lambda plan: ranks[0][plan]["comm"][0][0]  # noqa: E731
+        for plan in plans:  # each step starts with the tp ranks agreeing on it (step_agreement)
+            assert [c.tag for c in log(plan)].count("step agreement on tp") == 1
+            assert log(plan)[0].tag == "step agreement on tp"
+        kinds = lambda plan: Counter(  # noqa: E731  the model's own collectives
+            (c.kind, c.phase) for c in log(plan)[1:]
         )
         # Shoeybi et al. 2019, Sec. 3: two all-reduces forward and two backward per layer.
         assert kinds(MEGATRON) == {("all_reduce", "forward"): 2 * layers, ("all_reduce", "backward"): 2 * layers}
