@@ -257,7 +257,7 @@ def _compare(program: Program, reference: Program, expected: dict, ranks: list[d
         if node not in from_data or node.name not in expected["values"] or (by_rank := held(node.name, False)) is None:
             continue
         (want,) = expected["values"][node.name]
-        got, spread = whole_value(by_rank, mesh)
+        got, spread = whole_value(by_rank, mesh, tuple(want.shape))
         if not check("forward value", node, want, got, spread):
             return report
     for node in reversed(nodes):  # 2. gradients of batch-dependent values
@@ -266,7 +266,7 @@ def _compare(program: Program, reference: Program, expected: dict, ranks: list[d
             continue
         if isinstance(next(iter(by_rank.values())).placements.dp, Replicate):
             continue  # a parameter's value: its gradient is checked reduced, below
-        got, spread = whole_value(by_rank, mesh, gradient=True)
+        got, spread = whole_value(by_rank, mesh, tuple(grads[0].shape), gradient=True)
         if not check("gradient", node, grads[0], got, spread):
             return report
     reduced = ranks[0]["parameter_grads"]

@@ -16,7 +16,8 @@ pieces back into the one-device value with the node's placements, the same facts
          Replicate: rank 0's piece, the others compared with it (`spread`)
     dp   the dp ranks' microbatches in batch order, rank by rank (`Runner.local_batch` splits
          the batch by rank, then by microbatch): joined along the batch dim for Shard(d),
-         summed for Partial, compared for Replicate
+         summed for Partial, compared for Replicate; a ZeRO-3 parameter's FlatShard pieces
+         joined first, inside each tp piece, as `local_slice` cut them last
 
 A pipeline stage's values are on the pipeline rank that holds the stage (a parameter read by
 several stages is taken from the first). A gradient's placement is the dual of its value's:
@@ -33,7 +34,9 @@ import torch
 import torch.fx as fx
 
 from fxpar.mesh import Mesh
-from fxpar.placement import AXES, Partial, Placement, Placements, Replicate, Shard, global_tensor
+from fxpar.placement import (
+    AXES, FlatShard, Partial, Placement, Placements, Replicate, Shard, global_tensor, local_shape,
+)
 
 RECORDER = "fxpar_verify_recorder"  # the submodule's name in a recorded GraphModule
 
@@ -89,12 +92,17 @@ def gradient_placements(placements: Placements) -> Placements:
     return Placements(**{axis: dual(axis, placements[axis]) for axis in AXES})
 
 
-def whole_value(by_rank: dict[int, Pieces], mesh: Mesh, *, gradient: bool = False) -> tuple[torch.Tensor, float]:
-    """The one-device value of a node from every rank's pieces (`by_rank`: the ranks that hold
-    it), and the largest difference between pieces that should be equal (0 when none)."""
+def whole_value(
+    by_rank: dict[int, Pieces], mesh: Mesh, shape: tuple[int, ...], *, gradient: bool = False,
+) -> tuple[torch.Tensor, float]:
+    """The one-device value of a node (of `shape` on one device) from every rank's pieces
+    (`by_rank`: the ranks that hold it), and the largest difference between pieces that should
+    be equal (0 when none)."""
     pp = min(mesh.coord(r).pp for r in by_rank)
     some = next(p for r, p in by_rank.items() if mesh.coord(r).pp == pp)
     placements = gradient_placements(some.placements) if gradient else some.placements
+    if isinstance(placements.dp, FlatShard):
+        return _whole_parameter(by_rank, mesh, pp, placements, shape)
     microbatches = len(some.values)
     spread = 0.0
     batch_pieces = []
@@ -107,6 +115,21 @@ def whole_value(by_rank: dict[int, Pieces], mesh: Mesh, *, gradient: bool = Fals
             batch_pieces.append(value)
             spread = max(spread, s)
     value, s = _combine(batch_pieces, placements.dp)
+    return value, max(spread, s)
+
+
+def _whole_parameter(by_rank: dict[int, Pieces], mesh: Mesh, pp: int, placements: Placements,
+                     shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:
+    """A ZeRO-3 parameter (FlatShard on dp, inside its tp piece): each tp piece from its dp
+    ranks' flat pieces first, then the tp pieces, as `local_slice` cut them in reverse. Every
+    microbatch reads the same pieces; they are compared."""
+    tp_shape = local_shape(shape, Placements(tp=placements.tp), mesh.sizes)
+    spread, tp_pieces = 0.0, []
+    for tp in range(mesh.tp):
+        holders = [by_rank[mesh.rank_of(dp=dp, pp=pp, tp=tp)] for dp in range(mesh.dp)]
+        spread = max([spread, *(_max_difference(h.values[0], v) for h in holders for v in h.values[1:])])
+        tp_pieces.append(global_tensor([h.values[0] for h in holders], placements.dp, tp_shape))
+    value, s = _combine(tp_pieces, placements.tp)
     return value, max(spread, s)
 
 

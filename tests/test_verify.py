@@ -6,7 +6,7 @@ row-parallel output's all-reduce replaced by f, an identity in forward) is named
 node that reads the unreduced value, in forward; and a dropped collective (one f removed from
 the graph and its backward all-reduce from every rank's step program, consistently, so the
 check passes and nothing hangs, but the gradient is a partial sum) is named at the gradient of
-f's input, with dp=2 x tp=2 reassembled on the way. Tolerances: verify's own (fp32, rel 1e-5
+f's input, with dp=2 x tp=2 and ZeRO-3's parameter pieces reassembled on the way. Tolerances: verify's own (fp32, rel 1e-5
 of a value's largest magnitude + abs 1e-9, `fxpar.verify_report`); the faults are off by O(1).
 """
 
@@ -90,7 +90,9 @@ def test_a_dropped_collective_is_named_at_the_gradient_it_should_have_summed():
     its backward all-reduce from every rank's step program alike: the ranks still agree (check
     passes, nothing hangs), forward is unchanged, and ln_1's output gets each tp rank's partial
     gradient. verify names that gradient: backward's first wrong value."""
-    program = fxpar.compile(build_model(), "dp=2 tp=2", BATCH)
+    # ZeRO-3 too: the parameters, compared first, are put back from FlatShard pieces inside
+    # their tp shards
+    program = fxpar.compile(build_model(), "dp=2 tp=2 zero=3", BATCH)
     graph = program.graph_module.graph
     (f,) = [n for n in graph.nodes if distributed_op(n) is not None
             and distributed_op(n).name == "copy_to_region" and meta.module_path(n) == "h.1.attn.q"]
