@@ -269,6 +269,8 @@ class _Builder:
             anchors = self._readers(action.name, units, None)
         elif action.purpose is Purpose.VALID_TARGETS:  # the count becomes this input
             anchors = [b for u, b in boxes.items() if u.kind == "input" and u.name == self.program.input_names[-1]]
+        elif action.purpose is Purpose.STEP_AGREEMENT:  # before the step's first input is read
+            anchors = [b for u, b in boxes.items() if u.kind == "input"][:1]
         else:
             anchors = [b for u, b in boxes.items() if u.kind == "output"]
         if not anchors:  # the loss is on another rank: hang it on this rank's last box
