@@ -297,7 +297,9 @@ class Runner:
         are left in the parameters' `.grad`, ready for the optimizer: exactly one device's
         over the global batch when the loss is a mean cross entropy, however many valid
         targets each piece holds (`runtime.step_loss`); for another loss, the average of the
-        pieces' gradients.
+        pieces' gradients. Every call counts as a step, a failing one too: the ranks agree on
+        the count before the step moves any data, or stop with StepMismatchError naming both
+        steps (`runtime.step_agreement`).
         """
         self._require_open("step")
         self._context.steps += 1  # every call counts, a failing one too (runtime.step_agreement)
