@@ -17,13 +17,14 @@ import fxpar.distributed_ops  # noqa: F401  registers torch.ops.fxpar.*, which r
 import fxpar.vocab_parallel_ops  # noqa: F401
 from fxpar.errors import (
     BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
+    VerifyError,
 )
 from fxpar.mesh import Mesh
 from fxpar.plan import Plan
 from fxpar.plan_diff import PlanDiff, diff
 from fxpar.program import Program, compile
 from fxpar.trace import CapturedGraph, capture
-from fxpar.verify import VerifyError, verify
+from fxpar.verify import verify
 from fxpar.verify_report import VerifyReport
 
 __all__ = [

@@ -235,7 +235,8 @@ def _hardware(name: str) -> str:
 
 
 def run_verify(args) -> int:
-    from fxpar.verify import VerifyError, verify
+    from fxpar.errors import VerifyError
+    from fxpar.verify import verify
 
     if args.hf is not None:
         raise UsageError("verify runs the model, and --hf builds it on the meta device without weights. "

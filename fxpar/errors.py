@@ -55,6 +55,11 @@ class StepMismatchError(CollectiveError):
     the step's data is reduced."""
 
 
+class VerifyError(FxparError, RuntimeError):
+    """`fxpar.verify` could not compare: a model it cannot run as given, or a parallel run that
+    did not complete (each rank's error, or a timeout)."""
+
+
 # -- showing the user's values in messages ---------------------------------------------------------
 
 SHOWN_CHARACTERS = 80  # the most of one value a message echoes

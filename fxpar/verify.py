@@ -41,19 +41,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxpar import meta
-from fxpar.errors import FxparError, PlanError
+from fxpar.errors import PlanError, VerifyError
 from fxpar.mesh import Mesh
 from fxpar.placement import Replicate
 from fxpar.program import Program, compile
 from fxpar.verify_report import ATOL, RTOL, Difference, Stats, VerifyReport, compare, node_code, tolerance_used
 from fxpar.verify_values import NodeRecorder, Pieces, whole_value
-
-
-class VerifyError(FxparError, RuntimeError):
-    """The parallel run of `fxpar.verify` did not complete: each rank's error, or a timeout."""
 
 
 def verify(
@@ -81,9 +78,12 @@ def verify(
         program = compile(model, plan, example_inputs, check=check)
     if example_inputs is None:
         raise TypeError("fxpar.verify needs example_inputs: the global batch both sides train on")
+    if dist.is_initialized():
+        raise VerifyError("fxpar.verify starts its own ranks, and this process is already in a process "
+                          "group (a torchrun worker?). Fix: call it from one plain process")
     if any(p.is_meta for p in program.captured.parameters.values()):
-        raise FxparError("fxpar.verify runs the model, and its parameters are on the meta device. "
-                         "Fix: build it on the CPU with real (random) weights")
+        raise VerifyError("fxpar.verify runs the model, and its parameters are on the meta device. "
+                          "Fix: build it on the CPU with real (random) weights")
     if program.plan.precision != "fp32" and rtol == RTOL:
         raise PlanError(
             f"plan precision={program.plan.precision} computes in lower precision than the one-device "
@@ -192,11 +192,10 @@ def _rank_main(rank: int, world: int, port: int, program: Program, example_input
             for name, values in recorder.values.items():
                 pieces.setdefault(name, (meta.placements(nodes[name]), values, recorder.grads.get(name, {})))
         result = {"loss": loss, "pieces": pieces, "parameter_grads": runner.full_gradients()}
-        torch.save(result, folder / f"rank{rank}.pt")
-        runner.close()
     except BaseException as error:  # noqa: BLE001  reported by the parent, with every rank's
-        torch.save({"error": f"{type(error).__name__}: {error}"}, folder / f"rank{rank}.pt")
-    os._exit(0)  # a broken group must not block the exit on a peer
+        result = {"error": f"{type(error).__name__}: {error}"}
+    torch.save(result, folder / f"rank{rank}.pt")
+    os._exit(0)  # no close(): a broken group must not block the exit on a peer
 
 
 def _free_port() -> int:

@@ -115,13 +115,23 @@ def test_a_dropped_collective_is_named_at_the_gradient_it_should_have_summed():
     assert f"first divergent: gradient of node {source.name} (module 'h.1.ln_1')" in str(report)
 
 
-def test_verify_refuses_a_program_the_check_refuses_before_launching_it():
+def test_verify_refuses_a_program_the_check_refuses_and_reports_each_ranks_failure():
     """A program whose ranks disagree would hang, not diverge: verify proves it first (no
-    process is started); check=False is the way to run it anyway."""
-    program = fxpar.compile(build_model(), "dp=2", BATCH)
+    process is started). check=False runs it anyway: rank 1's guard stops its resized bucket
+    before sending, rank 0 fails when its peer is gone, and the VerifyError lists both."""
+    program = fxpar.compile(build_model(), "dp=2 bucket_mb=0.02", BATCH)
     program.replace_step_program(1, resize_call(program.step_program(1), 1, 7))
     with pytest.raises(PlanError, match=r"process group \[0, 1\] does not match"):
         fxpar.verify(program, example_inputs=BATCH)
+    with pytest.raises(fxpar.VerifyError) as failed:
+        fxpar.verify(program, example_inputs=BATCH, check=False, timeout=3)
+    message = str(failed.value)
+    assert message.startswith("the parallel run of plan 'dp=2 bucket_mb=0.02' failed, so nothing was compared")
+    assert "rank 1: StepProgramError: rank 1 was about to issue all_reduce(" in message
+    assert "its step program's call #1 of its 5 on that group is all_reduce(7 x torch.float32" in message
+    assert "rank 0: CollectiveError: all_reduce of gradient bucket 0" in message
+    # rank 1 exits at once, so rank 0's backend sees it gone (or, on a slow machine, its 3 s pass)
+    assert "rank 1 is gone" in message or "did not complete within 3 s" in message
     with pytest.raises(TypeError, match="takes no plan"):
         fxpar.verify(program, "dp=2", BATCH)
 
