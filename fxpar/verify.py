@@ -21,13 +21,16 @@ reference does the same, and the pieces are made whole with the nodes' placement
     3. each parameter's gradient after the step's reductions (`runner.full_gradients`), in the
        same order: what the optimizer would be given.
 
-A node that a pass removed or the parallel graph does not compute under its name is not
-compared (the report counts what was), nor is one made from sizes alone (`arange(batch)`:
+The nodes compared are the captured graph's (and the loss): a node that a pass removed (a
+dropout rewritten to draw from its own stream) or the parallel graph does not compute under
+its name is not compared (the report counts what was), nor is one made from sizes alone (`arange(batch)`:
 each rank's is its own, not a slice of one device's). With `check` (the default) the program is proved
 first (`Program.check`): a program whose ranks disagree would hang, not diverge.
 `check=False` runs it anyway; a rank that fails ends the run with VerifyError naming each
-rank's error. Refused before anything runs: a graph that draws random numbers (dropout with
-p > 0: the two sides would draw differently) and a lower precision at the fp32 tolerance.
+rank's error. Random draws (dropout) come from one seed on both sides (`SEED`); with `rng=exact` in the
+plan every rank draws exactly one device's values, so dropout is verified too; under
+`rng=fast` the ranks draw their own pieces and verify refuses, as it refuses a lower precision
+at the fp32 tolerance, before anything runs.
 verify is for small configurations: it keeps every node's value. Forking needs a POSIX system.
 """
 
@@ -49,6 +52,7 @@ from fxpar.errors import PlanError, VerifyError
 from fxpar.mesh import Mesh
 from fxpar.placement import Replicate
 from fxpar.program import Program, compile
+from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.verify_report import ATOL, RTOL, Difference, Stats, VerifyReport, compare, node_code, tolerance_used
 from fxpar.verify_values import NodeRecorder, Pieces, whole_value
 
@@ -91,37 +95,60 @@ def verify(
             "that precision (bf16 holds about 3 significant digits: rtol=2e-2)",
             field="precision", value=program.plan.precision)
     reference = compile(program.captured, "dp=1", check=False)
-    _refuse_random_draws(reference)
+    _refuse_random_draws(program, reference)
     inputs = program.captured.arrange(*_as_call(example_inputs))
-    names = {n.name for n in reference.graph_module.graph.nodes if n.op != "output"}
+    names = _joined_names(program, reference)
     with tempfile.TemporaryDirectory(prefix="fxpar-verify-") as folder:
         ranks = _run_ranks(program, example_inputs, names, Path(folder), timeout)
-        expected = _run_reference(reference, inputs)
-    return _compare(program, reference, expected, ranks, rtol=rtol, atol=atol)
+        expected = _run_reference(reference, inputs, names)
+    return _compare(program, reference, expected, ranks, names, rtol=rtol, atol=atol)
 
 
-# Random ops and where their probability is: one device and the ranks draw different numbers.
-_DROPOUT_P = {"aten.dropout": 1, "aten.native_dropout": 1, "aten.scaled_dot_product_attention": 4}
+def _joined_names(program: Program, reference: Program) -> set[str]:
+    """The nodes both sides are compared at: the captured graph's, whose names every compile
+    keeps (`passes.infra.copy_graph_module`), and the loss. A node a pass adds gets a fresh
+    name on each side, which may be another node's on the other (a tp pass adds more), so
+    none of those is joined."""
+    graph = reference.graph_module.graph
+    kept = {n.name for n in program.captured.graph_module.graph.nodes if n.op != "output"}
+    (loss,) = graph.output_node().all_input_nodes
+    return {n.name for n in graph.nodes if n.name in kept or n.op == "placeholder"} | {loss.name}
 
 
-def _refuse_random_draws(reference: Program) -> None:
-    """Raise VerifyError if the graph draws random numbers (dropout with p > 0, `rand`): one
-    device and the ranks would draw differently, and verify would report the first draw."""
+SEED = 0  # the one seed both sides draw from (`fxpar.random_streams`): the ranks' bind and the reference's
+_FXPAR_DRAWS = ("fxpar.random_like", "fxpar.attention_dropout_mask")  # `passes.random_draws`' ops
+
+
+def _refuse_random_draws(program: Program, reference: Program) -> None:
+    """Raise VerifyError if the graph draws random numbers the ranks would not draw as one
+    device does: unless the plan says `rng=exact`, each rank draws its own piece of a dropout
+    mask (`fxpar.random_streams`), and verify would report the first draw."""
     for node in reference.graph_module.graph.nodes:
         target = node.target
-        if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        if not isinstance(target, torch._ops.OpOverload):
             continue
-        name = str(target.overloadpacket)
-        where = _DROPOUT_P.get(name)
-        p = node.kwargs.get("dropout_p", node.kwargs.get("p")) if where is None or len(node.args) <= where \
-            else node.args[where]
-        if where is not None and not p:
-            continue
-        raise VerifyError(
-            f"node {node.name} ({name}, module {meta.module_path(node) or '<root module>'!r}) draws random "
-            f"numbers{f' (p={p})' if p else ''}: one device and the ranks draw different ones, so the "
-            "first draw would be reported as a difference. Fix: verify the model with its dropout "
-            "probabilities set to 0 (its config, or each nn.Dropout's p)")
+        name, where = str(target.overloadpacket), meta.module_path(node) or "<root module>"
+        if name in _FXPAR_DRAWS:
+            if program.plan.rng == "exact":
+                continue
+            raise VerifyError(
+                f"node {node.name} ({name}, module {where!r}) draws random numbers (p={node.args[2]}), and "
+                f"plan rng={program.plan.rng} draws each rank's piece of them apart, not one device's "
+                "values, so the first draw would be reported as a difference. Fix: verify with rng=exact "
+                "in the plan (every rank then draws exactly one device's values), or dropout 0")
+        if torch.Tag.nondeterministic_seeded in target.tags and not _no_dropout(name, node):
+            raise VerifyError(
+                f"node {node.name} ({name}, module {where!r}) draws from the process's own generator, "
+                "which one device and the ranks advance differently. Fix: verify the model without it")
+
+
+def _no_dropout(name: str, node) -> bool:
+    """A dropout (or attention dropout) with p = 0, which export keeps and draws nothing."""
+    index = {"aten.dropout": 1, "aten.native_dropout": 1, "aten.scaled_dot_product_attention": 4}.get(name)
+    if index is None:
+        return False
+    p = node.args[index] if len(node.args) > index else node.kwargs.get("dropout_p", node.kwargs.get("p", 0.0))
+    return not p
 
 
 def _as_call(example_inputs) -> tuple[tuple, dict]:
@@ -132,17 +159,22 @@ def _as_call(example_inputs) -> tuple[tuple, dict]:
 
 # -- the two runs --------------------------------------------------------------------------------
 
-def _run_reference(reference: Program, inputs: tuple[torch.Tensor, ...]) -> dict:
+def _run_reference(reference: Program, inputs: tuple[torch.Tensor, ...], names: set[str]) -> dict:
     """One device: every node's value and gradient, the parameters' gradients, the loss. The
     model's own parameters are read, never written (gradients by `autograd.grad`)."""
     gm = reference.rank_module(0)
-    recorder = NodeRecorder.install(gm, {n.name for n in gm.graph.nodes})
+    recorder = NodeRecorder.install(gm, names)
     count = reference.loss_reduction.count_module
     args = (*inputs, count(*inputs)) if reference.loss_reduction.sums else inputs
-    loss = gm(*args)
-    parameters = {n: gm.get_parameter(n) for n in meta.parameter_nodes(gm.graph)}
-    trained = {n: p for n, p in parameters.items() if p.requires_grad}
-    grads = torch.autograd.grad(loss, list(trained.values()), allow_unused=True)
+    stream = RandomStream(SEED)  # step 0, whole values: what rng=exact draws on the ranks
+    bind_random(stream)
+    try:
+        loss = gm(*args)
+        parameters = {n: gm.get_parameter(n) for n in meta.parameter_nodes(gm.graph)}
+        trained = {n: p for n, p in parameters.items() if p.requires_grad}
+        grads = torch.autograd.grad(loss, list(trained.values()), allow_unused=True)
+    finally:
+        unbind_random(stream)
     return {"loss": float(loss.detach()), "values": recorder.values, "grads": recorder.grads,
             "parameter_grads": {n: g for n, g in zip(trained, grads) if g is not None}}
 
@@ -179,7 +211,7 @@ def _rank_main(rank: int, world: int, port: int, program: Program, example_input
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the ranks share this machine's cores (and a forked OpenMP pool)
     try:
-        runner = program.bind(timeout=timeout)
+        runner = program.bind(timeout=timeout, seed=SEED)
         recorders = [NodeRecorder.install(m, names) for m in runner.modules]
         args, kwargs = _as_call(example_inputs)
         if kwargs:
@@ -219,10 +251,10 @@ def _made_from_data(nodes: list) -> set:
     return made
 
 
-def _compare(program: Program, reference: Program, expected: dict, ranks: list[dict], *,
+def _compare(program: Program, reference: Program, expected: dict, ranks: list[dict], names: set[str], *,
              rtol: float, atol: float) -> VerifyReport:
     mesh: Mesh = program.mesh
-    nodes = [n for n in reference.graph_module.graph.nodes if n.op != "output"]
+    nodes = [n for n in reference.graph_module.graph.nodes if n.name in names]
     report = VerifyReport(plan=str(program.plan), loss_reference=expected["loss"],
                           loss_parallel=ranks[0]["loss"], rtol=rtol, atol=atol)
 

@@ -10,10 +10,12 @@ f's input, with dp=2 x tp=2 and ZeRO-3's parameter pieces reassembled on the way
 of a value's largest magnitude + abs 1e-9, `fxpar.verify_report`); the faults are off by O(1).
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fxpar
 from fxpar import meta
@@ -25,7 +27,8 @@ from fxpar.redistribution import BY_NAME, Conversion
 from fxpar.step_program import drop_call, resize_call
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from tiny_training import build_model, global_batches  # noqa: E402
+from tiny_training import CONFIG, build_model, global_batches  # noqa: E402  (puts examples/ on the path)
+from gpt import GPT  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 BATCH = global_batches()[0]
@@ -136,13 +139,17 @@ def test_verify_refuses_a_program_the_check_refuses_and_reports_each_ranks_failu
         fxpar.verify(program, "dp=2", BATCH)
 
 
-def test_verify_refuses_random_draws_and_a_lower_precision_at_fp32_tolerance():
-    """Dropout with p > 0 draws differently on one device and the ranks: refused before any
-    process starts, naming the node and its module; bf16 needs a tolerance of its own."""
-    model = build_model()
-    model.h[1].mlp.dropout.p = 0.1
-    with pytest.raises(fxpar.VerifyError, match=r"node dropout_\d \(aten.dropout, module 'h.1.mlp.dropout'\) "
-                                                r"draws random numbers \(p=0.1\)"):
-        fxpar.verify(model, "dp=2", BATCH)
+def test_dropout_is_verified_under_rng_exact_and_refused_under_rng_fast():
+    """Both sides draw from one seed (`fxpar.verify.SEED`). With rng=exact every rank draws
+    exactly one device's dropout masks (residual and tp-sharded attention dropout), so the
+    plan equals one device; under rng=fast each rank draws its own piece, and verify refuses
+    before starting anything, naming the first draw. bf16 needs a tolerance of its own."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CONFIG, dropout=0.1))
+    with pytest.raises(fxpar.VerifyError, match=r"node random_like\w* \(fxpar.random_like, module 'drop'\) "
+                                                r"draws random numbers \(p=0.1\), and plan rng=fast"):
+        fxpar.verify(model, "tp=2", BATCH)
+    report = fxpar.verify(model, "tp=2 rng=exact", BATCH, timeout=20)
+    assert report.equal, str(report)
     with pytest.raises(PlanError, match="precision=bf16-mixed .* Fix: pass an rtol"):
         fxpar.verify(build_model(), "dp=2 precision=bf16-mixed", BATCH)

@@ -21,6 +21,11 @@ bad batch) and that carries on sends its next step's number, while its peers sti
 the step it left, so the two are told apart. A rank that skips a call, or makes one more,
 is caught the same way.
 
+This is not the random stream's step (`fxpar.random_streams`, `Runner.rng_state`): that one
+counts completed steps and comes back from a checkpoint, and it must, since a failed step drew
+nothing to resume; here a failed call must count, or the rank that failed would look as if it
+were on its peers' step. Both start equal on every rank at bind.
+
 The optimizer's collectives (ZeRO-1/2's gathers, in `opt.step()`) and gathering the full
 state happen outside a step and carry no step number: a rank that skips `opt.step()` alone is
 not caught here (its next step's first call pairs with a peer's gather of another size).
