@@ -88,7 +88,6 @@ class Runner:
             program.loss_reduction,
             holds_loss=program.holds_loss(rank),
             data_parallel=self._dp,
-            communicator=communicator,
         )
         self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
         self._executor: ModuleExecutor | PipelineExecutor | None = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from fxpar.passes.loss_normalisation import LossReduction
-from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 
 
@@ -31,12 +30,10 @@ class StepLoss:
         *,
         holds_loss: bool,
         data_parallel: RankGroup,
-        communicator: Communicator,
     ):
         self.reduction = reduction
         self.holds_loss = holds_loss
         self.data_parallel = data_parallel
-        self.communicator = communicator
 
     @property
     def sums(self) -> bool:
