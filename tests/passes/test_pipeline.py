@@ -112,6 +112,7 @@ def test_receives_are_posted_one_action_ahead_on_gloo_only():
     # 1F1B's rank 0 runs F0 F1 B0 ...: on gloo it posts B0's receive before F1 sends; on NCCL,
     # where a pair's transfers share a stream, B0's receive waits for B0 (receives_ahead).
     gloo, nccl = program.collectives(0, backend="gloo"), program.collectives(0, backend="nccl")
-    assert [c.kind for c in gloo[:3]] == ["send", "recv", "send"]
-    assert [c.kind for c in nccl[:3]] == ["send", "send", "recv"]
+    transfers = lambda calls: [c.kind for c in calls if c.kind in ("send", "recv")]  # noqa: E731
+    assert transfers(gloo)[:3] == ["send", "recv", "send"]  # (after the step agreement's all-reduce)
+    assert transfers(nccl)[:3] == ["send", "send", "recv"]
     assert sorted(map(repr, gloo)) == sorted(map(repr, nccl))  # the same calls, reordered
