@@ -136,7 +136,7 @@ def _regather_backward(ctx, grad):
     flat = torch.cat([s.detach().reshape(-1) for s in ctx.shards])
     _binding(ctx.axis, ctx.size).all_gather(flat.new_empty(ctx.size * flat.numel()), flat,
                                             tag=REGATHER.tag(ctx.axis, "backward"), phase="backward")
-    return grad, None, None, None
+    return grad, [None] * len(ctx.shards), None, None
 
 
 _regather_parameters.register_autograd(_regather_backward, setup_context=_regather_setup)

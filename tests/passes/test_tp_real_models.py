@@ -91,6 +91,12 @@ class ThreadedCollectives:
         output.copy_(total.chunk(self.size)[self.index])
 
 
+
+def layer_collectives(program: fxpar.Program) -> list:
+    """Rank 0's collectives of the model's own ops: what the layers and the loss move, without
+    the all-reduce by which each step starts agreeing on the step (`lowering.step_start_actions`)."""
+    return [c for c in program.collectives(0) if not c.tag.startswith("step agreement")]
+
 def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, ThreadedCollectives]:
     """Each tp rank's (loss, {parameter name: gradient}) for one step on `inputs`."""
     if program.loss_reduction.sums:  # the step's count of valid targets, as the runner passes it
@@ -159,7 +165,7 @@ def compiled(name: str, plan: fxpar.Plan | str, attention: str = "sdpa") -> tupl
 
 
 def kinds(program: fxpar.Program) -> Counter:
-    return Counter((c.kind, c.phase) for c in program.collectives(0))
+    return Counter((c.kind, c.phase) for c in layer_collectives(program))
 
 
 # -- 1. every linear form ----------------------------------------------------------------------
@@ -297,7 +303,7 @@ def test_auto_moves_exactly_the_collectives_of_the_models_plan_or_megatrons(name
         + [("all_reduce", "forward", tokens), ("all_reduce", "forward", 2 * tokens)]
         + [("all_reduce", "backward", stream)] + layers[1]
     )
-    calls = lambda plan: [(c.kind, c.phase, c.numel) for c in fxpar.compile(graph, plan).collectives(0)]  # noqa: E731
+    calls = lambda plan: [(c.kind, c.phase, c.numel) for c in layer_collectives(fxpar.compile(graph, plan))]  # noqa: E731
     assert calls("tp=2 tp_rules=infer") == megatron
     # GPT-NeoX's own base plan also splits its embedding (embed_in: embedding_rowwise).
     embedding = [("all_reduce", "forward", stream)] if name == "gpt_neox" else []
@@ -310,7 +316,7 @@ def test_llama_auto_plan_is_its_base_model_plan():
     replicated; 2 all-reduces forward and 2 backward per layer, nothing else."""
     model, inputs, program = compiled("llama", "tp=2")
     stream = inputs[0].numel() * 64
-    calls = program.collectives(0)
+    calls = layer_collectives(program)
     assert [(c.kind, c.phase, c.numel) for c in calls] == (
         [("all_reduce", "forward", stream)] * 2 * LAYERS + [("all_reduce", "backward", stream)] * 2 * LAYERS
     )
@@ -329,7 +335,7 @@ def test_llama_inferred_plan_runs_megatrons_collectives_exactly():
         + [("all_reduce", "backward", stream)]  # f before the vocabulary-parallel head
         + [("all_reduce", "backward", stream)] * 2 * LAYERS  # f before attention and MLP
     )
-    calls = program.collectives(0)
+    calls = layer_collectives(program)
     assert [(c.kind, c.phase, c.numel) for c in calls] == expected
     assert sum(c.payload_bytes for c in calls) == 329_216 == 4 * (10 * stream + 3 * tokens)
     code = program.rank_module(0).code
@@ -373,7 +379,7 @@ def test_the_models_own_plan_compiles_to_megatrons_collectives_and_equals_one_de
         + [("all_gather", "forward", batch * seq * vocab)]  # lm_head: colwise_gather_output
         + [("all_reduce", "backward", stream)] * (1 + 2 * LAYERS)  # f of the head and layers
     )
-    assert [(c.kind, c.phase, c.numel) for c in program.collectives(0)] == expected
+    assert [(c.kind, c.phase, c.numel) for c in layer_collectives(program)] == expected
     assert_equals_one_device(program, model, inputs)  # the gathered logits: one device's loss
 
 
@@ -390,7 +396,7 @@ def test_gpt_neox_base_plan_as_is_compiles_to_megatrons_collectives_and_equals_o
         [("all_reduce", "forward", stream)] * (1 + 2 * LAYERS)  # embedding_rowwise, then g
         + [("all_reduce", "backward", stream)] * 2 * LAYERS  # f; the head is replicated
     )
-    assert [(c.kind, c.phase, c.numel) for c in program.collectives(0)] == expected
+    assert [(c.kind, c.phase, c.numel) for c in layer_collectives(program)] == expected
     assert_equals_one_device(program, model, inputs)
 
 
