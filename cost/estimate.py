@@ -280,7 +280,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         held.update(piece.parameters)
     parameters = sum(held.values())
     state = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
-                              zero=plan.zero, dp=dp)
+                              zero=plan.zero, dp=dp, reduce_dtype=plan.reduce_dtype)
     buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
     tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
     # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
@@ -347,7 +347,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
             w = [0.0] * len(b)
         transfers = [c for c in program.collectives(rank) if c.kind == "send"]
         hop = max(
-            (float(collective_time("send", c.payload_bytes * narrow, 2, device.link(c.group)))
+            (float(collective_time("send", c.payload_bytes, 2, device.link(c.group)))
              for c in transfers),
             default=0.0,
         )
@@ -357,8 +357,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     comm: dict[str, dict[str, float]] = {}
     phase_calls: dict[str, list[sympy.Expr]] = {"forward": [], "backward": [], "step": []}
     for call in program.collectives(rank):
-        scale = narrow if call.numel > 1 else 1  # gradients and parameters travel in bf16
-        payload = call.payload_bytes * scale
+        payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
         n = len(call.group)
         entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
         entry["count"] += 1

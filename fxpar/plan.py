@@ -105,7 +105,7 @@ class Plan:
     prefetch: int = 1
     reshard_after_forward: bool = True
     # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients
-    # are reduced in `reduce_dtype`. Estimated; the runtime trains in fp32 so far.
+    # are reduced over dp in `reduce_dtype` (passes.mixed_precision, runtime.master_weights).
     precision: Precision = "fp32"
     reduce_dtype: str = "fp32"
     # Activation checkpointing (Korthikanti et al. 2022): "full" recomputes every transformer
@@ -418,11 +418,3 @@ class Plan:
 def check_runnable(plan: Plan) -> None:
     """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
     by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
-    if plan.precision != "fp32":
-        raise PlanError(
-            f"plan precision={plan.precision}: the runtime trains in fp32 only so far; "
-            "program.estimate() already predicts mixed-precision memory. Fix: bind a plan with "
-            "precision=fp32 to train",
-            field="precision",
-            value=plan.precision,
-        )

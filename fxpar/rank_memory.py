@@ -46,7 +46,7 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
         mine = [s for s in every if s.stage is None or schedule.rank_of(s.stage) == pp]
         held = {name: n for s in mine for name, n in s.parameters.items()}
         state = model_state_bytes(sum(held.values()), precision=plan.precision, optimizer=optimizer,
-                                  zero=plan.zero, dp=plan.dp)
+                                  zero=plan.zero, dp=plan.dp, reduce_dtype=plan.reduce_dtype)
         buckets = [program.stages[s.stage].buckets for s in mine] if schedule else [program.buckets]
         tensors = sum(len(b) for b in buckets) if plan.zero >= 1 else len(held)
         state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors

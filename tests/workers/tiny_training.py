@@ -66,3 +66,40 @@ def train_single_device(name: str = "gpt") -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments}
+
+
+def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
+    """bf16 mixed precision written out in plain PyTorch, the arithmetic fxpar's
+    `precision=bf16-mixed` is meant to do: bf16 weights and floating buffers, fp32 master
+    weights stepped by AdamW, the cross entropy on fp32 logits, and the microbatches'
+    gradients accumulated in bf16 (each microbatch's mean loss / microbatches, a power of two
+    here, so the same gradient as a sum over the global count)."""
+    model = build_model(name)
+    masters = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.bfloat16()
+    optimizer = torch.optim.AdamW(masters, **OPTIMIZER)
+    cross_entropy = torch.nn.functional.cross_entropy
+    losses = []
+    try:
+        torch.nn.functional.cross_entropy = lambda logits, *a, **k: cross_entropy(logits.float(), *a, **k)
+        for tokens, labels in global_batches():
+            step_loss = 0.0
+            for chunk, targets in zip(tokens.tensor_split(microbatches), labels.tensor_split(microbatches)):
+                loss = model(chunk, targets) / microbatches
+                loss.backward()
+                step_loss += loss.item()
+            losses.append(step_loss)
+            for master, parameter in zip(masters, model.parameters()):
+                master.grad, parameter.grad = parameter.grad.float(), None
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for master, parameter in zip(masters, model.parameters()):
+                    parameter.copy_(master)
+    finally:
+        torch.nn.functional.cross_entropy = cross_entropy
+    names = [n for n, _ in model.named_parameters()]
+    return {"losses": losses, "state": model.state_dict() | dict(zip(names, masters))}

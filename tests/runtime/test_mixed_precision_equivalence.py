@@ -1,0 +1,157 @@
+"""Tier 3: precision=bf16-mixed trains as one device does, within bf16's precision, for every plan.
+
+bf16-mixed (`passes.mixed_precision`, `runtime.master_weights`) computes with bf16 working
+weights and activations, keeps fp32 master weights and AdamW state, reduces gradients over dp
+in `reduce_dtype` and reports an fp32 loss. Three launches train the tiny GPT for 5 AdamW
+steps (tests/workers/train_worker.py): one device (fxpar's own bf16-mixed runs), two ranks
+(dp with each reduce dtype, ZeRO-1 and 2, tp with and without sp, every pipeline schedule)
+and four (dp composed with tp and pp under ZeRO).
+
+Against one device's fp32 training (the tolerance is bf16's, and why):
+
+* loss of each step, relative 1e-3. bf16 has an 8-bit significand: each rounding is off by
+  up to 2^-9 = 2e-3 relative, and every matmul's inputs and every activation are rounded.
+  The loss is a mean of fp32 log-softmaxes over 128 tokens, of logits each carrying such
+  errors, and their independent signs average down: measured 0.6-2e-4 here (the fp32-vs-fp32
+  tests see 1e-7). An implementation that reported the loss through a bf16 buffer (DDP's loss
+  slot in a bf16 bucket) shows 6e-3 and fails.
+* all parameters after the last step, as the norm of the difference against the norm of the
+  update fp32 training made (final - initial), at most 0.15 (measured 0.05-0.065). AdamW's
+  update m/sqrt(v) is about lr per element whatever the gradient's size, so an element whose
+  gradient is within bf16 noise (the 4e-3 relative error measured on the first step's
+  gradients) moves by lr in a direction the noise picks; with SGD the same comparison
+  measures 5e-3. Parameters updated in bf16 without fp32 masters lose updates smaller than
+  half a bf16 ulp of the weight (lr 1e-2 on weights of ~0.02-1: most of them) and miss by
+  far more.
+
+Against fxpar's own one-device bf16-mixed run where the arithmetic is the same: a pipeline
+cuts the graph between ops and accumulates the microbatches' gradients in the same order as
+one device running the same microbatches, so its losses and parameters equal that run's to
+rel 1e-6 (float noise of the loss's pipeline sum only).
+
+On every rank: the module's parameters are bf16 and what the optimizer steps is fp32 (the
+masters), the graph returns an fp32 loss, every step's collectives are the step program's
+(bf16 activations and gradients where they travel in bf16, fp32 where `reduce_dtype=fp32`),
+and `runner.memory_stats()` equals `program.estimate()` for params, grads and optimizer.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tensor_parallel_equivalence import assert_collectives_as_predicted  # noqa: E402
+from tiny_training import STEPS, build_model, train_single_device, train_single_device_bf16  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+LOSS_RELATIVE = 5e-3
+UPDATE_RELATIVE = 0.15
+SAME_ARITHMETIC = 1e-6
+
+BF16 = "precision=bf16-mixed"
+ONE_DEVICE = [f"{BF16}", f"mb=4 {BF16}"]
+TWO_RANKS = [
+    f"dp=2 {BF16}", f"dp=2 {BF16} reduce_dtype=bf16", f"dp=2 zero=1 {BF16}",
+    f"dp=2 zero=2 mb=2 {BF16} reduce_dtype=bf16", f"tp=2 {BF16}", f"tp=2 sp=true {BF16}",
+    f"pp=2 mb=4 {BF16}", f"pp=2 mb=4 schedule=gpipe {BF16}", f"pp=2 mb=4 schedule=zb-h1 {BF16}",
+    f"pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}",
+]
+FOUR_RANKS = [f"dp=2 tp=2 sp=true zero=1 mb=2 {BF16}", f"dp=2 pp=2 zero=2 mb=4 {BF16} reduce_dtype=bf16"]
+
+
+LLAMA = {"FXPAR_TEST_MODEL": "llama"}
+
+
+def _fp32_reference(model: str) -> dict:
+    return train_single_device(model) | {"initial": build_model(model).state_dict()}
+
+
+@pytest.fixture(scope="module")
+def llama_fp32():
+    return _fp32_reference("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_bf16():
+    return {mb: train_single_device_bf16("llama", microbatches=mb) for mb in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def one_device(module_torchrun):
+    return module_torchrun("train_worker.py", 1, *ONE_DEVICE, env=LLAMA)[0]
+
+
+def _flat(state: dict, keys) -> torch.Tensor:
+    return torch.cat([state[k].flatten().float() for k in keys])
+
+
+def assert_within_bf16(result: dict, reference: dict) -> None:
+    """Loss of each step and all parameters after the last: the module doc's tolerances."""
+    assert len(result["losses"]) == STEPS
+    for step, (loss, ref) in enumerate(zip(result["losses"], reference["losses"])):
+        assert loss == pytest.approx(ref, rel=LOSS_RELATIVE), f"loss of step {step}"
+    keys = list(reference["state"])
+    assert set(result["state"]) == set(keys)
+    assert all(result["state"][k].dtype == reference["state"][k].dtype for k in keys)  # masters: fp32
+    trained, fp32 = _flat(result["state"], keys), _flat(reference["state"], keys)
+    update = fp32 - _flat(reference["initial"], keys)
+    assert (trained - fp32).norm() <= UPDATE_RELATIVE * update.norm()
+
+
+def assert_same_arithmetic(result: dict, reference: dict) -> None:
+    for step, (loss, ref) in enumerate(zip(result["losses"], reference["losses"])):
+        assert loss == pytest.approx(ref, rel=SAME_ARITHMETIC), f"loss of step {step}"
+    keys = list(reference["state"])
+    difference = _flat(result["state"], keys) - _flat(reference["state"], keys)
+    assert difference.norm() <= SAME_ARITHMETIC * _flat(reference["state"], keys).norm()
+
+
+def assert_mixed_precision_rank(ranks: list[dict], plan: str) -> None:
+    """bf16 working parameters, fp32 masters and loss, collectives and model-state bytes as
+    the program says (module doc)."""
+    for result in ranks:
+        result = result[plan]
+        assert result["dtypes"]["parameters"] == ["torch.bfloat16"]
+        assert result["dtypes"]["stepped"] == ["torch.float32"]
+        assert set(result["dtypes"]["loss"]) <= {"torch.float32"}
+        assert_collectives_as_predicted(result)
+        if result["rank"] != result["estimated_rank"]:
+            continue  # the estimate reports one rank (with a pipeline, ranks differ)
+        for key in ("params", "grads", "optimizer"):
+            assert result["memory"][key] == result["estimated_memory"][key], (plan, key)
+    assert any(result[plan]["dtypes"]["loss"] == ["torch.float32"] for result in ranks)  # the last stage's
+
+
+def test_one_device_bf16_mixed_matches_fp32_within_bf16(one_device, llama_fp32, llama_bf16):
+    for plan, microbatches in zip(ONE_DEVICE, (1, 4)):
+        assert_within_bf16(one_device[plan], llama_fp32)
+        assert_same_arithmetic(one_device[plan], llama_bf16[microbatches])
+        assert_mixed_precision_rank([one_device], plan)
+
+
+def test_bf16_mixed_on_two_ranks(torchrun, llama_fp32, llama_bf16):
+    ranks = torchrun("train_worker.py", 2, *TWO_RANKS, env=LLAMA)
+    for plan in TWO_RANKS:
+        assert_within_bf16(ranks[0][plan], llama_fp32)
+        assert_mixed_precision_rank(ranks, plan)
+        if plan.startswith("pp=2"):
+            assert_same_arithmetic(ranks[0][plan], llama_bf16[4])
+    # The gradients travel in the reduce dtype: fp32 by default, bf16 where the plan says.
+    wire = {plan: {c.dtype for c in ranks[0][plan]["predicted"] if c.tag.startswith("gradient bucket")}
+            for plan in TWO_RANKS[:4]}
+    assert wire == {TWO_RANKS[0]: {torch.float32}, TWO_RANKS[1]: {torch.bfloat16},
+                    TWO_RANKS[2]: {torch.float32}, TWO_RANKS[3]: {torch.bfloat16}}
+
+
+def test_bf16_mixed_composed_on_four_ranks(torchrun):
+    """The tiny GPT: its embedding and head are one tied weight, whose bf16 gradient the
+    pipeline sums over its two stages."""
+    ranks = torchrun("train_worker.py", 4, *FOUR_RANKS)
+    reference = _fp32_reference("gpt")
+    for plan in FOUR_RANKS:
+        for result in ranks:
+            assert_within_bf16(result[plan], reference)
+        assert_mixed_precision_rank(ranks, plan)
