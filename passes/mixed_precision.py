@@ -17,14 +17,18 @@ The rules, in graph order:
 
 * a trained floating parameter's value becomes bf16; `fxpar.master_dtype` on its node keeps
   the dtype it is trained in (its master; what `full_state_dict` returns);
-* a floating buffer, and a floating input other than the loss's count, is read through one
-  `_to_copy(..., dtype=bf16)` (rotary tables, masks, float features): activations start bf16;
+* buffers and inputs keep their dtypes, as under torch.autocast: models keep some buffers in
+  fp32 on purpose (a rotary embedding's `inv_freq`, which bf16 would round to wrong
+  positions), and an fp32 value meeting bf16 activations is computed in fp32 (torch's type
+  promotion) until the next matmul, which reads a bf16 copy (below);
 * a loss op (cross entropy, nll, mse, ...) reads fp32 copies of its floating inputs: the
   log-softmax and the sum over tokens run in fp32, as autocast runs them, and the loss
   (divided by the fp32 count) is fp32 when it reaches the user;
-* a matmul-like op (linear, mm, bmm, matmul, addmm, baddbmm, attention, conv) reads bf16
-  copies of any operand the model itself computed in fp32 (an RMSNorm that upcasts, an
-  additive fp32 mask promoting the scores): autocast's rule for the ops that matter;
+* a matmul-like op (linear, mm, bmm, matmul, addmm, baddbmm, attention, conv) or a
+  normalisation with bf16 weights (layer norm, group norm, rms norm) reads bf16 copies of
+  any operand the model itself computed in fp32 (an RMSNorm that upcasts, an additive fp32
+  mask promoting the scores): autocast's rule for matmuls;
+* export's `_assert_tensor_metadata` before a `.to()` asserts the input's new dtype;
 * every other op computes in what its inputs are (torch's type promotion), and its recorded
   value (`meta["val"]`, under export's fake mode) is recomputed, so the payloads lowering
   writes (tp's all-reduces, a pipeline's transfers) say bf16 where bf16 travels.
@@ -51,16 +55,18 @@ from torch._guards import detect_fake_mode
 
 from fxpar import meta
 from fxpar.passes.contracts import broken, ensures
-from fxpar.passes.loss_normalisation import COUNT_INPUT
 
 aten = torch.ops.aten
 WORKING = torch.bfloat16
 MASTER = torch.float32
 
-_MATMULS = {
+_READ_BF16 = {
     aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
     aten.baddbmm.default, aten.scaled_dot_product_attention.default, aten.conv1d.default,
     aten.conv2d.default, aten.einsum.default,
+    # Normalisations read bf16 weights, and torch's CPU kernels refuse an fp32 input with them.
+    aten.layer_norm.default, aten.native_layer_norm.default, aten.group_norm.default,
+    aten.rms_norm.default,
 }
 _LOSSES = {
     aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
@@ -72,16 +78,16 @@ _COPIED_META = ("nn_module_stack", "stack_trace", meta.MODULE_PATH, meta.REQUIRE
 
 
 def computes_in_bf16(gm: fx.GraphModule) -> None:
-    """Ensures: trained fp32 parameters are bf16 with an fp32 master; matmuls read no fp32
-    operand; the graph returns an fp32 loss."""
+    """Ensures: trained fp32 parameters are bf16 with an fp32 master; matmuls and
+    normalisations read no fp32 operand; the graph returns an fp32 loss."""
     for name, node in meta.parameter_nodes(gm.graph).items():
         if node.meta.get(meta.MASTER_DTYPE) is not None and node.meta["val"].dtype != WORKING:
             raise broken(f"parameter {name} is a bf16 working copy", node)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _MATMULS:
+        if node.op == "call_function" and node.target in _READ_BF16:
             for arg in node.all_input_nodes:
                 if _dtype(arg) == MASTER:
-                    raise broken("a matmul reads bf16 operands", node)
+                    raise broken("a matmul or normalisation reads bf16 operands", node)
     loss = _returned_loss(gm.graph)
     if loss is not None and _dtype(loss) != MASTER:
         raise broken("the loss the graph returns is fp32", loss)
@@ -92,7 +98,7 @@ def cast_to_bf16(gm: fx.GraphModule) -> fx.GraphModule:
     """bf16 working parameters and activations, an fp32 loss (module doc).
 
     Requires: `meta["val"]` (export's fake values) on every node; `fxpar.parameter` on the
-    parameter nodes; `fxpar.requires_grad`; the loss normalised (its count an input).
+    parameter nodes; the loss normalised (the graph returns it).
     Ensures: `computes_in_bf16`; every value's `meta["val"]` has the dtype it is computed in;
     `fxpar.master_dtype` on each parameter stored in bf16.
     """
@@ -108,12 +114,10 @@ def cast_to_bf16(gm: fx.GraphModule) -> fx.GraphModule:
                 node.meta[meta.MASTER_DTYPE] = MASTER
                 node.meta["val"] = node.meta["val"].to(WORKING)
                 recast.add(node)
-            elif node.op == "get_attr" and node not in parameters.values() and _dtype(node) == MASTER:
-                _cast_after(graph, node, WORKING, recast)
-            elif node.op == "placeholder" and node.target != COUNT_INPUT and _dtype(node) == MASTER:
-                _cast_after(graph, node, WORKING, recast)
+            elif node.target is aten._assert_tensor_metadata.default:
+                _assert_new_dtype(node)
             elif node.op == "call_function":
-                wanted = MASTER if node.target in _LOSSES else WORKING if node.target in _MATMULS else None
+                wanted = MASTER if node.target in _LOSSES else WORKING if node.target in _READ_BF16 else None
                 if wanted is not None:
                     for arg in node.all_input_nodes:
                         if _dtype(arg) not in (None, wanted) and _dtype(arg).is_floating_point:
@@ -143,16 +147,6 @@ def _dtype(node: fx.Node) -> torch.dtype | None:
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
-def _cast_after(graph: fx.Graph, source: fx.Node, dtype: torch.dtype, recast: set[fx.Node]) -> None:
-    """Every user of `source` reads one `_to_copy(source, dtype)` instead."""
-    users = list(source.users)
-    with graph.inserting_after(source):
-        cast = _cast_node(graph, source, dtype)
-    for user in users:
-        user.replace_input_with(source, cast)
-    recast.add(cast)
-
-
 def _cast_before(graph: fx.Graph, source: fx.Node, user: fx.Node, dtype: torch.dtype, recast: set[fx.Node]) -> None:
     """`user` alone reads `_to_copy(source, dtype)` instead of `source`."""
     with graph.inserting_before(user):
@@ -166,6 +160,16 @@ def _cast_node(graph: fx.Graph, source: fx.Node, dtype: torch.dtype) -> fx.Node:
     cast.meta.update({k: source.meta[k] for k in _COPIED_META if k in source.meta})
     cast.meta["val"] = source.meta["val"].to(dtype)
     return cast
+
+
+def _assert_new_dtype(node: fx.Node) -> None:
+    """Export's check before a `.to()` (`_assert_tensor_metadata`) asserts the dtype its input
+    has now."""
+    dtype = _dtype(node.args[0])
+    if len(node.args) > 3:
+        node.args = (*node.args[:3], dtype, *node.args[4:])
+    elif node.kwargs.get("dtype") is not None:
+        node.kwargs = {**node.kwargs, "dtype": dtype}
 
 
 def _recompute(node: fx.Node, recast: set[fx.Node]) -> None:

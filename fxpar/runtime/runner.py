@@ -409,8 +409,10 @@ class Runner:
         state = self._gather_full({meta.stage_of(m): (m, self._masters.full_precision(m.state_dict(keep_vars=True)))
                                    for m in self.modules}, gradients=False)
         if self._flat_parameters and self._masters:  # ZeRO: the masters are sharded over dp
-            state.update(self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
-                                           shards=lambda owner, index, module: self._masters.shard_of(module, index)))
+            masters = self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
+                                        shards=lambda owner, index, module: self._masters.shard_of(module, index))
+            aliases = self.program.captured.graph_module.meta.get(meta.GRAPH_ALIASES, {})
+            state.update(masters | {a: masters[n] for a, n in aliases.items() if n in masters})
         return state
 
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -22,8 +22,9 @@ aten = torch.ops.aten
 
 
 class _Mixed(nn.Module):
-    """A float input, an fp32 buffer, and an fp32 value the model itself makes (a factory op)
-    that promotes the activations back to fp32 right before a matmul."""
+    """A float input times an fp32 buffer (both kept fp32, as autocast keeps them), and an fp32
+    value the model itself makes (a factory op) that promotes the bf16 activations back to
+    fp32 right before a matmul."""
 
     def __init__(self):
         super().__init__()
@@ -65,13 +66,16 @@ def test_inputs_buffers_and_the_models_own_fp32_values_reach_matmuls_in_bf16():
     model = _Mixed()
     program = fxpar.compile(model, "precision=bf16-mixed", example_inputs=(x, y))
     gm = program.graph_module
-    casts = _casts(gm)
-    assert ("x", torch.bfloat16) in casts  # a float input
-    assert ("scale", torch.bfloat16) in casts  # a float buffer, stored as it was
-    head = next(n for n in gm.graph.nodes if n.target is aten.linear.default and "head" in meta.module_path(n))
-    promoted = head.args[0]  # the fp32 sum, cast back for the matmul
-    assert promoted.target is aten._to_copy.default and promoted.kwargs["dtype"] == torch.bfloat16
-    assert promoted.args[0].meta["val"].dtype == torch.float32
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert nodes["x"].meta["val"].dtype == nodes["scale"].meta["val"].dtype == torch.float32
+    up, head = (next(n for n in gm.graph.nodes if n.target is aten.linear.default and path in meta.module_path(n))
+                for path in ("up", "head"))
+    for linear in (up, head):  # x * scale, and the fp32 sum: cast to bf16 for the matmul
+        cast = linear.args[0]
+        assert cast.target is aten._to_copy.default and cast.kwargs["dtype"] == torch.bfloat16
+        assert cast.args[0].meta["val"].dtype == torch.float32
+        assert linear.meta["val"].dtype == torch.bfloat16
+    assert [dtype for _, dtype in _casts(gm)] == [torch.bfloat16, torch.bfloat16, torch.float32]  # + the loss's
     computes_in_bf16(gm)
     # It runs: bf16 working weights (the runtime's, from their fp32 masters), an fp32 loss
     # within bf16's rounding (2^-9 per rounding, a few of them) of the fp32 model's.
@@ -85,6 +89,31 @@ def test_inputs_buffers_and_the_models_own_fp32_values_reach_matmuls_in_bf16():
         expected = _Mixed()
         expected.load_state_dict({k: v.float() for k, v in masters.full_precision(module.state_dict(keep_vars=True)).items()})
         assert loss.item() == pytest.approx(expected(x, y).item(), rel=2e-2)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_models_run_in_bf16(name):
+    """GPT-2's fp32 attention mask promotes its residual stream to fp32 before a LayerNorm with
+    bf16 weights (which torch's CPU kernel refuses: the norm reads a bf16 copy); Llama keeps
+    its rotary `inv_freq` in fp32 and upcasts in RMSNorm (export's `_assert_tensor_metadata`
+    checks follow the new dtypes). The rank module runs on bf16 working weights, and its fp32
+    loss is the fp32 model's to within bf16's rounding."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from hf_models import build
+
+    torch.manual_seed(0)
+    model, inputs = build(name)
+    with torch.no_grad():
+        expected = model(*inputs).item()
+    program = fxpar.compile(model, "precision=bf16-mixed", example_inputs=inputs)
+    computes_in_bf16(program.graph_module)
+    module = program.rank_module(0)
+    MasterWeights.keep([module])
+    count = (inputs[1][:, 1:] != -100).sum().float()  # the causal loss's shifted targets
+    with torch.no_grad():
+        loss = module(*inputs, count)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected, rel=1e-2)
 
 
 def test_the_contract_catches_an_fp32_matmul():

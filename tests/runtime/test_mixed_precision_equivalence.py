@@ -50,6 +50,8 @@ pytestmark = pytest.mark.multirank
 LOSS_RELATIVE = 5e-3
 UPDATE_RELATIVE = 0.15
 SAME_ARITHMETIC = 1e-6
+GRADIENT_RELATIVE = 2e-2
+MOMENT_RELATIVE = 0.1
 
 BF16 = "precision=bf16-mixed"
 ONE_DEVICE = [f"{BF16}", f"mb=4 {BF16}"]
@@ -59,7 +61,8 @@ TWO_RANKS = [
     f"pp=2 mb=4 {BF16}", f"pp=2 mb=4 schedule=gpipe {BF16}", f"pp=2 mb=4 schedule=zb-h1 {BF16}",
     f"pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}",
 ]
-FOUR_RANKS = [f"dp=2 tp=2 sp=true zero=1 mb=2 {BF16}", f"dp=2 pp=2 zero=2 mb=4 {BF16} reduce_dtype=bf16"]
+FOUR_RANKS = [f"dp=2 tp=2 sp=true zero=1 mb=2 {BF16}", f"dp=2 pp=2 zero=2 mb=4 {BF16} reduce_dtype=bf16",
+              f"dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}"]
 
 
 LLAMA = {"FXPAR_TEST_MODEL": "llama"}
@@ -88,8 +91,14 @@ def _flat(state: dict, keys) -> torch.Tensor:
     return torch.cat([state[k].flatten().float() for k in keys])
 
 
+def _moments(state: dict, names) -> torch.Tensor:
+    return torch.cat([state[n][k].flatten() for n in names for k in ("exp_avg", "exp_avg_sq")])
+
+
 def assert_within_bf16(result: dict, reference: dict) -> None:
-    """Loss of each step and all parameters after the last: the module doc's tolerances."""
+    """Loss of each step and all parameters after the last: the module doc's tolerances; the
+    first step's gradients and AdamW's moments after the last, read back whole
+    (`full_gradients`, `full_optimizer_state_dict`), to their bf16 noise."""
     assert len(result["losses"]) == STEPS
     for step, (loss, ref) in enumerate(zip(result["losses"], reference["losses"])):
         assert loss == pytest.approx(ref, rel=LOSS_RELATIVE), f"loss of step {step}"
@@ -99,6 +108,13 @@ def assert_within_bf16(result: dict, reference: dict) -> None:
     trained, fp32 = _flat(result["state"], keys), _flat(reference["state"], keys)
     update = fp32 - _flat(reference["initial"], keys)
     assert (trained - fp32).norm() <= UPDATE_RELATIVE * update.norm()
+    grads = result["grads"]  # fp32 copies of the bf16 gradients, all together
+    found, expected = (torch.cat([g[n].flatten() for n in grads]) for g in (grads, reference["grads"]))
+    assert (found - expected).norm() <= GRADIENT_RELATIVE * expected.norm()
+    names = list(reference["optimizer"])
+    assert set(result["optimizer"]["state"]) == set(names)
+    found, expected = _moments(result["optimizer"]["state"], names), _moments(reference["optimizer"], names)
+    assert (found - expected).norm() <= MOMENT_RELATIVE * expected.norm()
 
 
 def assert_same_arithmetic(result: dict, reference: dict) -> None:
@@ -107,6 +123,9 @@ def assert_same_arithmetic(result: dict, reference: dict) -> None:
     keys = list(reference["state"])
     difference = _flat(result["state"], keys) - _flat(reference["state"], keys)
     assert difference.norm() <= SAME_ARITHMETIC * _flat(reference["state"], keys).norm()
+    names = list(reference["optimizer"])
+    found, expected = _moments(result["optimizer"]["state"], names), _moments(reference["optimizer"], names)
+    assert (found - expected).norm() <= SAME_ARITHMETIC * expected.norm()
 
 
 def assert_mixed_precision_rank(ranks: list[dict], plan: str) -> None:

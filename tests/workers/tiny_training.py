@@ -101,5 +101,6 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
                     parameter.copy_(master)
     finally:
         torch.nn.functional.cross_entropy = cross_entropy
-    names = [n for n, _ in model.named_parameters()]
-    return {"losses": losses, "state": model.state_dict() | dict(zip(names, masters))}
+    names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
+    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
+    return {"losses": losses, "state": model.state_dict() | {names[id(m)]: m for m in masters}, "optimizer": moments}
