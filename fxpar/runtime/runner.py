@@ -360,13 +360,12 @@ class Runner:
             optimizer = ShardedOptimizer(optimizer_class, options, context=self._context,
                                          flats=self._flat_parameters, elementwise=elementwise,
                                          masters=self._masters)
-        elif self._masters:
-            optimizer = MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters,
-                                                parameters=[p for _, p in _parameters_of(self.modules)])
         else:
             if self.program.plan.zero == 3 and self._dp.size > 1:  # it steps flat pieces
                 require_elementwise(optimizer_class, zero=3, elementwise=elementwise)
-            optimizer = optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
+            parameters = [p for _, p in _parameters_of(self.modules)]
+            optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, parameters=parameters)
+                         if self._masters else optimizer_class(parameters, **options))
         self._optimizers.append(optimizer)
         return optimizer
 

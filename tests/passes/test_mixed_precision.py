@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar import meta
+from fxpar import PlanError, meta
 from fxpar.passes.contracts import ContractError
 from fxpar.passes.mixed_precision import cast_to_bf16, computes_in_bf16
 from fxpar.runtime.master_weights import MasterWeights
@@ -135,6 +135,21 @@ def test_gradients_are_bf16_and_reduced_in_the_plans_reduce_dtype(reduce_dtype, 
     assert {c.dtype for c in calls if c.tag.startswith("gradient bucket")} == {wire}
     assert {c.dtype for c in calls if c.tag.startswith("updated parameters")} == {torch.bfloat16}
     assert [c.dtype for c in calls if c.tag == "loss"] == [torch.float32]  # the loss alone, in fp32
+
+
+def test_zero3_reduces_in_bf16_only_so_far():
+    """ZeRO-3's reduce-scatters are its gather ops' backwards, in the gathered bf16: an fp32
+    reduce_dtype (the default) is refused, not ignored."""
+    tokens, labels = global_batches()[0]
+    program = fxpar.compile(build_model(), "dp=2 zero=3 precision=bf16-mixed", example_inputs=(tokens, labels))
+    with pytest.raises(PlanError, match="reduce_dtype=fp32.*Fix: add reduce_dtype=bf16") as error:
+        program.check()
+    assert error.value.field == "reduce_dtype"
+    program = fxpar.compile(build_model(), "dp=2 zero=3 precision=bf16-mixed reduce_dtype=bf16",
+                            example_inputs=(tokens, labels))
+    program.check()
+    gathers = program.collectives(0)
+    assert {c.dtype for c in gathers if c.kind in ("all_gather", "reduce_scatter")} == {torch.bfloat16}
 
 
 def test_ddp_buckets_carry_the_loss_only_in_fp32():

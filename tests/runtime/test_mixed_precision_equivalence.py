@@ -4,7 +4,7 @@ bf16-mixed (`passes.mixed_precision`, `runtime.master_weights`) computes with bf
 weights and activations, keeps fp32 master weights and AdamW state, reduces gradients over dp
 in `reduce_dtype` and reports an fp32 loss. Three launches train for 5 AdamW steps
 (tests/workers/train_worker.py): the example Llama on one device and on two ranks (dp with
-each reduce dtype, ZeRO-1 and 2, tp with and without sp, every pipeline schedule), and the
+each reduce dtype, ZeRO-1, 2 and 3, tp with and without sp, every pipeline schedule), and the
 tiny GPT, whose head is tied to its embedding, on four (dp composed with tp, sp and pp,
 under ZeRO-1 and 2 and interleaved).
 
@@ -68,7 +68,7 @@ TWO_RANKS = [
     f"dp=2 {BF16}", f"dp=2 {BF16} reduce_dtype=bf16", f"dp=2 zero=1 {BF16}",
     f"dp=2 zero=2 mb=2 {BF16} reduce_dtype=bf16", f"tp=2 {BF16}", f"tp=2 sp=true {BF16}",
     f"pp=2 mb=4 {BF16}", f"pp=2 mb=4 schedule=gpipe {BF16}", f"pp=2 mb=4 schedule=zb-h1 {BF16}",
-    f"pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}",
+    f"pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}", f"dp=2 zero=3 {BF16} reduce_dtype=bf16",
 ]
 FOUR_RANKS = [f"dp=2 tp=2 sp=true zero=1 mb=2 {BF16}", f"dp=2 pp=2 zero=2 mb=4 {BF16} reduce_dtype=bf16",
               f"dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}"]
