@@ -10,6 +10,9 @@ resolves the axes to one rank's groups. Without a pipeline there is one row:
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
     PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
 
+Under bf16-mixed the buckets are reduced in their `Bucket.reduced_dtype` and the loss, which
+must reach the user in fp32, is all-reduced alone (`data_parallel.carries_loss`).
+
 Under ZeRO-1/2 the buckets are reduce-scattered, the held ones (`Bucket.held`) after the
 partial and tied sums, the loss is all-reduced alone, and the program's `optimizer` part
 all-gathers each bucket's updated parameters. Under ZeRO-3 the graph's own ops gather each
