@@ -54,6 +54,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from fxpar import meta
+from fxpar.errors import PlanError
 from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten
@@ -176,7 +177,17 @@ def _recompute(node: fx.Node, recast: set[fx.Node]) -> None:
     """`node`'s value at its inputs' new dtypes (export's fake mode is active)."""
     old = node.meta.get("val")
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    new = node.target(*args, **kwargs)
+    try:
+        new = node.target(*args, **kwargs)
+    except Exception as error:
+        dtypes = [str(_dtype(a)).removeprefix("torch.") for a in node.all_input_nodes if _dtype(a) is not None]
+        raise PlanError(
+            f"plan precision=bf16-mixed: {meta.describe(node)} does not run on inputs of dtypes "
+            f"{', '.join(dtypes)} ({type(error).__name__}: {str(error)[:200]}). Fix: compute it in one "
+            "dtype in the model (e.g. cast its inputs alike), or precision=fp32",
+            field="precision",
+            value="bf16-mixed",
+        ) from error
     node.meta["val"] = new
     if _dtypes(new) != _dtypes(old):
         recast.add(node)

@@ -116,6 +116,22 @@ def test_hugging_face_models_run_in_bf16(name):
     assert loss.item() == pytest.approx(expected, rel=1e-2)
 
 
+class _Dot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("w", torch.ones(8))
+
+    def forward(self, x):
+        return self.lin(x).mean(0).dot(self.w)  # bf16 . fp32: torch.dot refuses mixed dtypes
+
+
+def test_an_op_that_refuses_mixed_dtypes_is_a_plan_error_naming_it():
+    with pytest.raises(PlanError, match=r"precision=bf16-mixed: .*dot.*bfloat16, float32.*Fix:") as error:
+        fxpar.compile(_Dot(), "precision=bf16-mixed", example_inputs=(torch.randn(4, 8),))
+    assert error.value.field == "precision"
+
+
 def test_the_contract_catches_an_fp32_matmul():
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     program = fxpar.compile(_Mixed(), "dp=1", example_inputs=(x, y))  # fp32: no pass
