@@ -216,7 +216,9 @@ def estimate(
     numbers = {s: sizes[s.name] for s in captured.example_sizes}
 
     precision = plan.compute_precision
-    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
+    # bf16 tensors, in the time of the elementwise ops priced on the captured (fp32) graph; the
+    # memory terms read the rank modules, whose values have the dtypes they are computed in.
+    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
     compute = graph_compute(program)
     params = captured.parameter_count()
     formulas: dict[str, sympy.Expr] = {}
@@ -292,10 +294,10 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     holds_loss = not pipeline or any(s.stage == len(all_shares) - 1 for s in mine)
     formulas.update({f"memory.{k}": v for k, v in state.items()})
     formulas["memory.activations"] = (
-        narrow * rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
+        rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
     )
     workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
-    formulas["memory.workspace"] = narrow * workspace.subs(BATCH, local_batch)
+    formulas["memory.workspace"] = workspace.subs(BATCH, local_batch)
     formulas["memory.total"] = peak_bytes(
         state, formulas["memory.activations"], formulas["memory.workspace"],
         grads_persist=dp > 1 or plan.microbatches > 1,

@@ -4,7 +4,8 @@ bf16-mixed (`passes.mixed_precision`, `runtime.master_weights`) computes with bf
 weights and activations, keeps fp32 master weights and AdamW state, reduces gradients over dp
 in `reduce_dtype` and reports an fp32 loss. Three launches train for 5 AdamW steps
 (tests/workers/train_worker.py): the example Llama on one device and on two ranks (dp with
-each reduce dtype, ZeRO-1, 2 and 3, tp with and without sp, every pipeline schedule), and the
+each reduce dtype, ZeRO-1, 2 and 3, tp with and without sp, every pipeline schedule,
+activation checkpointing), and the
 tiny GPT, whose head is tied to its embedding, on four (dp composed with tp, sp and pp,
 under ZeRO-1 and 2 and interleaved).
 
@@ -41,7 +42,9 @@ gradient is summed over the two pipeline stages, in another order).
 On every rank: the module's parameters are bf16 and what the optimizer steps is fp32 (the
 masters), the graph returns an fp32 loss, every step's collectives are the step program's
 (bf16 activations and gradients where they travel in bf16, fp32 where `reduce_dtype=fp32`),
-and `runner.memory_stats()` equals `program.estimate()` for params, grads and optimizer.
+and `runner.memory_stats()` equals `program.estimate()` for params, grads, optimizer and,
+without a pipeline, the activations saved for backward (bf16 where the graph computes in
+bf16), with activation checkpointing too. Resharding checkpoints (`runner.save`) refuse the plan, with a fix.
 """
 
 import sys
@@ -63,12 +66,13 @@ GRADIENT_RELATIVE = 2e-2
 MOMENT_RELATIVE = 0.25
 
 BF16 = "precision=bf16-mixed"
-ONE_DEVICE = [f"{BF16}", f"mb=4 {BF16}"]
+ONE_DEVICE = [f"{BF16}", f"mb=4 {BF16}", f"mb=4 checkpoint=full {BF16}"]
 TWO_RANKS = [
     f"dp=2 {BF16}", f"dp=2 {BF16} reduce_dtype=bf16", f"dp=2 zero=1 {BF16}",
     f"dp=2 zero=2 mb=2 {BF16} reduce_dtype=bf16", f"tp=2 {BF16}", f"tp=2 sp=true {BF16}",
     f"pp=2 mb=4 {BF16}", f"pp=2 mb=4 schedule=gpipe {BF16}", f"pp=2 mb=4 schedule=zb-h1 {BF16}",
     f"pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}", f"dp=2 zero=3 {BF16} reduce_dtype=bf16",
+    f"dp=2 checkpoint=full {BF16}", f"tp=2 checkpoint=selective {BF16}",
 ]
 FOUR_RANKS = [f"dp=2 tp=2 sp=true zero=1 mb=2 {BF16}", f"dp=2 pp=2 zero=2 mb=4 {BF16} reduce_dtype=bf16",
               f"dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}"]
@@ -149,7 +153,11 @@ def assert_mixed_precision_rank(ranks: list[dict], plan: str) -> None:
         assert "Fix: runner.save_full(path, optimizer=opt)" in result["checkpoint_refused"]
         if result["rank"] != result["estimated_rank"]:
             continue  # the estimate reports one rank (with a pipeline, ranks differ)
-        for key in ("params", "grads", "optimizer"):
+        # Activations only without a pipeline: the estimate's in-flight share of a pipeline's
+        # interleaved and GPipe schedules is approximate in fp32 as well (measured 70152 bytes
+        # against 74316 on the tiny GPT's dp=2 pp=2 interleaved rank 1).
+        terms = ("params", "grads", "optimizer") + (("activations",) if not result["schedule_row"] else ())
+        for key in terms:
             assert result["memory"][key] == result["estimated_memory"][key], (plan, key)
     assert any(result[plan]["dtypes"]["loss"] == ["torch.float32"] for result in ranks)  # the last stage's
 
@@ -168,7 +176,7 @@ def assert_zero_paper_bytes(result: dict, *, zero: int, reduce_bytes: int) -> No
 
 
 def test_one_device_bf16_mixed_matches_fp32_within_bf16(one_device, llama_fp32, llama_bf16):
-    for plan, microbatches in zip(ONE_DEVICE, (1, 4)):
+    for plan, microbatches in zip(ONE_DEVICE, (1, 4, 4)):  # recomputation changes no value
         assert_within_bf16(one_device[plan], llama_fp32)
         assert_same_arithmetic(one_device[plan], llama_bf16[microbatches])
         assert_mixed_precision_rank([one_device], plan)
