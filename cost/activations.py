@@ -133,7 +133,7 @@ def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none")
     gm = captured.graph_module
     real = dict(gm.named_parameters()) | dict(gm.named_buffers())
     getters = {
-        n.target: (n.meta["val"], bool(getattr(real.get(n.target), "requires_grad", False)))
+        n.target: (n.meta["val"], bool(getattr(real.get(n.target), "requires_grad", False)), None)
         for n in gm.graph.nodes if n.op == "get_attr"
     }
     runs = segments(gm.graph.nodes, recomputed_nodes(captured, checkpoint).get)
@@ -150,7 +150,10 @@ def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph) -> 
         if node.op == "get_attr":
             value = operator.attrgetter(node.target)(module)
             if isinstance(value, torch.Tensor):
-                getters[node.target] = (value, value.requires_grad)
+                # In the dtype the graph computes it in: bf16-mixed's working copy of an fp32
+                # parameter (`passes.mixed_precision`), whatever the tensor holds before bind.
+                computed = node.meta["val"].dtype if isinstance(node.meta.get("val"), torch.Tensor) else None
+                getters[node.target] = (value, value.requires_grad, computed)
     runs = segments(module.graph.nodes, meta.recompute_region)
     return _saved_bytes(module, captured, getters, runs, given=set(captured.input_names))
 
@@ -158,7 +161,7 @@ def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph) -> 
 def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
                  given: set[str] = frozenset()) -> sympy.Expr:
     """The fake forward of the module doc over `gm`, its state given as (tensor whose shape,
-    stride and dtype to take, requires_grad) per get_attr target; the inputs named in `given`
+    stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the inputs named in `given`
     (the step's batch, which the step does not allocate) are not counted, like the state."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [n.meta.get("val") for n in placeholders]
@@ -172,9 +175,9 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
 
     with fake_mode:
         state = {
-            name: torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+            name: torch.empty_strided(value.shape, value.stride(), dtype=dtype or value.dtype, device=value.device)
             .requires_grad_(grad)
-            for name, (value, grad) in getters.items()
+            for name, (value, grad, dtype) in getters.items()
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             interpreter = _FakeStateInterpreter(gm, state, runs, saved)

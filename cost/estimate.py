@@ -216,7 +216,9 @@ def estimate(
     numbers = {s: sizes[s.name] for s in captured.example_sizes}
 
     precision = plan.compute_precision
-    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
+    # bf16 tensors, in the time of the elementwise ops priced on the captured (fp32) graph; the
+    # memory terms read the rank modules, whose values have the dtypes they are computed in.
+    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
     compute = graph_compute(program)
     params = captured.parameter_count()
     formulas: dict[str, sympy.Expr] = {}
@@ -280,7 +282,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         held.update(piece.parameters)
     parameters = sum(held.values())
     state = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
-                              zero=plan.zero, dp=dp)
+                              zero=plan.zero, dp=dp, reduce_dtype=plan.reduce_dtype)
     buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
     tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
     # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
@@ -292,10 +294,10 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     holds_loss = not pipeline or any(s.stage == len(all_shares) - 1 for s in mine)
     formulas.update({f"memory.{k}": v for k, v in state.items()})
     formulas["memory.activations"] = (
-        narrow * rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
+        rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
     )
     workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
-    formulas["memory.workspace"] = narrow * workspace.subs(BATCH, local_batch)
+    formulas["memory.workspace"] = workspace.subs(BATCH, local_batch)
     formulas["memory.total"] = peak_bytes(
         state, formulas["memory.activations"], formulas["memory.workspace"],
         grads_persist=dp > 1 or plan.microbatches > 1,
@@ -347,7 +349,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
             w = [0.0] * len(b)
         transfers = [c for c in program.collectives(rank) if c.kind == "send"]
         hop = max(
-            (float(collective_time("send", c.payload_bytes * narrow, 2, device.link(c.group)))
+            (float(collective_time("send", c.payload_bytes, 2, device.link(c.group)))
              for c in transfers),
             default=0.0,
         )
@@ -357,8 +359,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     comm: dict[str, dict[str, float]] = {}
     phase_calls: dict[str, list[sympy.Expr]] = {"forward": [], "backward": [], "step": []}
     for call in program.collectives(rank):
-        scale = narrow if call.numel > 1 else 1  # gradients and parameters travel in bf16
-        payload = call.payload_bytes * scale
+        payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
         n = len(call.group)
         entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
         entry["count"] += 1

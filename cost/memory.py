@@ -11,6 +11,16 @@ ZeRO shards over the N data-parallel ranks: stage 1 the optimizer state, stage 2
 gradients, stage 3 also the weights, giving 4P + 12P/N, 2P + 14P/N and 16P/N (Sec. 5).
 `P` may be a number or a sympy symbol; shares are exact rationals.
 
+The paper's 2 bytes of gradients are 16-bit gradients reduced in 16 bits. fxpar's bf16
+gradients (`passes.mixed_precision`) are reduced over dp in the plan's `reduce_dtype`
+(FSDP2's `MixedPrecisionPolicy.reduce_dtype`, default fp32); DDP and ZeRO-1 keep the bf16
+bucket (2P; an fp32 reduction stages one bucket at a time in fp32 and rounds the sum back),
+and the reduced shard ZeRO keeps is in `reduce_dtype`: ZeRO-1 adds it beside the bucket (4P/N
+in fp32, a view of the bucket in bf16), ZeRO-2 and 3 keep only it (4P/N or 2P/N). With
+dp = 1 nothing is reduced: 2P. So bf16-mixed Adam with the default fp32 reduction holds
+2P + 2P + 12P without ZeRO, 2P + (2P + 4P/N) + 12P/N with ZeRO-1, 2P + 4P/N + 12P/N with
+ZeRO-2 (16P/N as the paper with reduce_dtype=bf16).
+
 `peak_bytes` puts model state, saved activations and backward's workspace together into the
 step's peak. When gradients exist decides where it is:
 
@@ -49,8 +59,10 @@ def model_state_bytes(
     optimizer: str,
     zero: int,
     dp: int | sympy.Expr,
+    reduce_dtype: str = "fp32",
 ) -> dict[str, sympy.Expr]:
-    """Bytes of `params`, `grads` and `optimizer` state one rank holds (see module doc)."""
+    """Bytes of `params`, `grads` and `optimizer` state one rank holds (see module doc);
+    `reduce_dtype` ("fp32" or "bf16") is what bf16-mixed reduces gradients in."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
     P = sympy.sympify(parameters)
@@ -58,11 +70,27 @@ def model_state_bytes(
     weights = _WEIGHT_BYTES[precision] * P
     grads = _WEIGHT_BYTES[precision] * P
     state = _OPTIMIZER_BYTES[(precision, optimizer)] * P
+    if precision == "bf16-mixed":
+        grads = _mixed_gradient_bytes(P, share, zero=zero, reduced=_REDUCED_BYTES[reduce_dtype])
+    elif zero >= 2:
+        grads = grads * share
     return {
         "params": weights * share if zero >= 3 else weights,
-        "grads": grads * share if zero >= 2 else grads,
+        "grads": grads,
         "optimizer": state * share if zero >= 1 else state,
     }
+
+
+_REDUCED_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def _mixed_gradient_bytes(P, share, *, zero: int, reduced: int) -> sympy.Expr:
+    """bf16 gradients reduced in `reduced`-byte elements (module doc)."""
+    if share == 1 or zero == 0:
+        return 2 * P
+    if zero == 1:
+        return 2 * P + (reduced * P * share if reduced != 2 else 0)
+    return reduced * P * share
 
 
 def peak_bytes(

@@ -10,6 +10,9 @@ resolves the axes to one rank's groups. Without a pipeline there is one row:
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
     PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
 
+Under bf16-mixed the buckets are reduced in their `Bucket.reduced_dtype` and the loss, which
+must reach the user in fp32, is all-reduced alone (`data_parallel.carries_loss`).
+
 Under ZeRO-1/2 the buckets are reduce-scattered, the held ones (`Bucket.held`) after the
 partial and tied sums, the loss is all-reduced alone, and the program's `optimizer` part
 all-gathers each bucket's updated parameters. Under ZeRO-3 the graph's own ops gather each
@@ -39,7 +42,7 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.distributed_ops import BY_NAME, COMMUNICATING, axis_of, distributed_op
 from fxpar.mesh import Axis, Mesh
-from fxpar.passes.data_parallel import Bucket
+from fxpar.passes.data_parallel import Bucket, carries_loss
 from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.pipeline_program import issue_order, shared_parameters
 from fxpar.placement import FlatShard, R, local_numel
@@ -181,7 +184,7 @@ def bucket_actions(
     if zero == 0:
         for b in mine:
             last = b.index == len(buckets) - 1 and carry_loss
-            add(Purpose.GRADIENT_BUCKET, "all_reduce", b.numel + (1 if last else 0), b.dtype,
+            add(Purpose.GRADIENT_BUCKET, "all_reduce", b.numel + (1 if last else 0), b.reduced_dtype,
                 f"gradient bucket {b.index}" + (" + loss" if last else ""), "backward", b.index)
         if not buckets and carry_loss:
             actions += loss_actions(mesh, phase="backward")
@@ -189,7 +192,7 @@ def bucket_actions(
     if zero == 3:
         return actions
     for b in mine:
-        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.dtype, f"gradient bucket {b.index}",
+        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.reduced_dtype, f"gradient bucket {b.index}",
             "backward", b.index)
     return actions
 
@@ -243,10 +246,11 @@ def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     for microbatch in range(program.plan.microbatches):
         actions += [Compute("F", 0, microbatch, forward), Compute("B", 0, microbatch, backward)]
-    if zero == 0:  # the loss rides in the last bucket
-        actions += bucket_actions(buckets, mesh, zero=0)
+    if zero == 0:  # the loss rides in the last bucket, if that is fp32
+        carry = carries_loss(buckets)
+        actions += bucket_actions(buckets, mesh, zero=0, carry_loss=carry)
         actions += partial_gradient_actions(gm, mesh)
-        return tuple(actions), ()
+        return tuple(actions + ([] if carry else loss_actions(mesh))), ()
     actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False)
     actions += partial_gradient_actions(gm, mesh)
     actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False, held=True)
@@ -331,9 +335,12 @@ def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[Action, ...]
     actions: list[Action] = []
     if gradients and program.plan.zero in (1, 2) and mesh.dp > 1:  # each rank holds a shard
         for stage, gm in _local_graphs(program, pp):
+            nodes = meta.parameter_nodes(gm.graph)
             for b in gm.meta[meta.GRAPH_BUCKETS]:
-                call = Call(kind="all_gather", numel=b.padded(mesh.dp), dtype=b.dtype, axis="dp", op="none",
-                            tag=f"full state: gradient bucket {b.index}", phase="step")
+                # Gathered in the masters' dtype under bf16-mixed, as the tensors they become.
+                dtype = meta.master_dtype(nodes[b.parameters[0]]) or b.reduced_dtype
+                call = Call(kind="all_gather", numel=b.padded(mesh.dp), dtype=dtype, axis="dp",
+                            op="none", tag=f"full state: gradient bucket {b.index}", phase="step")
                 actions.append(Communicate(Purpose.GRADIENT_SHARDS, (call,), stage=stage, index=b.index))
     for stage, key, node, value in rows[pp]:
         if mesh.dp > 1 and node is not None and isinstance(meta.placement(node, "dp"), FlatShard):
@@ -370,7 +377,10 @@ def _state_entries(program, pp: int, *, gradients: bool) -> list[tuple[int, str,
         else:
             tensors = gm.state_dict(keep_vars=True)
         for key, value in tensors.items():
-            entries.append((stage, key, nodes.get(aliases.get(key, key)), value))
+            node = nodes.get(aliases.get(key, key))
+            if (master := meta.master_dtype(node)) is not None:  # gathered as its fp32 master
+                value = torch.empty(value.shape, dtype=master, device="meta")
+            entries.append((stage, key, node, value))
     return entries
 
 

@@ -14,6 +14,8 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
                                                 partial sum over the tp group
     fxpar.stage               pipeline          the pipeline stage that computes the node
+    fxpar.master_dtype        mixed_precision   a parameter stored in bf16: the dtype its master
+                                                copy is trained in (fp32)
     fxpar.tied_across_stages  pipeline_program  a parameter several stages read (a tied
                                                 embedding and head), summed over them
     fxpar.recompute           activation_       the checkpoint region a node belongs to
@@ -37,6 +39,7 @@ GRAD_PARTIAL = "fxpar.grad_partial"
 STAGE = "fxpar.stage"
 TIED_ACROSS_STAGES = "fxpar.tied_across_stages"
 RECOMPUTE = "fxpar.recompute"
+MASTER_DTYPE = "fxpar.master_dtype"
 
 # GraphModule.meta keys.
 GRAPH_BUCKETS = "fxpar.buckets"  # tuple[passes.data_parallel.Bucket, ...]
@@ -99,6 +102,12 @@ def set_placement(node: fx.Node, axis: Axis, value: Placement) -> None:
 def requires_grad(node: fx.Node) -> bool:
     """Whether autograd computes a gradient for this value (see trace._requires_grad)."""
     return node.meta.get(REQUIRES_GRAD, False)
+
+
+def master_dtype(node: fx.Node | None):
+    """The dtype a bf16 working parameter's master is trained in (`passes.mixed_precision`),
+    or None for a parameter trained in its own dtype."""
+    return None if node is None else node.meta.get(MASTER_DTYPE)
 
 
 def stage_of(gm: fx.GraphModule) -> int:

@@ -7,6 +7,7 @@ of the split, a `GraphModule -> GraphModule` whose contract `run_passes` checks)
 bound with `functools.partial`, so `print(program.passes)` shows the whole pipeline:
 
     graph: normalise_loss
+           cast_to_bf16                          (precision=bf16-mixed)
            shard_tensor_parallel(placements=..., tp=2, sequence_parallel=False, ...)
            place_data_parallel(batch=frozenset({s35}))
            draw_from_streams(exact=False, dp=2, tp=2, microbatches=1)   (a model that draws)
@@ -16,7 +17,8 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
            mark_recomputation(mode='full', blocks=('h',))
 
 [Note: pass order] The loss becomes sum / global count first, so that every later rewrite
-(the vocabulary-parallel loss, the pipeline's last stage) works on the sum. Tensor
+(the vocabulary-parallel loss, the pipeline's last stage) works on the sum. Mixed precision
+follows: every later pass, and the ops it inserts, sees the dtypes a rank computes in. Tensor
 parallelism runs next: it decides which parameters are split, and gradient buckets are sized
 by the shards each rank really holds. Placements on the dp axis follow, over the ops tensor
 parallelism inserted too. Random ops are given their streams once both axes are placed (a
@@ -34,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import torch
+
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
@@ -43,6 +47,7 @@ from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
 from fxpar.passes.loss_normalisation import normalise_loss
+from fxpar.passes.mixed_precision import cast_to_bf16
 from fxpar.passes.pipeline import assign_stages
 from fxpar.passes.random_draws import draw_from_streams, draws_randomness
 from fxpar.passes.tensor_parallel import shard_tensor_parallel
@@ -75,6 +80,8 @@ class PassList:
 def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str) -> PassList:
     """The passes `plan` compiles `captured` with, in order (module doc)."""
     graph: list[GraphPass] = [normalise_loss]
+    if plan.precision == "bf16-mixed":
+        graph.append(cast_to_bf16)
     if plan.tp > 1:
         placements = parameter_placements(captured.graph_module, _tensor_parallel_rules(plan, captured), tp=plan.tp)
         graph.append(partial(
@@ -87,7 +94,7 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         graph.append(partial(draw_from_streams, exact=plan.rng == "exact", dp=plan.dp, tp=plan.tp,
                              microbatches=plan.microbatches))
     buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
-                      hold=plan.zero >= 1)
+                      hold=plan.zero >= 1, **_reduce_dtype(plan))
     # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.
     zero3 = (partial(shard_parameters, mesh=mesh, reshard_after_forward=plan.reshard_after_forward),
              ) if plan.zero == 3 and mesh.dp > 1 else ()
@@ -148,6 +155,13 @@ def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:
     """A rank's share of one microbatch of the example's batch (`placement.local_shape`)."""
     (batch,) = local_shape((captured.example_batch // plan.microbatches,), Placements(dp=Shard(0)), mesh.sizes)
     return batch
+
+
+def _reduce_dtype(plan: Plan) -> dict[str, torch.dtype]:
+    """bf16-mixed's gradients (bf16) are reduced over dp in the plan's `reduce_dtype`."""
+    if plan.precision != "bf16-mixed":
+        return {}
+    return {"reduce_dtype": torch.bfloat16 if plan.reduce_dtype == "bf16" else torch.float32}
 
 
 def _bucket_bytes(plan: Plan, mesh: Mesh, hardware: str) -> int:

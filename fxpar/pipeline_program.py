@@ -172,7 +172,8 @@ def node_memory(captured, *, microbatch: int, plan) -> callable:
     whole-model figure).
     """
     per_parameter = float(sum(model_state_bytes(
-        1, precision=plan.precision, optimizer="adamw", zero=plan.zero, dp=plan.dp
+        1, precision=plan.precision, optimizer="adamw", zero=plan.zero, dp=plan.dp,
+        reduce_dtype=plan.reduce_dtype,
     ).values()))
     sizes = {s: (microbatch if s.name == "batch" else v) for s, v in captured.example_sizes.items()}
     first_users: dict[int, dict[fx.Node, float]] = {}  # per graph: node -> its parameters' bytes

@@ -105,7 +105,7 @@ class Plan:
     prefetch: int = 1
     reshard_after_forward: bool = True
     # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients
-    # are reduced in `reduce_dtype`. Estimated; the runtime trains in fp32 so far.
+    # are reduced over dp in `reduce_dtype` (passes.mixed_precision, runtime.master_weights).
     precision: Precision = "fp32"
     reduce_dtype: str = "fp32"
     # Activation checkpointing (Korthikanti et al. 2022): "full" recomputes every transformer
@@ -418,11 +418,12 @@ class Plan:
 def check_runnable(plan: Plan) -> None:
     """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
     by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
-    if plan.precision != "fp32":
+    if plan.zero == 3 and plan.precision == "bf16-mixed" and plan.reduce_dtype != "bf16":
         raise PlanError(
-            f"plan precision={plan.precision}: the runtime trains in fp32 only so far; "
-            "program.estimate() already predicts mixed-precision memory. Fix: bind a plan with "
-            "precision=fp32 to train",
-            field="precision",
-            value=plan.precision,
+            f"plan zero=3 precision=bf16-mixed reduce_dtype={plan.reduce_dtype}: ZeRO-3's "
+            "gradients are reduce-scattered by the graph's parameter-gather ops, in the bf16 "
+            "the parameters are gathered in; reducing them in fp32 is not built yet. Fix: add "
+            "reduce_dtype=bf16, or use zero=2 (which reduces in fp32)",
+            field="reduce_dtype",
+            value=plan.reduce_dtype,
         )

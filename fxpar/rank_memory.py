@@ -37,7 +37,6 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
     plan, mesh, schedule = program.plan, program.mesh, program.schedule
     captured = program.captured
     numbers = dict(captured.example_sizes)
-    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1  # bf16 tensors
     local_batch = BATCH / (plan.dp * plan.microbatches)
     every = shares(program)
     peaks = saved_in_flight(schedule) if schedule is not None else None
@@ -46,18 +45,18 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
         mine = [s for s in every if s.stage is None or schedule.rank_of(s.stage) == pp]
         held = {name: n for s in mine for name, n in s.parameters.items()}
         state = model_state_bytes(sum(held.values()), precision=plan.precision, optimizer=optimizer,
-                                  zero=plan.zero, dp=plan.dp)
+                                  zero=plan.zero, dp=plan.dp, reduce_dtype=plan.reduce_dtype)
         buckets = [program.stages[s.stage].buckets for s in mine] if schedule else [program.buckets]
         tensors = sum(len(b) for b in buckets) if plan.zero >= 1 else len(held)
         state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
         in_flight = peaks[pp] / len(mine) if peaks is not None else 1
         rank = mesh.rank_of(pp=pp)
         terms = dict(state)
-        terms["activations"] = (narrow * rank_activation_bytes(program, rank).subs(BATCH, local_batch)
+        terms["activations"] = (rank_activation_bytes(program, rank).subs(BATCH, local_batch)
                                 * sympy.nsimplify(round(in_flight, 4)))
         holds_loss = schedule is None or any(s.stage == len(every) - 1 for s in mine)
         workspace = backward_workspace_bytes(captured) if holds_loss else sympy.Integer(0)
-        terms["workspace"] = narrow * workspace.subs(BATCH, local_batch)
+        terms["workspace"] = workspace.subs(BATCH, local_batch)
         terms["total"] = peak_bytes(state, terms["activations"], terms["workspace"],
                                     grads_persist=plan.dp > 1 or plan.microbatches > 1)
         result[rank] = {k: float(sympy.sympify(v).subs(numbers)) for k, v in terms.items()}

@@ -36,12 +36,20 @@ class Bucket:
     index: int
     parameters: tuple[str, ...]  # canonical parameter names
     numel: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of its parameters and their gradients (bf16 under bf16-mixed)
     held: bool = False  # reduced only after a step-end sum of its gradient (ZeRO; see below)
+    # The dtype its gradients are summed over dp in, when not `dtype`: the plan's
+    # `reduce_dtype` under bf16-mixed (FSDP2's MixedPrecisionPolicy.reduce_dtype).
+    reduce_dtype: torch.dtype | None = None
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    @property
+    def reduced_dtype(self) -> torch.dtype:
+        """What its gradients are reduced in, and what ZeRO's reduced shard of them holds."""
+        return self.reduce_dtype or self.dtype
 
     def padded(self, ranks: int) -> int:
         """Its elements rounded up to a multiple of `ranks`: a flat buffer that splits into
@@ -72,7 +80,8 @@ def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
 
 @ensures(every_parameter_in_one_bucket)
 def assign_gradient_buckets(
-    gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh = Mesh(), hold: bool = False
+    gm: fx.GraphModule, *, bucket_bytes: int, mesh: Mesh = Mesh(), hold: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Put every parameter that receives a gradient into a bucket of about `bucket_bytes`.
 
@@ -103,7 +112,9 @@ def assign_gradient_buckets(
         # Among parameters of one op, autograd hands out later arguments' gradients first
         # (a linear's bias before its weight), so later arguments go first.
         position = first_user.all_input_nodes.index(node)
-        ready_order.append(((-order[first_user], -position), name, node, value))
+        # The dtype the graph computes it in (bf16 under mixed precision), the tensor's shape.
+        value_dtype = node.meta["val"].dtype if "val" in node.meta else value.dtype
+        ready_order.append(((-order[first_user], -position), name, node, value, value_dtype))
     ready_order.sort(key=lambda item: item[0])
 
     buckets: list[Bucket] = []
@@ -113,19 +124,20 @@ def assign_gradient_buckets(
     def close() -> None:
         nonlocal names, numel
         if names:
-            buckets.append(Bucket(len(buckets), tuple(names), numel, dtype))
+            buckets.append(Bucket(len(buckets), tuple(names), numel, dtype, reduce_dtype=_other(reduce_dtype, dtype)))
         names, numel = [], 0
 
-    for _, name, node, value in ready_order:
+    for _, name, node, value, value_dtype in ready_order:
         size = local_numel(value.shape, meta.placements(node), mesh.sizes)
         if hold and (node.meta.get(meta.GRAD_PARTIAL) or node.meta.get(meta.TIED_ACROSS_STAGES)):
             close()
             node.meta[meta.BUCKET] = len(buckets)
-            buckets.append(Bucket(len(buckets), (name,), size, value.dtype, held=True))
+            buckets.append(Bucket(len(buckets), (name,), size, value_dtype, held=True,
+                                  reduce_dtype=_other(reduce_dtype, value_dtype)))
             continue
-        if dtype is not None and value.dtype != dtype:
+        if dtype is not None and value_dtype != dtype:
             close()
-        dtype = value.dtype
+        dtype = value_dtype
         names.append(name)
         numel += size
         node.meta[meta.BUCKET] = len(buckets)
@@ -134,6 +146,17 @@ def assign_gradient_buckets(
     close()
     gm.meta[meta.GRAPH_BUCKETS] = tuple(buckets)
     return gm
+
+
+def carries_loss(buckets: tuple[Bucket, ...]) -> bool:
+    """Whether DDP's last bucket can carry the step's loss as one extra element: only a bucket
+    kept and reduced in fp32, so that the loss reaches the user in fp32 (else, as under
+    bf16-mixed, the loss is all-reduced alone)."""
+    return all(b.dtype == b.reduced_dtype == torch.float32 for b in buckets[-1:])
+
+
+def _other(reduce_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype | None:
+    return None if reduce_dtype in (None, dtype) else reduce_dtype
 
 
 def _nodes_reaching_output(graph: fx.Graph) -> set[fx.Node]:

@@ -105,16 +105,6 @@ def test_bind_with_the_wrong_world_size_is_a_plan_error(monkeypatch):
         compile_gpt("dp=2").bind()
 
 
-@pytest.mark.parametrize("plan, field", [("precision=bf16-mixed", "precision")])
-def test_check_and_bind_refuse_plan_fields_only_the_cost_model_supports(plan, field):
-    program = compile_gpt(plan)
-    for step in (program.check, program.bind):
-        with pytest.raises(PlanError, match=f"plan {field}=.*program.estimate") as error:
-            step()
-        assert error.value.field == field
-    assert program.estimate("h100").time["total"] > 0
-
-
 def test_plans_compiled_from_one_capture_share_its_single_export(monkeypatch):
     exports = []
     export = torch.export.export

@@ -93,10 +93,13 @@ def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather
     gradients' state program (`Program.state_program(r, gradients=True)`) once per state key.
     A scalar (Adam's `step`) is this rank's, the same for every parameter stepped together;
     a parameter without state yet gets zeros."""
+    from fxpar.runtime.master_weights import MixedPrecisionOptimizer
     from fxpar.runtime.sharded_optimizer import ShardedOptimizer
 
-    inner = optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
-    shard_of = {id(s): (b, i) for b, i, s in optimizer.shards} if inner is not optimizer else {}
+    inner = optimizer.optimizer if isinstance(optimizer, (ShardedOptimizer, MixedPrecisionOptimizer)) else optimizer
+    shard_of = {id(s): (b, i) for b, i, s in optimizer.shards} if isinstance(optimizer, ShardedOptimizer) else {}
+    # bf16-mixed: the state is the fp32 masters'.
+    stepped = optimizer.master_of if isinstance(optimizer, MixedPrecisionOptimizer) else lambda p: p
     states = list(inner.state.items())
     keys = sorted({k for _, state in states for k, v in state.items() if v.dim() > 0})
     scalars = {k: v.detach().cpu().clone() for _, state in states for k, v in state.items() if v.dim() == 0}
@@ -117,8 +120,8 @@ def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather
                 trained = meta.trained_parameters(m)
                 parameters = {n: m.get_parameter(n) for n in meta.parameter_nodes(m.graph) if n in trained}
                 local[meta.stage_of(m)] = (m, {
-                    n: inner.state[p][key] if key in inner.state.get(p, {}) else torch.zeros_like(p)
-                    for n, p in parameters.items()
+                    n: inner.state[t][key] if key in inner.state.get(t, {}) else torch.zeros_like(t)
+                    for n, t in ((n, stepped(p)) for n, p in parameters.items())
                 })
         for name, tensor in gather(local, shards).items():
             whole.setdefault(name, {})[key] = tensor

@@ -11,6 +11,12 @@ earlier bucket has been launched, so all ranks issue the same sequence) its all-
 asynchronously while backward goes on. The step program's GRADIENT_BUCKET actions, after the
 last backward, wait for each (`finish_bucket`) before the optimizer may step.
 
+Under bf16-mixed the buffers are bf16, as the gradients (2P); a bucket whose
+`Bucket.reduce_dtype` is fp32 is copied into an fp32 buffer of its own for its reduction
+(FSDP2's `reduce_dtype`: the sum and the divisor in fp32), which DDP rounds back into the
+bucket once and ZeRO keeps as the fp32 reduced shard its optimizer steps on. One bucket's
+fp32 copy lives only while it is reduced.
+
 Averaging is DDP's: divide by the group size, then sum-all-reduce. When each rank's
 gradients are already its share of the global mean (the loss divides by the global count of
 valid targets: `runtime.step_loss`), `average=False` sums them instead.
@@ -27,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from fxpar.errors import CollectiveError
-from fxpar.passes.data_parallel import Bucket
+from fxpar.passes.data_parallel import Bucket, carries_loss
 from fxpar.runtime.communicator import Communicator, PendingCollective
 from fxpar.runtime.process_groups import RankGroup
 
@@ -40,6 +46,7 @@ class _BucketState:
         self.size = size  # elements of the flat buffer (with the loss slot, or ZeRO's padding)
         self.shard = shard  # ZeRO: this rank's elements of the buffer, else None
         self.reduced: torch.Tensor | None = None  # ZeRO: the reduced gradient shard
+        self.staged: torch.Tensor | None = None  # the buffer in `reduce_dtype`, while reduced
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.allocate()
@@ -78,7 +85,7 @@ class GradientBuckets:
     ):
         self.group = group
         self.communicator = communicator
-        self.carry_loss = carry_loss and zero == 0
+        self.carry_loss = carry_loss and zero == 0 and carries_loss(buckets)
         self.average = average
         self.zero = zero
         self.states = []
@@ -131,19 +138,22 @@ class GradientBuckets:
 
     def _launch(self, index: int) -> None:
         state = self.states[index]
+        wire = state.buffer
+        if state.bucket.reduce_dtype is not None:  # e.g. bf16 gradients summed in fp32
+            wire = state.staged = state.buffer.to(state.bucket.reduce_dtype)
         if self.average:
-            state.buffer.div_(self.group.size)
+            wire.div_(self.group.size)
         tag = f"gradient bucket {state.bucket.index}"
         if not self.zero:
             if index == len(self.states) - 1 and self.carry_loss:
                 tag += " + loss"
-            self._pending[index] = self.communicator.all_reduce(state.buffer, self.group, tag=tag)
+            self._pending[index] = self.communicator.all_reduce(wire, self.group, tag=tag)
             return
-        if self.zero == 1:
+        if self.zero == 1 and wire is state.buffer:
             state.reduced = state.buffer[state.shard]
         elif state.reduced is None:
-            state.reduced = state.buffer.new_empty(state.shard.stop - state.shard.start)
-        self._pending[index] = self.communicator.reduce_scatter(state.reduced, state.buffer, self.group, tag=tag)
+            state.reduced = wire.new_empty(state.shard.stop - state.shard.start)
+        self._pending[index] = self.communicator.reduce_scatter(state.reduced, wire, self.group, tag=tag)
 
     def finish_bucket(self, index: int) -> None:
         """Wait for bucket `index`'s reduction (launching what is ready first, and a held
@@ -164,6 +174,10 @@ class GradientBuckets:
                 f"bucket {index} was never reduced. Are they detached or frozen mid-step?"
             )
         self._pending[index].wait()
+        if state.staged is not None:  # the sum, rounded once into the bucket (DDP)
+            if not self.zero:
+                state.buffer.copy_(state.staged)
+            state.staged = None
         if self.zero == 2:  # only the shard is kept: the whole gradients go (ZeRO-2)
             for param in state.parameters:
                 param.grad = None
@@ -173,14 +187,19 @@ class GradientBuckets:
         """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`)."""
         return self.states[index].reduced
 
-    def whole_gradients(self, index: int, *, tag: str, shard: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def whole_gradients(
+        self, index: int, *, tag: str, shard: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """ZeRO: bucket `index`'s reduced gradient (or another `shard` laid out as it, such as
         an optimizer's state) gathered whole over dp, by parameter name (zeros before the first
-        step); outside a step (not in the step's log)."""
+        step), in `dtype` if given (the full state's: fp32 masters' under bf16-mixed); outside
+        a step (not in the step's log)."""
         state = self.states[index]
         shard = state.reduced if shard is None else shard
         if shard is None:
-            shard = torch.zeros(state.size // self.group.size, dtype=state.bucket.dtype, device=state.device)
+            shard = torch.zeros(state.size // self.group.size, dtype=state.bucket.reduced_dtype, device=state.device)
+        if dtype is not None:
+            shard = shard.to(dtype)
         flat = shard.new_empty(state.size)
         self.communicator.all_gather_now(flat, shard, self.group, tag=tag, phase="step", log=False)
         pieces = flat[: state.bucket.numel].split([p.numel() for p in state.parameters])

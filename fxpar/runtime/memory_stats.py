@@ -5,6 +5,7 @@
     grads       bytes of gradient storage held: the buckets' buffers, ZeRO-2's reduced
                 shards, any gradient outside a bucket
     optimizer   bytes of the optimizers' state tensors (Adam's two moments, its step counts)
+                and, under bf16-mixed, of the fp32 master weights (`runtime.master_weights`)
     activations (added by the runner) bytes held for backward at their peak during the last
                 step, measured by `runtime.saved_tensors`
     peak        the allocator's peak on a CUDA device since the last reset (None on the CPU)
@@ -34,9 +35,9 @@ def _bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
     return total
 
 
-def model_state_bytes(modules, buckets, optimizers, device: torch.device) -> dict[str, int | None]:
-    """The terms of the module doc for a rank's stage `modules`, its `GradientBuckets` and the
-    optimizers it made."""
+def model_state_bytes(modules, buckets, optimizers, device: torch.device, *, masters=()) -> dict[str, int | None]:
+    """The terms of the module doc for a rank's stage `modules`, its `GradientBuckets`, the
+    optimizers it made and bf16-mixed's fp32 `masters` (counted as optimizer state)."""
     seen: set[int] = set()
     parameters = [p for m in modules for p in m.parameters()]
     params = _bytes(parameters, seen)
@@ -44,6 +45,6 @@ def model_state_bytes(modules, buckets, optimizers, device: torch.device) -> dic
     grads = _bytes([*held, *(p.grad for p in parameters)], seen)
     state = [t for opt in optimizers for per_tensor in opt.state.values() for t in per_tensor.values()
              if isinstance(t, torch.Tensor)]
-    optimizer = _bytes(state, seen)
+    optimizer = _bytes([*state, *masters], seen)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"params": params, "grads": grads, "optimizer": optimizer, "peak": peak}

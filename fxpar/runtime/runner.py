@@ -32,7 +32,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
 from fxpar.distributed_ops import lower_for_eager
-from fxpar.errors import BindError, PlanError
+from fxpar.errors import BindError, CheckpointError, PlanError
 from fxpar import lowering
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
@@ -44,6 +44,7 @@ from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
 from fxpar.runtime.full_checkpoint import write_full
 from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
 from fxpar.runtime.parameter_gatherer import ParameterGatherer
@@ -206,6 +207,7 @@ class Runner:
         self._random = RandomStream(seed)
         bind_random(self._random)
         self.communicator.reset()
+        self._masters = MasterWeights.keep(self.modules)  # bf16-mixed: bf16 working copies
 
     def _bind_step(self) -> None:
         """The gradient buckets (with data parallelism) and the executors' `StepContext`."""
@@ -219,6 +221,8 @@ class Runner:
             ))
         # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
         self._flat_parameters = [flatten_parameters(b) for b in buckets] if self.program.plan.zero else []
+        if self._flat_parameters:
+            self._masters.shard(buckets)
         step_program, mine = self._step_program, dict(_parameters_of(self.modules))
         plan = self.program.plan
         gatherers = tuple(
@@ -354,11 +358,14 @@ class Runner:
         self._require_open("optimizer")
         if self._flat_parameters:
             optimizer = ShardedOptimizer(optimizer_class, options, context=self._context,
-                                         flats=self._flat_parameters, elementwise=elementwise)
+                                         flats=self._flat_parameters, elementwise=elementwise,
+                                         masters=self._masters)
         else:
             if self.program.plan.zero == 3 and self._dp.size > 1:  # it steps flat pieces
                 require_elementwise(optimizer_class, zero=3, elementwise=elementwise)
-            optimizer = optimizer_class([p for _, p in _parameters_of(self.modules)], **options)
+            parameters = [p for _, p in _parameters_of(self.modules)]
+            optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, parameters=parameters)
+                         if self._masters else optimizer_class(parameters, **options))
         self._optimizers.append(optimizer)
         return optimizer
 
@@ -367,7 +374,8 @@ class Runner:
         `runner.optimizer` made), counted from its tensors, `activations` (held for backward at
         their peak during the last step: `runtime.saved_tensors`) and the allocator's `peak`
         on CUDA (`runtime.memory_stats`); `program.estimate().memory` predicts them."""
-        stats = model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device)
+        stats = model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device,
+                                  masters=self._masters.tensors())
         order = ("params", "grads", "optimizer", "activations", "peak")
         return {key: {**stats, "activations": self._saved.peak}[key] for key in order}
 
@@ -397,7 +405,14 @@ class Runner:
         must call it.
         """
         self._require_open("full_state_dict")
-        return self._gather_full({meta.stage_of(m): (m, m.state_dict()) for m in self.modules}, gradients=False)
+        state = self._gather_full({meta.stage_of(m): (m, self._masters.full_precision(m.state_dict(keep_vars=True)))
+                                   for m in self.modules}, gradients=False)
+        if self._flat_parameters and self._masters:  # ZeRO: the masters are sharded over dp
+            masters = self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
+                                        shards=lambda owner, index, module: self._masters.shard_of(module, index))
+            aliases = self.program.captured.graph_module.meta.get(meta.GRAPH_ALIASES, {})
+            state.update(masters | {a: masters[n] for a, n in aliases.items() if n in masters})
+        return state
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on
@@ -408,7 +423,7 @@ class Runner:
         for module in self.modules:
             trained = meta.trained_parameters(module)
             local[meta.stage_of(module)] = (module, {} if self._flat_parameters else {
-                n: p.grad if p.grad is not None else torch.zeros_like(p)
+                n: (p.grad if p.grad is not None else torch.zeros_like(p)).to(self._masters.dtype or p.dtype)
                 for n, p in _parameters(module).items() if n in trained
             })
         return self._gather_full(local, gradients=True)
@@ -453,20 +468,33 @@ class Runner:
             write_full(path, state, optimizer_state)
 
     def _rank_state(self) -> RankState:
+        if self._masters:  # their pieces are the bf16 working copies, the masters elsewhere
+            raise CheckpointError(
+                f"runner.save()/load() under precision=bf16-mixed (plan '{self.program.plan}'): "
+                "resharding checkpoints do not hold the fp32 master weights yet, and would keep "
+                "only their bf16 working copies. Fix: runner.save_full(path, optimizer=opt) (the "
+                "fp32 masters and optimizer state, gathered), or train with precision=fp32"
+            )
         return RankState(program=self.program, rank=self.rank, modules=tuple(self.modules),
                          buckets=self._context.buckets, device=self.device)
 
-    def _gradient_shards(self, action) -> dict[str, torch.Tensor]:
-        """ZeRO: bucket `action.index` of stage `action.stage`'s reduced gradient, whole."""
-        buckets = self._context.buckets[self._context.module_of_stage[action.stage]]
-        return buckets.whole_gradients(action.index, tag=action.calls[0].tag)
+    def _gather_full(self, local: dict, *, gradients: bool, shards=None) -> dict[str, torch.Tensor]:
+        """Run the rank's state program over `local`; ZeRO's GRADIENT_SHARDS gather each
+        bucket's reduced gradient, or `shards(buckets, index, module)` laid out as it, whole
+        (in the masters' dtype under bf16-mixed)."""
 
-    def _gather_full(self, local: dict, *, gradients: bool) -> dict[str, torch.Tensor]:
+        def gradient_shards(action) -> dict[str, torch.Tensor]:
+            module = self._context.module_of_stage[action.stage]
+            buckets = self._context.buckets[module]
+            shard = shards(buckets, action.index, module) if shards else None
+            return buckets.whole_gradients(action.index, tag=action.calls[0].tag, shard=shard,
+                                           dtype=self._masters.dtype)
+
         return gather_full_tensors(
             self.program.state_program(self.rank, gradients=gradients), local,
             groups=self.groups, communicator=self.communicator,
             key_order=self.program.captured.graph_module.state_dict().keys(),
-            gradient_shards=self._gradient_shards,
+            gradient_shards=gradient_shards,
         )
 
     def close(self) -> None:

@@ -10,6 +10,10 @@ contiguous slice, `Bucket.shard(N, i)`, and the optimizer is built over those sl
     rank i's shard                          [  shard i  ]          the inner optimizer's tensor
     its gradient                  the bucket's reduce-scatter (`GradientBuckets.shard_gradient`)
 
+Under bf16-mixed the inner optimizer steps this rank's fp32 master shards instead
+(`runtime.master_weights`), and each master is rounded into its bf16 shard before the gather,
+so parameters travel in bf16.
+
 `step()` steps the inner optimizer on the shards (8P/N bytes of Adam state instead of 8P), then
 runs the step program's optimizer part: each bucket's updated parameters all-gathered over dp
 in place, into the flat buffer the parameters view. What the step program lists is what runs:
@@ -35,6 +39,7 @@ from fxpar.step_program import Purpose
 
 if TYPE_CHECKING:
     from fxpar.runtime.gradient_buckets import GradientBuckets
+    from fxpar.runtime.master_weights import MasterWeights
     from fxpar.runtime.step_context import StepContext
 
 ELEMENTWISE = {
@@ -89,21 +94,27 @@ class ShardedOptimizer:
         context: StepContext,
         flats: list[list[torch.Tensor]],
         elementwise: bool = False,
+        masters: MasterWeights | None = None,
     ):
         require_elementwise(optimizer_class, zero=context.buckets[0].zero, elementwise=elementwise)
         self.context = context
         self._flats = flats  # per module, per bucket
         self._shards: list[tuple[GradientBuckets, int, torch.Tensor]] = []
-        for buckets, module_flats in zip(context.buckets, flats):
+        self._working: list[torch.Tensor | None] = []  # bf16-mixed: each stepped master's bf16 shard
+        for module, (buckets, module_flats) in enumerate(zip(context.buckets, flats)):
             dp = buckets.group
             for index, (state, flat) in enumerate(zip(buckets.states, module_flats)):
-                self._shards.append((buckets, index, flat[state.bucket.shard(dp.size, dp.index)]))
+                shard = flat[state.bucket.shard(dp.size, dp.index)]
+                master = masters.shard_of(module, index) if masters else None
+                self._shards.append((buckets, index, shard if master is None else master))
+                self._working.append(None if master is None else shard)
         self.optimizer = optimizer_class([shard for _, _, shard in self._shards], **options)
         self._guard = StepGuard(context.step_program, "optimizer")
 
     @property
     def shards(self) -> list[tuple[GradientBuckets, int, torch.Tensor]]:
-        """(buckets, bucket index, this rank's shard of its flat parameters) per bucket."""
+        """(buckets, bucket index, this rank's shard of its flat parameters: what the inner
+        optimizer steps, its fp32 master under bf16-mixed) per bucket."""
         return list(self._shards)
 
     @property
@@ -118,8 +129,14 @@ class ShardedOptimizer:
         """Step this rank's shards on their reduced gradients, then gather every bucket's
         updated parameters (the step program's optimizer part)."""
         for buckets, index, shard in self._shards:
-            shard.grad = buckets.shard_gradient(index)
+            gradient = buckets.shard_gradient(index)
+            shard.grad = gradient.to(shard.dtype)  # bf16-mixed's fp32 master, a bf16 reduction
         loss = self.optimizer.step(closure)
+        with torch.no_grad():
+            for (_, _, master), working in zip(self._shards, self._working):
+                if working is not None:  # the master rounded into the bf16 flat bucket
+                    working.copy_(master)
+                    master.grad = None
         self._guard.start({})
         communicator = self.context.communicator
         with communicator.held_to(self._guard):

@@ -48,7 +48,8 @@ def test_parameter_count_is_narayanan_eq_2_plus_the_final_norm(L, h, a, V, s):
 def test_zero_model_states_are_rajbhandari_sec_5():
     P, N = sympy.symbols("P N", positive=True)
     total = {
-        zero: sum(model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=zero, dp=N).values())
+        zero: sum(model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=zero, dp=N,
+                                    reduce_dtype="bf16").values())
         for zero in range(4)
     }
     assert sympy.simplify(total[0] - 16 * P) == 0
@@ -58,6 +59,17 @@ def test_zero_model_states_are_rajbhandari_sec_5():
     # The paper's example: 7.5B parameters over 64 ranks.
     example = [float(total[z].subs({P: 7.5e9, N: 64})) / 1e9 for z in range(4)]
     assert example == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+
+
+def test_mixed_precision_with_fp32_reduction_keeps_fp32_gradient_shards():
+    """reduce_dtype=fp32 (the default): ZeRO's reduced gradient shard is fp32, 4P/N, beside
+    ZeRO-1's bf16 bucket (2P); DDP keeps the bf16 bucket; nothing reduced at dp=1 (2P)."""
+    P, N = sympy.symbols("P N", positive=True)
+    grads = {zero: model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=zero, dp=N)["grads"]
+             for zero in range(4)}
+    assert grads == {0: 2 * P, 1: 2 * P + 4 * P / N, 2: 4 * P / N, 3: 4 * P / N}
+    state = model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=2, dp=1)
+    assert state == {"params": 2 * P, "grads": 2 * P, "optimizer": 12 * P}
 
 
 def test_fp32_adam_model_states_are_4_4_8():
@@ -74,7 +86,7 @@ def test_ring_wire_bytes():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_estimated_model_state_of_a_program_follows_the_stage(zero):
-    program = compile_gpt(*SHAPES[0], plan=f"dp=4 zero={zero} precision=bf16-mixed")
+    program = compile_gpt(*SHAPES[0], plan=f"dp=4 zero={zero} precision=bf16-mixed reduce_dtype=bf16")
     P = program.captured.parameter_count()
     memory = program.estimate("h100").memory
     expected = {0: 16 * P, 1: 4 * P + 12 * P / 4, 2: 2 * P + 14 * P / 4, 3: 16 * P / 4}[zero]

@@ -66,3 +66,44 @@ def train_single_device(name: str = "gpt") -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments}
+
+
+def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
+    """bf16 mixed precision written out in plain PyTorch, the arithmetic fxpar's
+    `precision=bf16-mixed` is meant to do: bf16 weights (buffers as they are: Llama's fp32
+    rotary tables make its q and k fp32, and attention reads bf16 copies of them, as matmuls
+    do under autocast), fp32 master weights stepped by AdamW, the cross entropy on fp32
+    logits, and the microbatches' gradients accumulated in bf16 (each microbatch's mean loss /
+    microbatches, a power of two here, so the same gradient as a sum over the global count)."""
+    model = build_model(name)
+    masters = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = parameter.data.bfloat16()
+    optimizer = torch.optim.AdamW(masters, **OPTIMIZER)
+    functional = torch.nn.functional
+    cross_entropy, attention = functional.cross_entropy, functional.scaled_dot_product_attention
+    losses = []
+    try:
+        functional.cross_entropy = lambda logits, *a, **k: cross_entropy(logits.float(), *a, **k)
+        functional.scaled_dot_product_attention = lambda *qkv, **k: attention(
+            *(t.bfloat16() for t in qkv), **k)
+        for tokens, labels in global_batches():
+            step_loss = 0.0
+            for chunk, targets in zip(tokens.tensor_split(microbatches), labels.tensor_split(microbatches)):
+                loss = model(chunk, targets) / microbatches
+                loss.backward()
+                step_loss += loss.item()
+            losses.append(step_loss)
+            for master, parameter in zip(masters, model.parameters()):
+                master.grad, parameter.grad = parameter.grad.float(), None
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for master, parameter in zip(masters, model.parameters()):
+                    parameter.copy_(master)
+    finally:
+        functional.cross_entropy, functional.scaled_dot_product_attention = cross_entropy, attention
+    names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
+    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
+    return {"losses": losses, "state": model.state_dict() | {names[id(m)]: m for m in masters}, "optimizer": moments}

@@ -67,6 +67,18 @@ for plan in plans:
         "schedule_row": [] if program.stages is None else
         [str(a) for a in program.schedule.actions[program.mesh.coord(runner.rank).pp]],
         "buckets": program.buckets if program.stages is None else [s.buckets for s in program.stages],
+        # What the rank computes and steps in (bf16-mixed: bf16 working parameters, fp32 masters).
+        "dtypes": {
+            "parameters": sorted({str(p.dtype) for m in runner.modules for p in m.parameters()}),
+            "stepped": sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]}),
+            "loss": [str(runner.modules[-1].graph.output_node().args[0].meta["val"].dtype)]
+            if program.holds_loss(runner.rank) else [],  # (the loss is the last stage's output)
+        },
     }
+    if program.plan.precision == "bf16-mixed":  # resharding checkpoints refuse it, for now
+        try:
+            runner.save(out_dir / "refused-checkpoint")
+        except fxpar.CheckpointError as error:
+            results[plan]["checkpoint_refused"] = str(error)
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
 runner.close()
