@@ -19,6 +19,7 @@ its process groups); binding a program whose parameters a live runner trains is 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import replace
 from collections.abc import Mapping
@@ -95,6 +96,8 @@ class Runner:
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
         self._optimizers: list = []  # what `optimizer` made, for `memory_stats`
         self._saved = SavedTensorMeter()  # bytes held for backward, for `memory_stats`
+        self._measured: set[tuple] = set()  # the input sizes the meter has measured a step at
+        self.record_memory = False  # measure every step, not only the first at each size
         self._closed_by: str | None = None  # which close() ended this runner (live_runners)
 
     @property
@@ -328,10 +331,15 @@ class Runner:
         self.communicator.start_step(guard)
         bind_axes(self._axes)
         bind_random(self._random)
-        # Activations are what the step makes: model state and the batch it was given are not.
-        given = [t for m in self.modules for t in (*m.parameters(), *m.buffers())] + list(inputs)
+        # The saved-tensor meter costs a Python call per saved tensor: it measures the first
+        # step at each input size (what a step saves depends on nothing else) and every step
+        # with `record_memory`. Activations are what the step makes: model state and the batch
+        # it was given are not.
+        measure = self.record_memory or shapes not in self._measured
+        self._measured.add(shapes)
+        given = [t for m in self.modules for t in (*m.parameters(), *m.buffers())] + list(inputs) if measure else ()
         try:
-            with self._saved.measuring(given):
+            with self._saved.measuring(given) if measure else contextlib.nullcontext():
                 loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
             self.communicator.end_step(check=False)  # a failed step leaves no guard behind
@@ -372,7 +380,8 @@ class Runner:
     def memory_stats(self) -> dict[str, int | None]:
         """Bytes this rank holds: `params`, `grads`, `optimizer` (the state of the optimizers
         `runner.optimizer` made), counted from its tensors, `activations` (held for backward at
-        their peak during the last step: `runtime.saved_tensors`) and the allocator's `peak`
+        their peak during the last measured step, the first at each input size or every one with
+        `record_memory = True`: `runtime.saved_tensors`) and the allocator's `peak`
         on CUDA (`runtime.memory_stats`); `program.estimate().memory` predicts them."""
         stats = model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device,
                                   masters=self._masters.tensors())
