@@ -97,7 +97,7 @@ class Plan:
     microbatches: int = 1
     bucket_mb: float | None = None
     # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
-    # 3 also parameters. The cost model estimates every stage; the runtime runs stage 0 so far.
+    # 3 also parameters (passes.zero3: each layer gathered by one graph op before use).
     zero: int = 0
     # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
     # gathered, and whether the gathered parameters are freed after forward and gathered again
