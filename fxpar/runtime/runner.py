@@ -33,17 +33,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
 from fxpar.distributed_ops import lower_for_eager
-from fxpar.errors import BindError, CheckpointError, PlanError
+from fxpar.errors import BindError, PlanError
 from fxpar import lowering
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
-from fxpar.runtime import checkpoint
-from fxpar.runtime.checkpoint_state import RankState
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
-from fxpar.runtime.full_checkpoint import write_full
-from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
@@ -62,9 +58,10 @@ from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_p
 from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
+from fxpar.runtime.whole_state import WholeState, _parameters
 
 
-class Runner:
+class Runner(WholeState):
     def __init__(
         self,
         program: CompiledProgram,
@@ -406,106 +403,6 @@ class Runner:
         last step, in seconds of `time.perf_counter`."""
         return list(self._executor.timeline) if self._executor is not None else []
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained state with the keys of `model.state_dict()`, on the CPU, on every rank.
-
-        Tensor-parallel shards are gathered over the tp group and pipeline stages broadcast
-        over the pp group, as the rank's state program says (`runtime.full_state`): every rank
-        must call it.
-        """
-        self._require_open("full_state_dict")
-        state = self._gather_full({meta.stage_of(m): (m, self._masters.full_precision(m.state_dict(keep_vars=True)))
-                                   for m in self.modules}, gradients=False)
-        if self._flat_parameters and self._masters:  # ZeRO: the masters are sharded over dp
-            masters = self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
-                                        shards=lambda owner, index, module: self._masters.shard_of(module, index))
-            aliases = self.program.captured.graph_module.meta.get(meta.GRAPH_ALIASES, {})
-            state.update(masters | {a: masters[n] for a, n in aliases.items() if n in masters})
-        return state
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Each trained parameter's whole gradient (canonical names, tied weights once), on
-        every rank; zeros for a parameter whose gradient is not there (no step since). Under
-        ZeRO-1/2 the reduced shards are gathered from the data-parallel ranks."""
-        self._require_open("full_gradients")
-        local = {}
-        for module in self.modules:
-            trained = meta.trained_parameters(module)
-            local[meta.stage_of(module)] = (module, {} if self._flat_parameters else {
-                n: (p.grad if p.grad is not None else torch.zeros_like(p)).to(self._masters.dtype or p.dtype)
-                for n, p in _parameters(module).items() if n in trained
-            })
-        return self._gather_full(local, gradients=True)
-
-    def full_optimizer_state_dict(self, optimizer) -> dict[str, Any]:
-        """The optimizer's state as `torch.optim` keeps it on one device, keyed by parameter
-        name, on the CPU, on every rank (`runtime.full_state.full_optimizer_state`)."""
-        self._require_open("full_optimizer_state_dict")
-        return full_optimizer_state(
-            optimizer, modules=self.modules, buckets=self._context.buckets,
-            module_of_stage=self._context.module_of_stage,
-            gather=lambda local, shards: gather_full_tensors(
-                self.program.state_program(self.rank, gradients=True), local, groups=self.groups,
-                communicator=self.communicator,
-                key_order=self.program.captured.graph_module.state_dict().keys(), gradient_shards=shards,
-            ),
-        )
-
-    # -- checkpoints (`runtime.checkpoint`, `runtime.full_checkpoint`) ----------------------
-
-    def save(self, path, *, optimizer=None, step: int | None = None, extra: Any = None) -> None:
-        """Write this rank's shards of the parameters (and `optimizer`'s state), its generator
-        states, `step` and the JSON value `extra` (the data position) to checkpoint folder
-        `path` with torch.distributed.checkpoint, nothing gathered; every rank calls it."""
-        self._require_open("save")
-        checkpoint.save(self._rank_state(), path, optimizer=optimizer, step=step, extra=extra)
-
-    def load(self, path, *, optimizer=None) -> checkpoint.Resumed:
-        """Read checkpoint folder `path`, saved under this plan or any other of the same model,
-        into this rank's parameters (and `optimizer`'s state); returns its step and extra."""
-        self._require_open("load")
-        return checkpoint.load(self._rank_state(), path, optimizer=optimizer)
-
-    def save_full(self, path, *, optimizer=None) -> None:
-        """The whole model as one safetensors file (`model.load_state_dict` takes it), and with
-        `optimizer` its whole state beside it (`runtime.full_checkpoint`); gathered by the
-        state programs, written by rank 0; every rank calls it."""
-        self._require_open("save_full")
-        state = self.full_state_dict()
-        optimizer_state = self.full_optimizer_state_dict(optimizer) if optimizer is not None else None
-        if self.is_main:
-            write_full(path, state, optimizer_state)
-
-    def _rank_state(self) -> RankState:
-        if self._masters:  # their pieces are the bf16 working copies, the masters elsewhere
-            raise CheckpointError(
-                f"runner.save()/load() under precision=bf16-mixed (plan '{self.program.plan}'): "
-                "resharding checkpoints do not hold the fp32 master weights yet, and would keep "
-                "only their bf16 working copies. Fix: runner.save_full(path, optimizer=opt) (the "
-                "fp32 masters and optimizer state, gathered), or train with precision=fp32"
-            )
-        return RankState(program=self.program, rank=self.rank, modules=tuple(self.modules),
-                         buckets=self._context.buckets, device=self.device)
-
-    def _gather_full(self, local: dict, *, gradients: bool, shards=None) -> dict[str, torch.Tensor]:
-        """Run the rank's state program over `local`; ZeRO's GRADIENT_SHARDS gather each
-        bucket's reduced gradient, or `shards(buckets, index, module)` laid out as it, whole
-        (in the masters' dtype under bf16-mixed)."""
-
-        def gradient_shards(action) -> dict[str, torch.Tensor]:
-            module = self._context.module_of_stage[action.stage]
-            buckets = self._context.buckets[module]
-            shard = shards(buckets, action.index, module) if shards else None
-            return buckets.whole_gradients(action.index, tag=action.calls[0].tag, shard=shard,
-                                           dtype=self._masters.dtype)
-
-        return gather_full_tensors(
-            self.program.state_program(self.rank, gradients=gradients), local,
-            groups=self.groups, communicator=self.communicator,
-            key_order=self.program.captured.graph_module.state_dict().keys(),
-            gradient_shards=gradient_shards,
-        )
-
     def close(self) -> None:
         """End this runner and every other live one of the process, and destroy the process
         groups they share (all ranks must call it; a second call does nothing).
@@ -542,10 +439,6 @@ class Runner:
                 "so it would train without synchronising anything. Fix: bind again "
                 "(runner = program.bind()) and use the new runner"
             )
-
-
-def _parameters(module: torch.fx.GraphModule) -> dict[str, torch.nn.Parameter]:
-    return {n: module.get_parameter(n) for n in meta.parameter_nodes(module.graph)}
 
 
 def _parameters_of(modules) -> list[tuple[str, torch.nn.Parameter]]:
