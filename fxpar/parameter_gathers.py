@@ -42,14 +42,24 @@ def _binding(axis: str, size: int):
     return binding
 
 
+def laid_out(shards: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's pieces side by side: what a layer's gather sends (FSDP2's copy-in)."""
+    return torch.cat([s.detach().reshape(-1) for s in shards])
+
+
+def whole_values(gathered: torch.Tensor, widths: list[int], size: int) -> list[torch.Tensor]:
+    """Each parameter's whole flat value out of every rank's `laid_out` block (the copy-out):
+    the concatenation of its pieces in rank order."""
+    blocks = gathered.view(size, sum(widths)).split(widths, dim=1)
+    return [block.reshape(-1) for block in blocks]
+
+
 def gather(shards: list[torch.Tensor], axis: str, size: int) -> list[torch.Tensor]:
     """Every rank's `shards`, whole: for each, the concatenation of its pieces in rank order."""
-    widths = [s.numel() for s in shards]
-    flat = torch.cat([s.reshape(-1) for s in shards])
+    flat = laid_out(shards)
     out = flat.new_empty(size * flat.numel())
     _binding(axis, size).all_gather(out, flat, tag=OP.tag(axis, "forward"), phase="forward")
-    blocks = out.view(size, flat.numel()).split(widths, dim=1)
-    return [block.reshape(-1) for block in blocks]
+    return whole_values(out, [s.numel() for s in shards], size)
 
 
 def reduce_scatter(grads: list[torch.Tensor | None], widths: list[int], like: torch.Tensor, axis: str,
@@ -133,7 +143,7 @@ def _regather_backward(ctx, grad):
     # As registered (torch.compile, tracing), the gather is issued, so every rank's calls are
     # the step program's; the runtime's eager form (`runtime.parameter_gatherer`) keeps what it
     # gathers for the saved tensors that name it.
-    flat = torch.cat([s.detach().reshape(-1) for s in ctx.shards])
+    flat = laid_out(ctx.shards)
     _binding(ctx.axis, ctx.size).all_gather(flat.new_empty(ctx.size * flat.numel()), flat,
                                             tag=REGATHER.tag(ctx.axis, "backward"), phase="backward")
     return grad, [None] * len(ctx.shards), None, None

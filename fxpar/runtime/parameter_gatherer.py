@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpar.parameter_gathers import OP, REGATHER, reduce_scatter
+from fxpar.parameter_gathers import OP, REGATHER, laid_out, reduce_scatter, whole_values
 from fxpar.runtime.communicator import Communicator, PendingCollective
 from fxpar.runtime.process_groups import RankGroup
 
@@ -72,7 +72,7 @@ class ParameterGatherer:
     def _issue(self, k: int, *, tag: str, phase: str) -> None:
         layer = self.layers[k]
         if layer.pending is None and layer.flat is None:
-            flat = torch.cat([s.detach().reshape(-1) for s in layer.shards])
+            flat = laid_out(layer.shards)
             layer.flat = flat.new_empty(self.group.size * flat.numel())
             layer.pending = self.communicator.all_gather(layer.flat, flat, self.group, tag=tag, phase=phase)
 
@@ -85,9 +85,7 @@ class ParameterGatherer:
         for later in order[position + 1 : position + 1 + self.depth]:
             self._issue(later, tag=tag, phase=phase)
         flat, layer.flat, layer.pending = layer.flat, None, None
-        widths = [s.numel() for s in layer.shards]
-        blocks = flat.view(self.group.size, sum(widths)).split(widths, dim=1)
-        return [block.reshape(-1) for block in blocks]
+        return whole_values(flat, [s.numel() for s in layer.shards], self.group.size)
 
     def _gather_function(self, k: int):
         gatherer = self
