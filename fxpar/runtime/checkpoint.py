@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from fxpar import meta
@@ -104,7 +103,7 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
     manifest = read_manifest(path)
     stored = stored_tensors(read_checkpoint_metadata(path))
     check_same_model(state, stored, path, manifest)
-    tensors, copies = model_tensors(state, writing=False)
+    tensors, finish_model = model_tensors(state, writing=False)
     finish = lambda: None  # noqa: E731
     if optimizer is not None:
         _check_optimizer(optimizer, manifest, path)
@@ -116,9 +115,7 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
     if rng_restored:
         tensors |= rng
     dcp.load(tensors, storage_reader=SafeReader(path), planner=PiecesLoadPlanner())
-    with torch.no_grad():
-        for copy, original in copies:
-            copy.copy_(original)
+    finish_model()
     finish()
     if optimizer is not None:
         _restore_options(optimizer, manifest["optimizer"]["param_groups"])
@@ -190,11 +187,11 @@ def check_same_model(state: RankState, stored: dict, path: Path, manifest: dict)
         raise CheckpointError(f"{where} has a tensor {extra[0]!r} that this model does not have{_more(extra)}; "
                               "it is a checkpoint of another model. Fix: load it into the model it was saved from")
     for key, tensor in expected.items():
-        entry = saved[key]
-        if tuple(entry.size) != tuple(tensor.shape) or entry.properties.dtype != tensor.dtype:
+        entry, dtype = saved[key], state.dtypes[key]
+        if tuple(entry.size) != tuple(tensor.shape) or entry.properties.dtype != dtype:
             raise CheckpointError(
                 f"{where} has {key!r} of shape {tuple(entry.size)} ({entry.properties.dtype}), but this model's "
-                f"is {tuple(tensor.shape)} ({tensor.dtype}). Fix: load it into the model it was saved from"
+                f"is {tuple(tensor.shape)} ({dtype}). Fix: load it into the model it was saved from"
             )
     parameters = {k for k in expected if k in dict(captured.named_parameters())}
     for key, entry in stored.items():

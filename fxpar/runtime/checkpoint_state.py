@@ -8,7 +8,9 @@
 
 Each is a `GlobalTensor`: its global shape and the pieces this rank holds
 (`checkpoint_pieces`), placed by the parameters' placements, and under ZeRO-1/2 by where this
-rank's flat shard falls in each parameter. Saving, a tensor several ranks hold is listed by
+rank's flat shard falls in each parameter. Under bf16-mixed a parameter is its fp32 master:
+the checkpoint holds what training updates, in the model's own dtype, whatever precision
+saved it or loads it. Saving, a tensor several ranks hold is listed by
 each of them and written once (DCP's dedup); one held by several pipeline stages (a tied
 embedding and head) is written by its first stage only, since under ZeRO the stages' flat
 layouts differ and their pieces would overlap. Loading, every holder reads its pieces.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -26,6 +29,7 @@ from fxpar import meta
 from fxpar.errors import CheckpointError
 from fxpar.placement import REPLICATED, Placements
 from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece, flat_range_pieces, tensor_pieces
+from fxpar.runtime.master_weights import MasterWeights
 
 OPTIMIZER_PREFIX = "optim.state."
 RNG_PREFIX = "rng."
@@ -33,19 +37,27 @@ RNG_PREFIX = "rng."
 
 @dataclass(frozen=True)
 class RankState:
-    """The parts of a bound rank a checkpoint reads: its program, modules and gradient buckets."""
+    """The parts of a bound rank a checkpoint reads: its program, modules, gradient buckets
+    and master weights."""
 
     program: object  # CompiledProgram
     rank: int
     modules: tuple[torch.fx.GraphModule, ...]
     buckets: tuple  # per module, its GradientBuckets (empty without data parallelism)
     device: torch.device
+    masters: MasterWeights | None = None  # bf16-mixed's fp32 masters of the working parameters
     shapes: dict[str, tuple[int, ...]] = field(init=False)  # tensor name -> its global shape
+    dtypes: dict[str, torch.dtype] = field(init=False)  # tensor name -> the dtype it is checkpointed in
 
     def __post_init__(self) -> None:
-        # The value's own shape (a ZeRO-3 piece does not say it): the captured model's.
-        captured = self.program.captured.graph_module.state_dict()
+        # The value's own shape (a ZeRO-3 piece does not say it): the captured model's. Its
+        # dtype too, but a parameter the runner made a bf16 working copy is its master's.
+        captured = self.program.captured.graph_module.state_dict(keep_vars=True)
         object.__setattr__(self, "shapes", {k: tuple(v.shape) for k, v in captured.items()})
+        working = self.masters is not None
+        object.__setattr__(self, "dtypes", {
+            k: self.masters.dtype if working and self.masters.is_working(v) else v.dtype for k, v in captured.items()
+        })
 
     @property
     def coord(self):
@@ -71,26 +83,83 @@ class RankState:
         return first
 
 
-def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalTensor], list]:
+def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalTensor], Callable[[], None]]:
     """The parameters and persistent buffers this rank holds (writing: those it writes), and
-    the (copy, original) pairs of a tensor held twice on this rank, to copy after a load."""
+    what to run once they are loaded: a tensor held twice on this rank (a tied embedding in
+    two of its stages) copied from the first, and bf16-mixed's working copies and masters
+    filled from what was read.
+
+    Under bf16-mixed a parameter is checkpointed as its fp32 master, so a checkpoint holds
+    what training updates, in the captured model's dtype, and loads under any precision. A
+    whole master (no ZeRO, or ZeRO-3's piece) is placed as its parameter is. Under ZeRO-1/2
+    a rank keeps only its shard of each flat bucket's masters (`MasterWeights.shard`):
+    saving, it writes the parts of its shards that fall in each parameter (the other dp
+    ranks write the rest, as for the sharded optimizer state); loading, it reads its whole
+    local piece into an fp32 buffer (`_fill_masters` copies it on). Nothing is gathered."""
     writers = state.writer_stage() if writing else {}
     tensors: dict[str, GlobalTensor] = {}
     held: dict[str, torch.Tensor] = {}
-    copies = []
-    for module in state.modules:
+    read_into: dict[str, torch.Tensor] = {}  # bf16-mixed: the fp32 tensor a load reads a parameter into
+    after_load: list[Callable[[], None]] = []
+    for index, module in enumerate(state.modules):
         stage, aliases = meta.stage_of(module), module.meta.get(meta.GRAPH_ALIASES, {})
         for key, tensor in module.state_dict(keep_vars=True).items():
             if key in aliases or writers.get(key, stage) != stage:
                 continue
+            working = state.masters is not None and state.masters.is_working(tensor)
+            master = state.masters.master_of(tensor) if working else None
             tensor = tensor.detach()
+            placements = state.placements(module, key)
             if key in held:
-                if tensor.data_ptr() != held[key].data_ptr():
-                    copies.append((tensor, held[key]))
+                if working:
+                    after_load.append(_fill_masters(state, index, key, tensor, master, read_into[key]))
+                elif tensor.data_ptr() != held[key].data_ptr():
+                    after_load.append(partial(tensor.copy_, held[key]))
                 continue
             held[key] = tensor
-            tensors[key] = _placed(tensor, key, state.placements(module, key), state)
-    return tensors, copies
+            if not working:
+                tensors[key] = _placed(tensor, key, placements, state)
+            elif writing and master is None:
+                tensors[key] = GlobalTensor(state.shapes[key], state.masters.dtype, [
+                    piece for shard, (_, _, start, shard_start, shard_stop) in _master_spans(state, index, key)
+                    for piece in flat_range_pieces(shard[shard_start:shard_stop], start, tensor.shape, placements,
+                                                   state.coord, state.sizes, state.shapes[key])])
+            else:
+                read_into[key] = source = master if master is not None else torch.empty(
+                    tensor.shape, dtype=state.masters.dtype, device=tensor.device)
+                after_load.append(_fill_masters(state, index, key, tensor, master, source))
+                tensors[key] = _placed(source, key, placements, state)
+
+    def finish() -> None:
+        with torch.no_grad():
+            for step in after_load:
+                step()
+
+    return tensors, finish
+
+
+def _master_spans(state: RankState, module: int, name: str) -> list[tuple[torch.Tensor, tuple]]:
+    """(master shard, `_shard_spans` span) of each part of this rank's ZeRO-1/2 master shards
+    that falls in parameter `name` of module `module`."""
+    buckets = state.buckets[module]
+    return [(state.masters.shard_of(module, index), span) for index in range(len(buckets.states))
+            for span in _shard_spans(buckets, index) if span[0] == name]
+
+
+def _fill_masters(state: RankState, module: int, name: str, working: torch.Tensor, master: torch.Tensor | None,
+                  source: torch.Tensor) -> Callable[[], None]:
+    """After a load: the fp32 values read into `source` (the local piece of `name`) copied
+    into `working` (rounded to bf16) and its master, whole or this rank's shards' parts."""
+    spans = _master_spans(state, module, name) if master is None else []
+
+    def fill() -> None:
+        working.copy_(source)
+        if master is not None and master is not source:
+            master.copy_(source)
+        for shard, (_, _, start, shard_start, shard_stop) in spans:
+            shard[shard_start:shard_stop].copy_(source.reshape(-1)[start : start + shard_stop - shard_start])
+
+    return fill
 
 
 def optimizer_tensors(optimizer, state: RankState, *, stored: Mapping[str, TensorStorageMetadata] | None = None
@@ -109,10 +178,12 @@ def optimizer_tensors(optimizer, state: RankState, *, stored: Mapping[str, Tenso
 
 
 def _whole_tensors(optimizer, state, writers, by_parameter, *, loading):
-    names = {}
+    names = {}  # what the optimizer steps -> (name, module): a parameter, or bf16-mixed's master of it
     for module in state.modules:
         for name, node in meta.parameter_nodes(module.graph).items():
-            names.setdefault(id(module.get_parameter(name)), (name, module))
+            parameter = module.get_parameter(name)
+            master = state.masters.master_of(parameter) if state.masters is not None else None
+            names.setdefault(id(parameter if master is None else master), (name, module))
     tensors: dict[str, GlobalTensor] = {}
     for group in optimizer.param_groups:
         for parameter in group["params"]:

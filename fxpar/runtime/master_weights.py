@@ -68,6 +68,10 @@ class MasterWeights:
             return tensor.dtype
         return None
 
+    def is_working(self, parameter: torch.Tensor) -> bool:
+        """Whether `parameter` is a working copy (its master whole here, or sharded)."""
+        return id(parameter) in self._working
+
     def master_of(self, parameter: torch.Tensor) -> torch.Tensor | None:
         pair = self._per_parameter.get(id(parameter))
         return None if pair is None else pair[1]

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from fxpar import meta
-from fxpar.errors import CheckpointError
 from fxpar.runtime import checkpoint
 from fxpar.runtime.checkpoint_state import RankState
 from fxpar.runtime.full_checkpoint import write_full
@@ -42,7 +41,8 @@ class WholeState:
             masters = self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
                                         shards=lambda owner, index, module: self._masters.shard_of(module, index))
             aliases = self.program.captured.graph_module.meta.get(meta.GRAPH_ALIASES, {})
-            state.update(masters | {a: masters[n] for a, n in aliases.items() if n in masters})
+            # a tied alias as its own copy, as the state program gives it (safetensors refuses shared memory)
+            state.update(masters | {a: masters[n].clone() for a, n in aliases.items() if n in masters})
         return state
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -99,15 +99,8 @@ class WholeState:
             write_full(path, state, optimizer_state)
 
     def _rank_state(self) -> RankState:
-        if self._masters:  # their pieces are the bf16 working copies, the masters elsewhere
-            raise CheckpointError(
-                f"runner.save()/load() under precision=bf16-mixed (plan '{self.program.plan}'): "
-                "resharding checkpoints do not hold the fp32 master weights yet, and would keep "
-                "only their bf16 working copies. Fix: runner.save_full(path, optimizer=opt) (the "
-                "fp32 masters and optimizer state, gathered), or train with precision=fp32"
-            )
         return RankState(program=self.program, rank=self.rank, modules=tuple(self.modules),
-                         buckets=self._context.buckets, device=self.device)
+                         buckets=self._context.buckets, device=self.device, masters=self._masters or None)
 
     def _gather_full(self, local: dict, *, gradients: bool, shards=None) -> dict[str, torch.Tensor]:
         """Run the rank's state program over `local`; ZeRO's GRADIENT_SHARDS gather each

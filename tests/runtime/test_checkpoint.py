@@ -164,9 +164,20 @@ LOADS_2 = ["load|tp=2|a|2", "load|pp=2 mb=2|a|2", "load|dp=2 zero=2|b|2", "load|
            "load|dp=2 zero=1|a|2"]  # and under the plan it was saved with
 
 
+# bf16-mixed: saved as the fp32 masters (ZeRO-1's sharded ones, ZeRO-3's pieces), then
+# continued 2 steps (K+M) as the uninterrupted run; loaded under the same plan, another
+# bf16 plan, an fp32 plan, and an fp32 checkpoint (a) loaded under bf16.
+BF16 = "precision=bf16-mixed"
+SAVES_BF16 = [f"save|dp=2 zero=1 {BF16}|m|3+2", f"save|dp=2 zero=3 {BF16} reduce_dtype=bf16|n|3+2"]
+LOADS_BF16 = [f"load|dp=2 zero=1 {BF16}|m|2", f"load|tp=2 {BF16}|m|2", f"load|pp=2 mb=2 {BF16}|m|2", "load|dp=2|m|2",
+              f"load|dp=2 zero=3 {BF16} reduce_dtype=bf16|n|2", f"load|dp=2 zero=2 {BF16}|n|2",
+              f"load|dp=2 zero=2 {BF16}|a|2"]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(module_torchrun):
-    ranks = module_torchrun("checkpoint_worker.py", 2, *SAVES_2, *LOADS_2, "errors|dp=2|b")
+    ranks = module_torchrun("checkpoint_worker.py", 2, *SAVES_2, *LOADS_2, *SAVES_BF16, *LOADS_BF16,
+                            "errors|dp=2|b")
     return ranks
 
 
@@ -210,6 +221,30 @@ def test_a_checkpoint_loads_under_another_plan_and_training_continues(two_ranks,
         assert rank[job]["resumed"].rng_restored is same_plan
         saved_rng = rank[next(j for j in SAVES_2 if j.split("|")[2] == job.split("|")[2])]["rng"]
         assert torch.equal(rank[job]["rng"], saved_rng) is same_plan
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("job", LOADS_BF16)
+def test_bf16_mixed_checkpoints_hold_the_fp32_masters(two_ranks, job):
+    """A bf16-mixed save holds the fp32 masters and their optimizer state, not the bf16
+    working copies: any plan, bf16 or fp32, loads exactly the state that was saved (compared
+    bitwise: no arithmetic happens between the two), and under the plan it was saved with the
+    next steps are the uninterrupted run's, bitwise (the same plan runs the same arithmetic)."""
+    name, plan = job.split("|")[2], job.split("|")[1]
+    save = next(j for j in SAVES_2 + SAVES_BF16 if j.split("|")[2] == name)
+    stored = read_checkpoint_metadata(two_ranks[0]["folder"] / name).state_dict_metadata
+    assert stored["wte.weight"].properties.dtype == torch.float32  # the master's, saved by bf16 too
+    for rank in two_ranks:
+        saved, loaded = rank[save], rank[job]
+        assert set(loaded["loaded"]) == set(saved["saved"])
+        for key, value in saved["saved"].items():
+            assert value.dtype == torch.float32 and torch.equal(loaded["loaded"][key], value), key
+        for parameter, state in saved["saved_optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(loaded["loaded_optimizer"]["state"][parameter][key], value), (parameter, key)
+        if plan == save.split("|")[1]:
+            assert loaded["losses"] == saved["losses_after"]
+            assert all(torch.equal(loaded["state"][k], v) for k, v in saved["state"].items())
 
 
 @pytest.mark.multirank

@@ -6,12 +6,14 @@ Jobs run in order, each binding its own program (closed after):
 
     save|PLAN|NAME|K[|MODEL]  train the tiny GPT K steps (tiny_training's batches 0..K-1), then
                               runner.save(OUT_DIR/NAME) and runner.save_full(OUT_DIR/NAME.safetensors)
+    save|PLAN|NAME|K+M        the same, then train on M more steps (the uninterrupted run)
     load|PLAN|NAME|M[|MODEL]  build the model from another seed (so only the load can make it
                               right), runner.load(OUT_DIR/NAME), train the next M steps
     errors|PLAN|NAME          loading OUT_DIR/NAME into another model, and a missing path: the messages
 
 Each rank saves `rank{r}.pt`: per job, what the test compares (losses, the full state and
-optimizer state after the job, what load returned, the error messages).
+optimizer state when saved, right after a load and after the job, what load returned, the
+error messages).
 """
 
 import dataclasses
@@ -53,21 +55,28 @@ for job in jobs:
     path = out_dir / name  # (an absolute NAME: another launch's checkpoint)
     if kind == "save":
         runner, optimizer = bind(plan, build_model(model_name))
-        k = int(count[0])
+        k, _, more = count[0].partition("+")
+        k = int(k)
         losses = train(runner, optimizer, batches[:k])
         generator_state = torch.get_rng_state()
         runner.save(path, optimizer=optimizer, step=k, extra={"next_batch": k, "plan": plan})
         runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
-        results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir), "rng": generator_state}
+        results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir), "rng": generator_state,
+                        "saved": runner.full_state_dict(), "saved_optimizer": runner.full_optimizer_state_dict(optimizer)}
         torch.manual_seed(1000 + runner.rank)  # what a load under the same plan must undo
+        if more:
+            results[job]["losses_after"] = train(runner, optimizer, batches[k : k + int(more)])
+            results[job]["state"] = runner.full_state_dict()
     elif kind == "load":
         runner, optimizer = bind(plan, build_model(model_name, seed=7))
         resumed = runner.load(path, optimizer=optimizer)
         generator_state = torch.get_rng_state()
+        loaded, loaded_optimizer = runner.full_state_dict(), runner.full_optimizer_state_dict(optimizer)
         start = resumed.extra["next_batch"]
         losses = train(runner, optimizer, batches[start : start + int(count[0])])
         results[job] = {"losses": losses, "resumed": resumed, "rng": generator_state, "state": runner.full_state_dict(),
-                        "optimizer": runner.full_optimizer_state_dict(optimizer)}
+                        "optimizer": runner.full_optimizer_state_dict(optimizer), "loaded": loaded,
+                        "loaded_optimizer": loaded_optimizer}
     elif kind == "errors":  # the checkpoint into other models: their messages
         other_models = {
             "llama": build_model("llama"),  # other names
