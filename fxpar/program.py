@@ -36,7 +36,8 @@ from fxpar.mesh import Mesh
 from fxpar.passes.infra import copy_graph_module, run_passes
 from fxpar.passes.data_parallel import Bucket
 from fxpar.passes.loss_normalisation import COUNT_INPUT, LossReduction
-from fxpar.lowering import lower_full_state, lower_row, tied_groups
+from fxpar.full_state_lowering import lower_full_state
+from fxpar.lowering import lower_row, tied_groups
 from fxpar.pass_list import PassList, pass_list
 from fxpar.pipeline_program import (
     Stage,
@@ -292,7 +293,7 @@ class Program:
     def state_program(self, rank: int, *, gradients: bool = False) -> StepProgram:
         """What `rank` issues to gather the whole model state (`runner.full_state_dict()`) or,
         with `gradients`, every trained parameter's whole gradient (`runner.full_gradients()`):
-        tp shards gathered, then each pipeline rank's tensors broadcast (`lowering.lower_full_state`)."""
+        tp shards gathered, then each pipeline rank's tensors broadcast (`full_state_lowering.lower_full_state`)."""
         key = ("state", self.mesh.coord(rank).pp, gradients)
         if key not in self._rows:
             self._rows[key] = lower_full_state(self, key[1], gradients=gradients)

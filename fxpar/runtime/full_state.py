@@ -1,7 +1,7 @@
 """The full state on every rank: whole tensors under the model's names, gathered from the ranks.
 
 `Runner.full_state_dict()` and `Runner.full_gradients()` run the rank's state program
-(`Program.state_program`, written by `lowering.lower_full_state`) over its stage modules'
+(`Program.state_program`, written by `full_state_lowering.lower_full_state`) over its stage modules'
 local tensors (their state dicts, or their trained parameters' gradients):
 
 0. GRADIENT_SHARDS, under ZeRO-1/2: each bucket's reduced gradient shards all-gathered over
