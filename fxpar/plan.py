@@ -9,6 +9,7 @@ Map of this module:
 - `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
 - `Plan.check_batch`          the plan against the global batch
 - `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
+- `fxpar.plan_checks`        those three checks, and `check_runnable`: what the runtime runs
 - `fxpar.plan_text`          the field table and the text form, with their errors
 - `fxpar.plan_file`          plan files read as untrusted input (size cap, no repeated keys or
                               YAML aliases, nothing of the file echoed)
@@ -40,9 +41,9 @@ from dataclasses import asdict, dataclass
 from os import PathLike
 from pathlib import Path
 
+from fxpar import plan_checks
 from fxpar.errors import PlanError, shown
 from fxpar.plan_file import FILE_SUFFIXES, describe_file, parse_mapping, read_plan_file
-from fxpar.plan_world import plans_for_world
 from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
     DEGREE_FIELDS,
     FIELD_OF_KEY,
@@ -338,92 +339,23 @@ class Plan:
         ]
         return " ".join(entries) or "dp=1"
 
-    # -- checks against the launch and the data --------------------------------------------------
+    # -- checks against the launch and the data (`fxpar.plan_checks`) ---------------------------
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's).
-
-        The message suggests plans that do (`plans_for_world`).
-        """
-        if not is_positive_int(world_size):
-            raise PlanError(
-                f"WORLD_SIZE must be a positive integer, got {shown(world_size)}. "
-                "Fix: launch with torchrun, which sets it.",
-                field="world_size",
-                value=world_size,
-            )
-        if world_size == self.world_size:
-            return
-        degrees = " * ".join(
-            f"{name}={value}" for name, value in self.degrees.items() if value > 1 or name == "dp"
-        )
-        examples = ", or ".join(str(p) for p in plans_for_world(self, world_size))
-        raise PlanError(
-            f"plan degrees multiply to {self.world_size} ({degrees}) but WORLD_SIZE is "
-            f"{world_size}. Fix: launch with `torchrun --nproc-per-node {self.world_size} ...` "
-            f"or change the plan so the degrees multiply to {world_size} (for example {examples}).",
-            field="world_size",
-            value=world_size,
-        )
+        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's);
+        the message suggests plans that do (`plan_checks.check_world_size`)."""
+        plan_checks.check_world_size(self, world_size)
 
     def check_batch(self, batch: int) -> None:
-        """Raise `PlanError` unless the global `batch` splits evenly into dp * microbatches parts.
+        """Raise `PlanError` unless the global `batch` splits into dp * microbatches equal parts.
 
         >>> Plan(dp=2, microbatches=4).check_batch(16)  # 2 replicas x 4 microbatches of 2
         """
-        if not is_positive_int(batch):
-            raise PlanError(
-                f"global batch must be a positive integer, got {shown(batch)}. "
-                "Fix: pass the number of samples in one step, e.g. 32.",
-                field="batch",
-                value=batch,
-            )
-        dp, mb = self.dp, self.microbatches
-        unit = dp * mb
-        if batch % unit == 0:
-            return
-        below, above = batch // unit * unit, (batch // unit + 1) * unit
-        fixes = [f"use a global batch of {f'{below} or {above}' if below else above}"]
-        if batch % dp == 0:  # keep dp: the most microbatches that still divide the local batch
-            best = max(m for m in range(1, min(mb, batch) + 1) if batch % (dp * m) == 0)
-            fixes.append(f"keep the batch and use mb={best}")
-        if batch % mb == 0:  # keep mb: the most replicas that still divide the batch
-            best = max(d for d in range(1, min(dp, batch) + 1) if batch % (d * mb) == 0)
-            fixes.append(f"keep the batch and use dp={best} (and launch that many ranks)")
-        raise PlanError(
-            f"global batch {batch} is not divisible by dp * microbatches = {dp} * {mb} = {unit}: "
-            f"each of the {dp} data-parallel replicas takes batch/dp samples and splits them "
-            f"into {mb} equal microbatches. Fix: {', or '.join(fixes)}.",
-            field="batch",
-            value=batch,
-        )
+        plan_checks.check_batch(self, batch)
 
     def check_sequence(self, length: int, *, what: str = "the sequence length") -> None:
-        """Raise `PlanError` when sequence parallelism cannot split `length` tokens over tp.
+        """Raise `PlanError` unless sequence parallelism can split `length` tokens over tp.
 
         >>> Plan(tp=2, sequence_parallel=True).check_sequence(16)  # 8 tokens per tp rank
         """
-        if not self.sequence_parallel or length % self.tp == 0:
-            return
-        fits = [n for n in (length - length % self.tp, length + self.tp - length % self.tp) if n > 0]
-        raise PlanError(
-            f"plan sp=true shards the sequence over tp={self.tp} ranks, and {what} {length} is "
-            f"not divisible by {self.tp}. Fix: use sequences of {' or '.join(map(str, fits))} "
-            "tokens (a multiple of tp), or sp=false",
-            field="sequence_parallel",
-            value=True,
-        )
-
-
-def check_runnable(plan: Plan) -> None:
-    """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
-    by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
-    if plan.zero == 3 and plan.precision == "bf16-mixed" and plan.reduce_dtype != "bf16":
-        raise PlanError(
-            f"plan zero=3 precision=bf16-mixed reduce_dtype={plan.reduce_dtype}: ZeRO-3's "
-            "gradients are reduce-scattered by the graph's parameter-gather ops, in the bf16 "
-            "the parameters are gathered in; reducing them in fp32 is not built yet. Fix: add "
-            "reduce_dtype=bf16, or use zero=2 (which reduces in fp32)",
-            field="reduce_dtype",
-            value=plan.reduce_dtype,
-        )
+        plan_checks.check_sequence(self, length, what=what)

@@ -50,7 +50,8 @@ from fxpar.pipeline_program import (
 from fxpar.step_program import StepProgram
 from fxpar.schedules import Schedule, schedule
 from fxpar.placement import global_shape, local_slice
-from fxpar.plan import Plan, check_runnable
+from fxpar.plan import Plan
+from fxpar.plan_checks import check_runnable
 from fxpar.model_io import ExampleInputs
 from fxpar.state_writes import batch_statistics_modules
 from fxpar.trace import CapturedGraph, capture, restore_state_layout
@@ -372,7 +373,7 @@ class Program:
         """Prove that all ranks of every process group issue matching collectives, in a step
         and when gathering the full state (or gradients), and, with a pipeline, that every send
         has its receive and the schedule cannot deadlock. A plan the runtime cannot run yet
-        (`plan.check_runnable`) is refused with bind's message; `estimate()` prices it all the
+        (`plan_checks.check_runnable`) is refused with bind's message; `estimate()` prices it all the
         same."""
         check_runnable(self.plan)
         self.prove()

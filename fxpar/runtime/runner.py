@@ -46,7 +46,7 @@ from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
 from fxpar.runtime.parameter_gatherer import ParameterGatherer
 from fxpar.pipeline_program import receives_ahead
-from fxpar.plan import check_runnable
+from fxpar.plan_checks import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed

@@ -86,7 +86,7 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
         state.loss /= context.loss.data_parallel_divisor()
         phase = action.calls[0].phase
         context.communicator.all_reduce_now(state.loss, groups[Axis.DP], tag="loss", phase=phase)
-    else:  # ZeRO's gathers: `plan.check_runnable` refuses those plans at bind
+    else:  # ZeRO's gathers: `plan_checks.check_runnable` refuses those plans at bind
         raise BindError(f"the runtime cannot run {purpose.value} yet")
 
 
