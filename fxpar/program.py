@@ -6,7 +6,7 @@ code rank 517 will run on a laptop, `collectives(r)` lists what rank r will comm
 one step and `check()` proves that all ranks agree. Only `bind()` touches the environment.
 
 Passes run in one order, built from the plan (`fxpar.pass_list`, whose [Note: pass order]
-says why): tensor parallelism rewrites the graph for local shards, placements are set on the
+says why; `fxpar.compilation` runs them): tensor parallelism rewrites the graph for local shards, placements are set on the
 dp axis, then either gradient buckets are assigned or, with a pipeline, the graph is cut into
 `program.stages` (each with its own buckets), which `program.schedule` orders. Lowering then
 writes each rank's step program (`step_program`).
@@ -20,7 +20,6 @@ writes each rank's step program (`step_program`).
 from __future__ import annotations
 
 import functools
-import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -30,18 +29,16 @@ import torch.fx as fx
 
 from fxpar import meta
 from fxpar.collectives import Collective, check_collectives
+from fxpar.compilation import captured_of, compile_graph
 from fxpar.cost.profiles import hardware_profile
-from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
-from fxpar.passes.infra import copy_graph_module, run_passes
 from fxpar.passes.data_parallel import Bucket
 from fxpar.passes.loss_normalisation import COUNT_INPUT, LossReduction
 from fxpar.full_state_lowering import lower_full_state
 from fxpar.lowering import lower_row, tied_groups
-from fxpar.pass_list import PassList, pass_list
+from fxpar.pass_list import PassList
 from fxpar.pipeline_program import (
     Stage,
-    build_stages,
     check_pipeline,
     describe_stages,
     node_time,
@@ -49,12 +46,12 @@ from fxpar.pipeline_program import (
 )
 from fxpar.step_program import StepProgram
 from fxpar.schedules import Schedule, schedule
-from fxpar.placement import global_shape, local_slice
+from fxpar.placement import global_shape
 from fxpar.plan import Plan
 from fxpar.plan_checks import check_runnable
 from fxpar.model_io import ExampleInputs
-from fxpar.state_writes import batch_statistics_modules
-from fxpar.trace import CapturedGraph, capture, restore_state_layout
+from fxpar.rank_specialisation import specialise
+from fxpar.trace import CapturedGraph
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -90,73 +87,14 @@ def compile(
     schedule cannot deadlock); `check=False` skips it, for tools that prove it themselves.
     """
     plan = Plan.parse(plan)
-    if isinstance(model, CapturedGraph):
-        if example_inputs is not None:
-            raise TypeError("compile(capture, plan) takes no example_inputs: the capture has them")
-        captured = model
-    elif example_inputs is None:
-        raise TypeError("fxpar.compile(model, plan, example_inputs): the example inputs are missing")
-    else:
-        captured = capture(model, example_inputs)
-    _check_batch(plan, captured)
+    captured = captured_of(model, example_inputs)
     hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
-    mesh = Mesh.from_plan(plan)
-    passes = pass_list(plan, captured, mesh=mesh, hardware=hardware)
-    graph_module = run_passes(captured.graph_module, passes.graph)
-    _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
-    _warn_of_batch_statistics(plan, captured)
-    if plan.zero and plan.dp == 1:
-        warnings.warn(f"fxpar: plan zero={plan.zero} shards model state over the data-parallel ranks, "
-                      "and dp=1: nothing is sharded. Fix: dp=2 or more, or drop zero", stacklevel=2)
-    stages = build_stages(graph_module, stage_passes=passes.stage) if passes.stage else None
-    program = Program(plan=plan, mesh=mesh, captured=captured, graph_module=graph_module,
-                      stages=stages, hardware=hardware, passes=passes)
+    compiled = compile_graph(captured, plan, hardware=hardware)  # checks, passes, warnings, stages
+    program = Program(plan=plan, mesh=compiled.mesh, captured=captured, graph_module=compiled.graph_module,
+                      stages=compiled.stages, hardware=hardware, passes=compiled.passes)
     if check:
         program.prove()
     return program
-
-
-def _check_batch(plan: Plan, captured: CapturedGraph) -> None:
-    plan.check_batch(captured.example_batch)
-    if plan.dp * plan.microbatches > 1 and captured.batch is None:
-        raise PlanError(
-            f"the captured graph fixes the batch size to {captured.example_batch}: the model "
-            "uses its batch size as a constant (for example `x.view(8, ...)`), but the plan "
-            f"splits each batch {plan.dp * plan.microbatches} ways. Fix: read sizes from the "
-            "input (`B, T = idx.shape`) or use -1 in views",
-            field="dp",
-            value=plan.dp,
-        )
-    if (seq := captured.symbols.get("seq")) is not None:
-        plan.check_sequence(captured.example_sizes[seq], what="the example's sequence length")
-
-
-def _warn_unless_exact_loss(plan: Plan, reduction: LossReduction) -> None:
-    if reduction.sums or plan.dp * plan.microbatches == 1:
-        return
-    warnings.warn(
-        f"fxpar: {reduction.reason}, so the plan's {plan.dp * plan.microbatches} pieces of each "
-        "batch (dp x microbatches) are averaged as means: equal to one device only when every "
-        "piece weighs the same (no padding, no ignored targets). A mean cross entropy "
-        "(F.cross_entropy, Hugging Face's loss) is exact under any split",
-        stacklevel=3,
-    )
-
-
-def _warn_of_batch_statistics(plan: Plan, captured: CapturedGraph) -> None:
-    pieces = plan.dp * plan.microbatches
-    if pieces > 1 and (modules := batch_statistics_modules(captured.graph_module.graph)):
-        named = f"module {modules[0]!r} normalises" if len(modules) == 1 else (
-            f"modules {', '.join(repr(m) for m in modules[:3])} normalise")
-        warnings.warn(
-            f"fxpar: {named} with the statistics of its input batch (BatchNorm in training "
-            "mode), and the plan splits each batch "
-            f"into {pieces} pieces (dp x microbatches): each piece is normalised by its own "
-            "statistics, so the step differs from one device's (SyncBatchNorm is not "
-            "supported). Fix: `.eval()` on the module before capture (it then normalises with its "
-            "running statistics), or LayerNorm / GroupNorm",
-            stacklevel=3,
-        )
 
 
 class Program:
@@ -240,9 +178,9 @@ class Program:
         """The GraphModules `rank` runs: one, or one per pipeline chunk it holds, in stage order."""
         coord = self.mesh.coord(rank)
         if self.stages is None:
-            return [self._specialise(self.graph_module, rank)]
+            return [specialise(self.graph_module, rank, self.mesh)]
         return [
-            self._specialise(stage.graph_module, rank)
+            specialise(stage.graph_module, rank, self.mesh)
             for stage in self.stages
             if self.schedule.rank_of(stage.index) == coord.pp
         ]
@@ -250,22 +188,6 @@ class Program:
     def stage_template(self, stage: int) -> fx.GraphModule:
         """Stage `stage`'s GraphModule before rank specialisation: global values, every rank's."""
         return self.graph_module if self.stages is None else self.stages[stage].graph_module
-
-    def _specialise(self, graph_module: fx.GraphModule, rank: int) -> fx.GraphModule:
-        coord = self.mesh.coord(rank)
-        module = copy_graph_module(graph_module)
-        module.meta[meta.GRAPH_RANK] = rank
-        module.meta[meta.GRAPH_COORD] = coord
-        sliced = False
-        for name, node in meta.parameter_nodes(module.graph).items():
-            whole = module.get_parameter(name)
-            piece = local_slice(whole.detach(), meta.placements(node), coord, self.mesh.sizes)
-            if piece.shape != whole.shape:
-                _replace_parameter(module, name, torch.nn.Parameter(piece.clone(), whole.requires_grad))
-                sliced = True
-        if sliced:
-            restore_state_layout(module)
-        return module
 
     def step_program(
         self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None
@@ -468,8 +390,3 @@ def _compile_again(
         program.replace_step_program(rank, step_program)
     return program
 
-
-def _replace_parameter(module: torch.nn.Module, dotted: str, value: torch.nn.Parameter) -> None:
-    owner_path, _, leaf = dotted.rpartition(".")
-    owner = module.get_submodule(owner_path) if owner_path else module
-    setattr(owner, leaf, value)
