@@ -9,6 +9,7 @@
     random_seed.py       the job's one random seed, agreed at bind (rank 0's torch.manual_seed)
     step_loss.py         valid-target counts and each microbatch's share of the step's loss
     step_context.py      StepContext: everything of the bound rank an executor reads
+    binding.py           bind's one-time work: device, state placed and made identical, StepContext
     module_executor.py   a step without a pipeline: each microbatch on the rank's one module
     pipeline_executor.py a step with a pipeline: the schedule's F, B and W actions
     weight_gradients.py  zero-bubble W actions: linear weight gradients deferred to a store

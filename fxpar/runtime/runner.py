@@ -28,37 +28,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
-from fxpar.distributed_ops import lower_for_eager
 from fxpar.errors import BindError, PlanError
-from fxpar import lowering
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
+from fxpar.runtime.binding import (
+    all_tied_groups, backend_for, bound_device, parameters_of, place_state, step_context, synchronise_copies,
+)
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
-from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
-from fxpar.runtime.parameter_gatherer import ParameterGatherer
-from fxpar.pipeline_program import receives_ahead
 from fxpar.plan_checks import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
-from fxpar.runtime.recompute import recomputing
 from fxpar.runtime.saved_tensors import SavedTensorMeter
-from fxpar.runtime.sharded_optimizer import ShardedOptimizer, flatten_parameters, require_elementwise
-from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
+from fxpar.runtime.sharded_optimizer import ShardedOptimizer, require_elementwise
 from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
-from fxpar.runtime.whole_state import WholeState, _parameters
+from fxpar.runtime.whole_state import WholeState
 
 
 class Runner(WholeState):
@@ -139,13 +133,11 @@ class Runner(WholeState):
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)
         live_runners.check_can_bind(program)
-        device = torch.device(device) if device is not None else _default_device(env.local_rank)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", env.local_rank)
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        device = bound_device(device, env.local_rank)
+        backend = backend_for(device, backend)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tied = _all_tied_groups(program)
+        tied = all_tied_groups(program)
         groups, tied_groups = init_process_groups(
             program.mesh,
             rank=env.rank,
@@ -169,39 +161,19 @@ class Runner(WholeState):
         live_runners.register(runner, release=lambda: [b.remove() for b in buckets])
         return runner
 
-    # -- binding ------------------------------------------------------------------------
+    # -- binding (`runtime.binding`) ---------------------------------------------------------
 
     def _place_state(self, seed: int | None = None) -> None:
         """Move this rank's state to its device, make every replica and tied copy identical,
         and agree on the job's random seed (`runtime.random_seed`)."""
-        state = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
-        if any(t.is_meta for t in state):
-            raise BindError(
-                "the model's parameters are on the meta device, which is for planning only. "
-                "Fix: build the model on a real device (or `model.to_empty(device=...)` and "
-                "initialise it) before fxpar.compile when you mean to train"
-            )
-        with torch.no_grad():
-            for tensor in state:
-                if tensor.device != self.device:
-                    tensor.data = tensor.data.to(self.device)
-        for module in (*self.modules, *filter(None, [self.loss.reduction.count_module])):
-            _place_graph_constants(module, self.device)
-            lower_for_eager(module)
+        state = place_state(self.modules, self.device, loss=self.loss)
         # Bound again at every step: another program bound in this process (a benchmark's
         # second runner) must not leave this one's ops counted by its communicator.
         self._axes = {axis.value: AxisOnGroup(group, self.communicator) for axis, group in self.groups.items()}
         bind_axes(self._axes)
-        if self._dp.size > 1:
-            # DDP does the same at construction: every replica starts from the first rank's
-            # values, whatever seed each process used (ZeRO-3's pieces: `zero3_state`).
-            sharded = dp_sharded_parameters(self.modules)
-            self._broadcast([t for t in state if id(t) not in sharded], self._dp)
-            if sharded:
-                broadcast_sharded_parameters(self.program, self.modules, self.rank, self._dp, self._broadcast)
-        mine = dict(_parameters_of(self.modules))
-        for name, group in self._step_program.tied_groups.items():
-            self._broadcast([mine[name]], self._tied_groups[group])
+        synchronise_copies(self.program, self.modules, state, rank=self.rank, dp=self._dp,
+                           step_program=self._step_program, tied_groups=self._tied_groups,
+                           communicator=self.communicator)
         seed = agree_seed(seed, rank=self.rank, world_size=self.world_size, communicator=self.communicator,
                           device=self.device)
         self._random = RandomStream(seed)
@@ -210,57 +182,17 @@ class Runner(WholeState):
         self._masters = MasterWeights.keep(self.modules)  # bf16-mixed: bf16 working copies
 
     def _bind_step(self) -> None:
-        """The gradient buckets (with data parallelism) and the executors' `StepContext`."""
-        stages, buckets = self.program.stages, []
-        # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
-        for module in self.modules if self._dp.size > 1 and self.program.plan.zero < 3 else ():
-            assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else self.program.buckets
-            buckets.append(GradientBuckets(
-                assignment, _parameters(module), self._dp, self.communicator,
-                carry_loss=stages is None, average=not self.loss.sums, zero=self.program.plan.zero,
-            ))
-        # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
-        self._flat_parameters = [flatten_parameters(b) for b in buckets] if self.program.plan.zero else []
-        if self._flat_parameters:
-            self._masters.shard(buckets)
-        step_program, mine = self._step_program, dict(_parameters_of(self.modules))
-        plan = self.program.plan
-        gatherers = tuple(
-            ParameterGatherer(m, self._dp, self.communicator, prefetch=plan.prefetch,
-                              reshard_after_forward=plan.reshard_after_forward)
-            for m in self.modules
-        ) if plan.zero == 3 and self._dp.size > 1 else ()
-        self._context = StepContext(
-            rank=self.rank, device=self.device, step_program=step_program,
-            guard=StepGuard(step_program), modules=tuple(self.modules),
-            forwards=tuple(recomputing(m, self._saved) for m in self.modules),
-            module_of_stage={meta.stage_of(m): i for i, m in enumerate(self.modules)},
-            buckets=tuple(buckets),
-            # Replicated parameters whose gradient each tp rank holds a summand of, per module.
-            partial_gradients=tuple(
-                [m.get_parameter(name) for name in meta.partial_gradient_parameters(m.graph)]
-                for m in self.modules
-            ),
-            tied={name: (mine[name], self._tied_groups[group]) for name, group in step_program.tied_groups.items()},
-            loss=self.loss, communicator=self.communicator, groups=self.groups,
-            receives_ahead=receives_ahead(self.backend), gatherers=gatherers, random=self._random,
-            meter=self._saved,
+        """The gradient buckets, ZeRO's flat parameters and the executors' `StepContext`."""
+        self._context, self._flat_parameters = step_context(
+            self.program, self.modules, rank=self.rank, device=self.device, backend=self.backend,
+            groups=self.groups, tied_groups=self._tied_groups, step_program=self._step_program,
+            communicator=self.communicator, loss=self.loss, masters=self._masters, meter=self._saved,
+            random=self._random,
         )
         self._executor = (
-            ModuleExecutor(self._context) if stages is None
+            ModuleExecutor(self._context) if self.program.stages is None
             else PipelineExecutor(self._context, self.program)
         )
-
-    def _broadcast(self, tensors: list[torch.Tensor], group: RankGroup) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for dtype, same in by_dtype.items():
-                flat = _flatten_dense_tensors([t.data for t in same])
-                self.communicator.broadcast(flat, group, tag=f"initial {dtype} state")
-                for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
-                    t.copy_(synced)
 
     # -- training -------------------------------------------------------------------------
 
@@ -368,7 +300,7 @@ class Runner(WholeState):
         else:
             if self.program.plan.zero == 3 and self._dp.size > 1:  # it steps flat pieces
                 require_elementwise(optimizer_class, zero=3, elementwise=elementwise)
-            parameters = [p for _, p in _parameters_of(self.modules)]
+            parameters = [p for _, p in parameters_of(self.modules)]
             optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, parameters=parameters)
                          if self._masters else optimizer_class(parameters, **options))
         self._optimizers.append(optimizer)
@@ -439,42 +371,4 @@ class Runner(WholeState):
                 "so it would train without synchronising anything. Fix: bind again "
                 "(runner = program.bind()) and use the new runner"
             )
-
-
-def _parameters_of(modules) -> list[tuple[str, torch.nn.Parameter]]:
-    seen, result = set(), []
-    for module in modules:
-        for name, parameter in _parameters(module).items():
-            if id(parameter) not in seen:
-                seen.add(id(parameter))
-                result.append((name, parameter))
-    return result
-
-
-def _all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:
-    """Every group of ranks that keeps a tied parameter identical, in one order on all ranks."""
-    if program.stages is None:
-        return ()
-    return tuple(sorted({g for by_name in lowering.tied_groups(program).values() for g in by_name.values()}))
-
-
-def _place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:
-    """Tensors the graph creates (positions from `arange`) on this rank's device.
-
-    Export records the device of the capture (`device=cpu`); the rank may run elsewhere.
-    """
-    changed = False
-    for node in module.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        module.recompile()
-
-
-def _default_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
 

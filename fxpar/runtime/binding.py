@@ -1,0 +1,216 @@
+"""Binding: the work `program.bind()` does once, between torchrun's environment and the first step.
+
+`Runner.create` runs it in this order, each step a function here that takes what it needs:
+
+    bound_device, backend_for   the rank's device (`cuda:LOCAL_RANK` when CUDA is there) and
+                                the backend for it (NCCL on CUDA, gloo otherwise)
+    all_tied_groups             the extra groups a pipeline's tied parameters need, created with
+                                the mesh's groups (`process_groups.init_process_groups`)
+    place_state                 every parameter and buffer on that device, the graphs' own
+                                constants too, and the distributed ops lowered for eager runs
+    synchronise_copies          every data-parallel replica and tied copy made the first rank's
+                                (what DDP does at construction)
+    step_context                the gradient buckets, ZeRO's flat parameters and gatherers, and
+                                the `StepContext` the executors read
+
+The runner then agrees on the seed and keeps the master weights (`Runner._place_state`); after
+binding only `runner.step` and the optimizer move data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from fxpar import lowering, meta
+from fxpar.compiled_program import CompiledProgram
+from fxpar.distributed_ops import lower_for_eager
+from fxpar.errors import BindError
+from fxpar.mesh import Axis
+from fxpar.pipeline_program import receives_ahead
+from fxpar.random_streams import RandomStream
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.master_weights import MasterWeights
+from fxpar.runtime.parameter_gatherer import ParameterGatherer
+from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.recompute import recomputing
+from fxpar.runtime.saved_tensors import SavedTensorMeter
+from fxpar.runtime.sharded_optimizer import flatten_parameters
+from fxpar.runtime.step_context import StepContext
+from fxpar.runtime.step_guard import StepGuard
+from fxpar.runtime.step_loss import StepLoss
+from fxpar.runtime.whole_state import _parameters
+from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
+from fxpar.step_program import StepProgram
+
+
+def bound_device(device: torch.device | str | None, local_rank: int) -> torch.device:
+    """`device` as given (a bare "cuda" is this process's `cuda:LOCAL_RANK`), or by default
+    `cuda:LOCAL_RANK` (modulo the visible devices) when CUDA is available, else the CPU."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_rank)
+    return device
+
+
+def backend_for(device: torch.device, backend: str | None) -> str:
+    """`backend` as given, else NCCL on a CUDA device and gloo otherwise."""
+    return backend or ("nccl" if device.type == "cuda" else "gloo")
+
+
+def all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:
+    """Every group of ranks that keeps a tied parameter identical, in one order on all ranks."""
+    if program.stages is None:
+        return ()
+    return tuple(sorted({g for by_name in lowering.tied_groups(program).values() for g in by_name.values()}))
+
+
+def parameters_of(modules: Iterable[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every parameter of `modules`, each tied one once (its first name)."""
+    seen, result = set(), []
+    for module in modules:
+        for name, parameter in _parameters(module).items():
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                result.append((name, parameter))
+    return result
+
+
+def place_state(
+    modules: Sequence[torch.fx.GraphModule], device: torch.device, *, loss: StepLoss
+) -> list[torch.Tensor]:
+    """Move the rank's parameters and buffers to `device` and return them; put the tensors the
+    graphs create there too, and lower the distributed ops for eager runs (of the loss's
+    count module as well, where the loss is a sum over valid targets)."""
+    state = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    if any(t.is_meta for t in state):
+        raise BindError(
+            "the model's parameters are on the meta device, which is for planning only. "
+            "Fix: build the model on a real device (or `model.to_empty(device=...)` and "
+            "initialise it) before fxpar.compile when you mean to train"
+        )
+    with torch.no_grad():
+        for tensor in state:
+            if tensor.device != device:
+                tensor.data = tensor.data.to(device)
+    for module in (*modules, *filter(None, [loss.reduction.count_module])):
+        place_graph_constants(module, device)
+        lower_for_eager(module)
+    return state
+
+
+def synchronise_copies(
+    program: CompiledProgram,
+    modules: Sequence[torch.fx.GraphModule],
+    state: list[torch.Tensor],
+    *,
+    rank: int,
+    dp: RankGroup,
+    step_program: StepProgram,
+    tied_groups: dict[tuple[int, ...], RankGroup],
+    communicator: Communicator,
+) -> None:
+    """Make every data-parallel replica of `state` and every tied parameter's copies identical:
+    broadcast from the group's first rank."""
+    def broadcast(tensors: list[torch.Tensor], group: RankGroup) -> None:
+        broadcast_by_dtype(tensors, group, communicator)
+
+    if dp.size > 1:
+        # DDP does the same at construction: every replica starts from the first rank's
+        # values, whatever seed each process used (ZeRO-3's pieces: `zero3_state`).
+        sharded = dp_sharded_parameters(modules)
+        broadcast([t for t in state if id(t) not in sharded], dp)
+        if sharded:
+            broadcast_sharded_parameters(program, modules, rank, dp, broadcast)
+    mine = dict(parameters_of(modules))
+    for name, group in step_program.tied_groups.items():
+        broadcast([mine[name]], tied_groups[group])
+
+
+def broadcast_by_dtype(tensors: list[torch.Tensor], group: RankGroup, communicator: Communicator) -> None:
+    """Overwrite `tensors` with the group's first rank's values: one flat broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype, same in by_dtype.items():
+            flat = _flatten_dense_tensors([t.data for t in same])
+            communicator.broadcast(flat, group, tag=f"initial {dtype} state")
+            for t, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(synced)
+
+
+def step_context(
+    program: CompiledProgram,
+    modules: Sequence[torch.fx.GraphModule],
+    *,
+    rank: int,
+    device: torch.device,
+    backend: str,
+    groups: dict[Axis, RankGroup],
+    tied_groups: dict[tuple[int, ...], RankGroup],
+    step_program: StepProgram,
+    communicator: Communicator,
+    loss: StepLoss,
+    masters: MasterWeights,
+    meter: SavedTensorMeter,
+    random: RandomStream,
+) -> tuple[StepContext, list]:
+    """The gradient buckets (with data parallelism), ZeRO's flat parameters (per module, per
+    bucket; the master weights sharded to them) and the `StepContext` the executors read."""
+    stages, plan, dp, buckets = program.stages, program.plan, groups[Axis.DP], []
+    # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
+    for module in modules if dp.size > 1 and plan.zero < 3 else ():
+        assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else program.buckets
+        buckets.append(GradientBuckets(
+            assignment, _parameters(module), dp, communicator,
+            carry_loss=stages is None, average=not loss.sums, zero=plan.zero,
+        ))
+    # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
+    flat_parameters = [flatten_parameters(b) for b in buckets] if plan.zero else []
+    if flat_parameters:
+        masters.shard(buckets)
+    mine = dict(parameters_of(modules))
+    gatherers = tuple(
+        ParameterGatherer(m, dp, communicator, prefetch=plan.prefetch,
+                          reshard_after_forward=plan.reshard_after_forward)
+        for m in modules
+    ) if plan.zero == 3 and dp.size > 1 else ()
+    context = StepContext(
+        rank=rank, device=device, step_program=step_program,
+        guard=StepGuard(step_program), modules=tuple(modules),
+        forwards=tuple(recomputing(m, meter) for m in modules),
+        module_of_stage={meta.stage_of(m): i for i, m in enumerate(modules)},
+        buckets=tuple(buckets),
+        # Replicated parameters whose gradient each tp rank holds a summand of, per module.
+        partial_gradients=tuple(
+            [m.get_parameter(name) for name in meta.partial_gradient_parameters(m.graph)]
+            for m in modules
+        ),
+        tied={name: (mine[name], tied_groups[group]) for name, group in step_program.tied_groups.items()},
+        loss=loss, communicator=communicator, groups=groups,
+        receives_ahead=receives_ahead(backend), gatherers=gatherers, random=random,
+        meter=meter,
+    )
+    return context, flat_parameters
+
+
+def place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:
+    """Tensors the graph creates (positions from `arange`) on this rank's device.
+
+    Export records the device of the capture (`device=cpu`); the rank may run elsewhere.
+    """
+    changed = False
+    for node in module.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        module.recompile()
