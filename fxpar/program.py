@@ -23,11 +23,10 @@ import functools
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import sympy
 import torch
 import torch.fx as fx
 
-from fxpar import meta
+from fxpar import meta, step_sizes
 from fxpar.collectives import Collective, check_collectives
 from fxpar.compilation import captured_of, compile_graph
 from fxpar.cost.profiles import hardware_profile
@@ -46,7 +45,6 @@ from fxpar.pipeline_program import (
 )
 from fxpar.step_program import StepProgram
 from fxpar.schedules import Schedule, schedule
-from fxpar.placement import global_shape
 from fxpar.plan import Plan
 from fxpar.plan_checks import check_runnable
 from fxpar.model_io import ExampleInputs
@@ -242,26 +240,13 @@ class Program:
     @functools.cached_property
     def example_sizes(self) -> dict:
         """Export's size symbols -> their values in one microbatch of the example's global
-        batch (a rank's piece of it follows from the placements: `placement.local_shape`)."""
-        microbatch = self.captured.example_batch // self.plan.microbatches
-        sizes = {}
-        for symbol, value in self.captured.example_sizes.items():
-            for exported in self.captured.export_symbols(symbol.name):
-                sizes[exported] = sympy.Integer(microbatch if symbol.name == "batch" else value)
-        return sizes
+        batch (`step_sizes.example_sizes`): what `collectives` and `check` evaluate at."""
+        return step_sizes.example_sizes(self.captured, microbatches=self.plan.microbatches)
 
     def microbatch_sizes(self, microbatch: tuple[torch.Tensor, ...]) -> dict:
-        """Export's size symbols -> their values in a step's microbatch of the global batch,
-        read off this rank's piece of it (its inputs, in `input_names` order): what the step
-        program's payload formulas are evaluated at (`placement.global_shape` undoes dp)."""
-        placeholders = [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
-        sizes = {}
-        for node, tensor in zip(placeholders, microbatch):
-            whole = global_shape(tensor.shape, meta.placements(node), self.mesh.sizes)
-            for dim, size in enumerate(node.meta["val"].shape):
-                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                    sizes[size.node.expr] = sympy.Integer(whole[dim])
-        return sizes
+        """The same symbols' values in a step's microbatch, read off this rank's piece of it
+        (its inputs, in `input_names` order; `step_sizes.microbatch_sizes`)."""
+        return step_sizes.microbatch_sizes(self.graph_module, microbatch, self.mesh.sizes)
 
     def describe_stages(self) -> str:
         """The pipeline cut the compiler chose: per stage its modules, parameters, share of the
