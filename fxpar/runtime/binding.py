@@ -42,7 +42,8 @@ from fxpar.runtime.sharded_optimizer import flatten_parameters
 from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
-from fxpar.runtime.whole_state import _parameters
+from fxpar.runtime.valid_targets import CountArrival, await_count
+from fxpar.runtime.whole_state import graph_parameters
 from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
 from fxpar.step_program import StepProgram
 
@@ -76,7 +77,7 @@ def parameters_of(modules: Iterable[torch.nn.Module]) -> list[tuple[str, torch.n
     """(name, parameter) of every parameter of `modules`, each tied one once (its first name)."""
     seen, result = set(), []
     for module in modules:
-        for name, parameter in _parameters(module).items():
+        for name, parameter in graph_parameters(module).items():
             if id(parameter) not in seen:
                 seen.add(id(parameter))
                 result.append((name, parameter))
@@ -170,7 +171,7 @@ def step_context(
     for module in modules if dp.size > 1 and plan.zero < 3 else ():
         assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else program.buckets
         buckets.append(GradientBuckets(
-            assignment, _parameters(module), dp, communicator,
+            assignment, graph_parameters(module), dp, communicator,
             carry_loss=stages is None, average=not loss.sums, zero=plan.zero,
         ))
     # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
@@ -183,6 +184,9 @@ def step_context(
                           reshard_after_forward=plan.reshard_after_forward)
         for m in modules
     ) if plan.zero == 3 and dp.size > 1 else ()
+    arrival = CountArrival()  # the graphs wait for the step's count where they read it
+    for module in modules:
+        await_count(module, arrival)
     context = StepContext(
         rank=rank, device=device, step_program=step_program,
         guard=StepGuard(step_program), modules=tuple(modules),
@@ -197,7 +201,7 @@ def step_context(
         tied={name: (mine[name], tied_groups[group]) for name, group in step_program.tied_groups.items()},
         loss=loss, communicator=communicator, groups=groups,
         receives_ahead=receives_ahead(backend), gatherers=gatherers, random=random,
-        meter=meter,
+        meter=meter, count_arrival=arrival,
     )
     return context, flat_parameters
 

@@ -99,9 +99,10 @@ class Communicator:
         self._stats: dict[str, dict[str, int]] = {}
         self._guard: StepGuard | None = None  # during a step: holds each call to the program
 
-    def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str) -> PendingCollective:
+    def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward"
+                   ) -> PendingCollective:
         """Start a sum all-reduce of `tensor` in place over `group`."""
-        call = self._record("all_reduce", tensor, group, tag)
+        call = self._record("all_reduce", tensor, group, tag, phase=phase)
         work = dist.all_reduce(tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 

@@ -50,6 +50,7 @@ class ModuleExecutor:
                     for buckets in all_buckets:
                         buckets.carry(state.loss)
             else:
+                context.count_arrival.settle()  # the steps agreed before gradients move
                 with context.random.at(action.microbatch):  # a recompute draws as its forward did
                     state.losses.pop(action.microbatch).backward()
         return state.result()

@@ -189,6 +189,7 @@ class PipelineExecutor:
         from its loss); returns the sends of its inputs' gradients back. Under a zero-bubble
         schedule the linear weights' gradients are left for the W action."""
         stage, mb = self.program.stages[action.stage], action.microbatch
+        self.context.count_arrival.settle()  # the steps agreed before gradients move
         produced = step.outputs.pop((stage.index, mb))
         if stage.index == len(self.program.stages) - 1:
             tensors, grads = [produced[0]], None

@@ -6,7 +6,8 @@ run the rank's modules (`ModuleExecutor`, `PipelineExecutor`), pipeline `Exchang
 post transfers, and every `Communicate` action comes here:
 
     VALID_TARGETS        the step's count of valid targets, summed over dp, with the ranks'
-                         step numbers (`runtime.step_agreement`)
+                         step numbers (`runtime.step_agreement`); started here, waited for
+                         where the graph reads it (`runtime.valid_targets`)
     STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count)
     GRADIENT_BUCKET      wait for bucket i of stage s (launched by its hooks during backward)
     PARTIAL_GRADIENTS    replicated parameters' partial tp gradients of stage s, summed
@@ -27,7 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.errors import BindError
 from fxpar.mesh import Axis
-from fxpar.runtime.step_agreement import agree_on_step
+from fxpar.runtime.step_agreement import agree_on_step, start_agreement
 from fxpar.step_program import Communicate, Purpose
 
 if TYPE_CHECKING:
@@ -60,10 +61,13 @@ class StepState:
 def communicate(action: Communicate, context: StepContext, state: StepState) -> None:
     """Issue the collective `action` stands for (module doc)."""
     purpose, groups = action.purpose, context.groups
-    if purpose is Purpose.VALID_TARGETS:
-        state.count = agree_on_step(context.communicator, groups[Axis.DP], context.steps,
-                                    tag=action.calls[0].tag, device=context.device, count=state.count)
-    elif purpose is Purpose.STEP_AGREEMENT:
+    if purpose is Purpose.VALID_TARGETS:  # in flight while the forward runs (`runtime.valid_targets`)
+        settle = start_agreement(context.communicator, groups[Axis.DP], context.steps,
+                                 tag=action.calls[0].tag, device=context.device, count=state.count)
+        state.count = context.count_arrival.expect(settle, context.loss.reduction.count_dtype, context.device)
+        return
+    context.count_arrival.settle()  # no later collective goes before the steps are agreed
+    if purpose is Purpose.STEP_AGREEMENT:
         call = action.calls[0]
         agree_on_step(context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag,
                       device=context.device)

@@ -33,6 +33,8 @@ not caught here (its next step's first call pairs with a peer's gather of anothe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fxpar.errors import StepMismatchError
@@ -45,22 +47,34 @@ def agree_on_step(
     count: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """All-reduce this rank's `step` (and `count`, summed) over `group` and raise
-    StepMismatchError unless every member is on `step`; return the summed count.
+    StepMismatchError unless every member is on `step`; return the summed count."""
+    return start_agreement(communicator, group, step, tag=tag, device=device, count=count)()
+
+
+def start_agreement(
+    communicator: Communicator, group: RankGroup, step: int, *, tag: str, device: torch.device,
+    count: torch.Tensor | None = None,
+) -> Callable[[], torch.Tensor | None]:
+    """`agree_on_step` started, not waited for: returns what waits, checks the steps and
+    returns the summed count (`runtime.valid_targets` waits where the graph reads it).
 
     The vector lives on `device` (NCCL reduces device tensors only); reading the steps back is
-    the one host synchronisation it costs, at the start of the step."""
+    the one host synchronisation it costs."""
     head = 0 if count is None else 1
     vector = torch.zeros(head + group.size, dtype=torch.int64, device=device)
     if count is not None:
         vector[0] = count.reshape(())  # stays on the device: no synchronisation for the count
     vector[head + group.index] = step
-    communicator.all_reduce_now(vector, group, tag=tag, phase="forward")
-    steps = vector[head:].tolist()
-    if any(s != step for s in steps):
-        raise StepMismatchError(mismatch_message(group, step, steps))
-    if count is None:
-        return None
-    return vector[0].to(count.dtype).reshape(count.shape)
+    pending = communicator.all_reduce(vector, group, tag=tag, phase="forward")
+
+    def settle() -> torch.Tensor | None:
+        pending.wait()
+        steps = vector[head:].tolist()
+        if any(s != step for s in steps):
+            raise StepMismatchError(mismatch_message(group, step, steps))
+        return None if count is None else vector[0].to(count.dtype).reshape(count.shape)
+
+    return settle
 
 
 def mismatch_message(group: RankGroup, step: int, steps: list[int]) -> str:

@@ -25,6 +25,8 @@ which reads nothing of the Runner itself.
                           action is for (`fxpar.random_streams`)
     steps                 how many times `runner.step` was called since bind, this one
                           included: the number the ranks agree on (`runtime.step_agreement`)
+    count_arrival         the step's valid-target count while its all-reduce is in flight;
+                          the rank's graphs wait for it where they read it (`runtime.valid_targets`)
 
 `receives_ahead` and `record_timeline` are settings, which the Runner's attributes of the same
 name change between steps (a new `receives_ahead` comes with its step program and guard);
@@ -35,10 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from fxpar.runtime.valid_targets import CountArrival
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -81,6 +85,8 @@ class StepContext:
 
     # The meter of what the step saves for backward (`runtime.saved_tensors`), if any.
     meter: SavedTensorMeter | None = None
+    # The step's count of valid targets, in flight during the forward (`runtime.valid_targets`).
+    count_arrival: CountArrival = field(default_factory=CountArrival)
 
     def saving(self, module: int):
         """The context a forward of module `module` runs in (ZeRO-3 packs what autograd saves of

@@ -2,7 +2,7 @@
 
 `Runner` inherits these from `WholeState`; they read the runner's bound state (its modules,
 groups, communicator, step context and master weights) and issue only what the rank's state
-program lists (`Program.state_program`, written by `lowering.lower_full_state`):
+program lists (`Program.state_program`, written by `full_state_lowering.lower_full_state`):
 
     full_state_dict()             the model's state dict, whole, on the CPU of every rank
     full_gradients()              each trained parameter's whole gradient
@@ -55,7 +55,7 @@ class WholeState:
             trained = meta.trained_parameters(module)
             local[meta.stage_of(module)] = (module, {} if self._flat_parameters else {
                 n: (p.grad if p.grad is not None else torch.zeros_like(p)).to(self._masters.dtype or p.dtype)
-                for n, p in _parameters(module).items() if n in trained
+                for n, p in graph_parameters(module).items() if n in trained
             })
         return self._gather_full(local, gradients=True)
 
@@ -122,5 +122,6 @@ class WholeState:
         )
 
 
-def _parameters(module: torch.fx.GraphModule) -> dict[str, torch.nn.Parameter]:
+def graph_parameters(module: torch.fx.GraphModule) -> dict[str, torch.nn.Parameter]:
+    """A rank module's parameters by the names its graph reads them under."""
     return {n: module.get_parameter(n) for n in meta.parameter_nodes(module.graph)}
