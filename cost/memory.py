@@ -19,7 +19,10 @@ and the reduced shard ZeRO keeps is in `reduce_dtype`: ZeRO-1 adds it beside the
 in fp32, a view of the bucket in bf16), ZeRO-2 and 3 keep only it (4P/N or 2P/N). With
 dp = 1 nothing is reduced: 2P. So bf16-mixed Adam with the default fp32 reduction holds
 2P + 2P + 12P without ZeRO, 2P + (2P + 4P/N) + 12P/N with ZeRO-1, 2P + 4P/N + 12P/N with
-ZeRO-2 (16P/N as the paper with reduce_dtype=bf16).
+ZeRO-2. ZeRO-3 with reduce_dtype=bf16 holds the paper's 2P/N + 2P/N + 12P/N; with fp32 it
+stores each piece in fp32 as FSDP2 does, the piece being its own master (`passes.zero3`),
+with fp32 gradients and the fp32 optimizer's state: 4P/N + 4P/N + 8P/N (Adam), the same
+16P/N in all.
 
 `peak_bytes` puts model state, saved activations and backward's workspace together into the
 step's peak. When gradients exist decides where it is:
@@ -70,6 +73,8 @@ def model_state_bytes(
     weights = _WEIGHT_BYTES[precision] * P
     grads = _WEIGHT_BYTES[precision] * P
     state = _OPTIMIZER_BYTES[(precision, optimizer)] * P
+    if precision == "bf16-mixed" and zero >= 3 and share != 1 and reduce_dtype == "fp32":
+        return model_state_bytes(P, precision="fp32", optimizer=optimizer, zero=zero, dp=dp)
     if precision == "bf16-mixed":
         grads = _mixed_gradient_bytes(P, share, zero=zero, reduced=_REDUCED_BYTES[reduce_dtype])
     elif zero >= 2:

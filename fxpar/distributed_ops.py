@@ -69,6 +69,15 @@ class DistributedOp:
     def primitive(self, phase: Phase) -> Primitive | None:
         return self.forward if phase == "forward" else self.backward
 
+    def payload_dtype(self, node: fx.Node, phase: Phase) -> torch.dtype:
+        """The dtype the op's `phase` collective moves: its sources' dtype, except that a
+        ZeRO-3 op with a `dtype` gathers in that dtype (bf16-mixed's compute dtype) while its
+        gradients are reduce-scattered in the pieces' own (`fxpar.parameter_gathers`)."""
+        pieces = self.sources(node)[0].meta["val"].dtype
+        if self.many and self.primitive(phase) == "all_gather":
+            return node.kwargs.get("dtype") or pieces
+        return pieces
+
     def tag(self, axis: str, phase: Phase) -> str:
         """What the runtime's log calls this op's collective, and what the prediction says."""
         return f"{axis} {self.name}" + (" (backward)" if phase == "backward" else "")

@@ -68,12 +68,11 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[t
             ends = {"in": whole, "out": whole}
         else:
             ends = {"in": _local_numel(sources[0], mesh), "out": _local_numel(node, mesh)}
-        dtype = sources[0].meta["val"].dtype
         for phase, calls, (payload_in, payload_out) in (
             ("forward", forward, ("in", "out")),
             ("backward", backward, ("out", "in")),
         ):
-            primitive = op.primitive(phase)
+            primitive, dtype = op.primitive(phase), op.payload_dtype(node, phase)
             if primitive not in COMMUNICATING or (phase == "backward" and not any(map(meta.requires_grad, sources))):
                 continue
             numel = ends[payload_out] if primitive == "all_gather" else ends[payload_in]

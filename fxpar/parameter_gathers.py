@@ -22,6 +22,13 @@ forward unless autograd saves them for backward (a linear keeps its weight). Wit
 the layer's last use: its backward gathers the layer again, and the runtime
 (`runtime.parameter_gatherer`) hands backward those values where autograd saved the
 forward's, so a layer's whole weights live only while its forward or backward runs.
+
+Two dtypes (FSDP2's `param_dtype` and `reduce_dtype`): with `dtype`, the pieces are cast to
+it as they are laid out, so the gather moves and returns `dtype` (bf16-mixed's bf16), while
+the gradients are cast to the pieces' own dtype before the reduce-scatter, which sums them
+in it (fp32 pieces: `reduce_dtype=fp32`) and hands each piece its gradient in its dtype.
+Without `dtype` both run in the pieces' dtype. `DistributedOp.payload_dtype` says the same
+to lowering.
 """
 
 from __future__ import annotations
@@ -42,9 +49,15 @@ def _binding(axis: str, size: int):
     return binding
 
 
-def laid_out(shards: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's pieces side by side: what a layer's gather sends (FSDP2's copy-in)."""
-    return torch.cat([s.detach().reshape(-1) for s in shards])
+def laid_out(shards: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's pieces side by side, in `dtype` (default theirs): what a layer's gather
+    sends (FSDP2's copy-in; a cast is done by the copy, no second buffer)."""
+    if dtype is None or dtype == shards[0].dtype:
+        return torch.cat([s.detach().reshape(-1) for s in shards])
+    flat = shards[0].new_empty(sum(s.numel() for s in shards), dtype=dtype)
+    for piece, s in zip(flat.split([s.numel() for s in shards]), shards):
+        piece.copy_(s.detach().reshape(-1))
+    return flat
 
 
 def whole_values(gathered: torch.Tensor, widths: list[int], size: int) -> list[torch.Tensor]:
@@ -54,58 +67,66 @@ def whole_values(gathered: torch.Tensor, widths: list[int], size: int) -> list[t
     return [block.reshape(-1) for block in blocks]
 
 
-def gather(shards: list[torch.Tensor], axis: str, size: int) -> list[torch.Tensor]:
-    """Every rank's `shards`, whole: for each, the concatenation of its pieces in rank order."""
-    flat = laid_out(shards)
+def gather(shards: list[torch.Tensor], axis: str, size: int, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Every rank's `shards`, whole, in `dtype` (default theirs): for each, the concatenation
+    of its pieces in rank order."""
+    flat = laid_out(shards, dtype)
     out = flat.new_empty(size * flat.numel())
     _binding(axis, size).all_gather(out, flat, tag=OP.tag(axis, "forward"), phase="forward")
     return whole_values(out, [s.numel() for s in shards], size)
 
 
 def reduce_scatter(grads: list[torch.Tensor | None], widths: list[int], like: torch.Tensor, axis: str,
-                   size: int) -> torch.Tensor:
-    """The sum over ranks of each whole gradient, this rank's piece of each side by side in one
-    flat tensor (`gather`'s dual)."""
-    blocks = [
-        (g if g is not None else like.new_zeros(size * w)).reshape(size, w) for g, w in zip(grads, widths)
-    ]
-    stacked = torch.cat(blocks, dim=1)
+                   size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum over ranks of each whole gradient, in `dtype` (default `like`'s: the pieces'
+    dtype), this rank's piece of each side by side in one flat tensor (`gather`'s dual). The
+    gradients are cast as they are laid out, so the sum runs in `dtype`."""
+    dtype = dtype or like.dtype
+    stacked = like.new_empty((size, sum(widths)), dtype=dtype)
+    for block, g, w in zip(stacked.split(widths, dim=1), grads, widths):
+        if g is None:
+            block.zero_()
+        else:
+            block.copy_(g.reshape(size, w))
     out = stacked.new_empty(sum(widths))
     _binding(axis, size).reduce_scatter(out, stacked.reshape(-1), tag=OP.tag(axis, "backward"), phase="backward")
     return out
 
 
 @torch.library.custom_op("fxpar::gather_parameters", mutates_args=(),
-                         schema="(Tensor[] shards, str axis, int size) -> Tensor[]")
-def _gather_parameters(shards, axis, size):
-    return gather(list(shards), axis, size)
+                         schema="(Tensor[] shards, str axis, int size, *, ScalarType? dtype=None) -> Tensor[]")
+def _gather_parameters(shards, axis, size, *, dtype=None):
+    return gather(list(shards), axis, size, dtype)
 
 
 @_gather_parameters.register_fake
-def _(shards, axis, size):
-    return [s.new_empty(s.numel() * size) for s in shards]
+def _(shards, axis, size, *, dtype=None):
+    return [s.new_empty(s.numel() * size, dtype=dtype or s.dtype) for s in shards]
 
 
 @torch.library.custom_op("fxpar::scatter_parameter_gradients", mutates_args=(),
-                         schema="(Tensor?[] grads, int[] widths, Tensor like, str axis, int size) -> Tensor")
-def _scatter_gradients(grads, widths, like, axis, size):
+                         schema="(Tensor?[] grads, int[] widths, Tensor like, str axis, int size, "
+                                "*, ScalarType? dtype=None) -> Tensor")
+def _scatter_gradients(grads, widths, like, axis, size, *, dtype=None):
     """gather_parameters' backward, itself an op so that a traced backward keeps it."""
-    return reduce_scatter(list(grads), list(widths), like, axis, size)
+    return reduce_scatter(list(grads), list(widths), like, axis, size, dtype)
 
 
 @_scatter_gradients.register_fake
-def _(grads, widths, like, axis, size):
-    return like.new_empty(sum(widths))
+def _(grads, widths, like, axis, size, *, dtype=None):
+    return like.new_empty(sum(widths), dtype=dtype or like.dtype)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     shards, ctx.axis, ctx.size = inputs
     ctx.widths = [s.numel() for s in shards]
     ctx.shapes = [s.shape for s in shards]
+    ctx.dtype = shards[0].dtype  # the gradients are summed in the pieces' dtype
 
 
 def _backward(ctx, grads):
-    flat = torch.ops.fxpar.scatter_parameter_gradients(list(grads), ctx.widths, _like(grads), ctx.axis, ctx.size)
+    flat = torch.ops.fxpar.scatter_parameter_gradients(list(grads), ctx.widths, _like(grads), ctx.axis, ctx.size,
+                                                       dtype=ctx.dtype)
     return [p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes)], None, None
 
 
@@ -122,8 +143,8 @@ REGATHER = BY_NAME["regather_parameters"]
 
 
 @torch.library.custom_op("fxpar::regather_parameters", mutates_args=(),
-                         schema="(Tensor x, Tensor[] shards, str axis, int size) -> Tensor")
-def _regather_parameters(x, shards, axis, size):
+                         schema="(Tensor x, Tensor[] shards, str axis, int size, *, ScalarType? dtype=None) -> Tensor")
+def _regather_parameters(x, shards, axis, size, *, dtype=None):
     """Identity on `x`, the output of the layer's last use of its gathered parameters: its
     backward, which autograd runs before that of any of the layer's ops, is where the layer's
     parameters are gathered again for what backward reads of them."""
@@ -131,19 +152,20 @@ def _regather_parameters(x, shards, axis, size):
 
 
 @_regather_parameters.register_fake
-def _(x, shards, axis, size):
+def _(x, shards, axis, size, *, dtype=None):
     return torch.empty_like(x)
 
 
-def _regather_setup(ctx, inputs, output):
+def _regather_setup(ctx, inputs, keyword_only_inputs, output):
     _, ctx.shards, ctx.axis, ctx.size = inputs
+    ctx.dtype = keyword_only_inputs["dtype"]
 
 
 def _regather_backward(ctx, grad):
     # As registered (torch.compile, tracing), the gather is issued, so every rank's calls are
     # the step program's; the runtime's eager form (`runtime.parameter_gatherer`) keeps what it
     # gathers for the saved tensors that name it.
-    flat = laid_out(ctx.shards)
+    flat = laid_out(ctx.shards, ctx.dtype)
     _binding(ctx.axis, ctx.size).all_gather(flat.new_empty(ctx.size * flat.numel()), flat,
                                             tag=REGATHER.tag(ctx.axis, "backward"), phase="backward")
     return grad, [None] * len(ctx.shards), None, None

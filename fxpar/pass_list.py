@@ -96,7 +96,8 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
                       hold=plan.zero >= 1, **_reduce_dtype(plan))
     # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.
-    zero3 = (partial(shard_parameters, mesh=mesh, reshard_after_forward=plan.reshard_after_forward),
+    zero3 = (partial(shard_parameters, mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
+                     **_reduce_dtype(plan)),
              ) if plan.zero == 3 and mesh.dp > 1 else ()
     last = (buckets, *zero3, *_recomputation(plan, captured))
     stages = plan.pp * plan.virtual_stages
@@ -119,15 +120,6 @@ def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]
     model has nothing to checkpoint."""
     if plan.checkpoint == "none":
         return ()
-    if plan.zero == 3 and plan.dp > 1:
-        raise PlanError(
-            f"plan checkpoint={plan.checkpoint} with zero=3 is not composed yet: a recomputed "
-            "region keeps its inputs until backward, and ZeRO-3's gathered weights are among "
-            "them, so each layer's whole weights would stay alive from forward to backward "
-            "(what ZeRO-3 frees). Fix: checkpoint=none with zero=3, or zero=2 with checkpointing",
-            field="checkpoint",
-            value=plan.checkpoint,
-        )
     graph = captured.graph_module.graph
     blocks = block_lists(graph)
     if plan.checkpoint == FULL and not blocks:

@@ -30,6 +30,9 @@ several calls, one per stretch between them. An op whose forward is local and wh
 collective is in its backward (f, `copy_to_region`: identity forward, all-reduce backward;
 `split_to_shard`) may be recomputed: recomputing its forward communicates nothing, and
 autograd runs its backward once, from the forward's own graph, as without checkpointing.
+ZeRO-3's ops are in no region either, `regather_parameters` included (local forward): its
+backward re-gathers the layer, and the layer's regions, which end before it, recompute from
+those weights (`runtime.parameter_gatherer`), so it must run before their recomputation.
 
 `segments(nodes, label)` cuts a graph's marked nodes into those calls: maximal runs of
 consecutive call_function nodes with one label (get_attr nodes, parameters and constants,
@@ -115,7 +118,14 @@ def region_labels(graph: fx.Graph, mode: str, blocks: tuple[str, ...]) -> dict[f
         labels = attention_cores(graph)
     else:
         return {}
-    return {node: label for node, label in labels.items() if not communicates_in_forward(node)}
+    return {node: label for node, label in labels.items()
+            if not communicates_in_forward(node) and not _gathers_parameters(node)}
+
+
+def _gathers_parameters(node: fx.Node) -> bool:
+    """ZeRO-3's ops (module doc): the regather too, whose forward is local, ends a region."""
+    op = distributed_op(node)
+    return op is not None and op.many
 
 
 def communicates_in_forward(node: fx.Node) -> bool:

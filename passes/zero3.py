@@ -25,6 +25,18 @@ names share the path up to their first numeric part (`h.3.attn.q.weight` -> `h.3
 others (embeddings, final norm, head) form one unit of the root, as FSDP wraps the root. A
 unit holds one dtype (a mixed-dtype layer makes one unit per dtype).
 
+Under bf16-mixed (`passes.mixed_precision`: parameters computed in bf16, trained in fp32),
+`reduce_dtype` decides what a piece is. With fp32 (the default, FSDP2's way: sharded
+parameters fp32, `param_dtype` bf16) the pieces are the fp32 master values themselves, and
+the gather casts them to bf16 as it lays them out (`gather_parameters(..., dtype=bf16)`): the
+all-gather moves bf16, the layer computes in bf16, and the reduce-scatter sums the gradients
+in fp32 (the pieces' dtype) into fp32 piece gradients the optimizer steps the pieces with, no
+rounding through bf16 on the way. A rank holds 4P/N of fp32 pieces, 4P/N of fp32 gradients
+and the optimizer's fp32 state (Adam 8P/N): 16P/N, the ZeRO paper's mixed-precision total;
+bf16 whole weights exist only while a layer runs. With bf16 the pieces are bf16 working
+copies with per-piece fp32 masters (`runtime.master_weights`), and gather and reduce-scatter
+both run in bf16: 2P/N + 2P/N + 12P/N.
+
 A gradient summed at the step's end (a parameter tied across pipeline ranks; under sp, a
 replicated norm's partial tp gradient) is summed on the pieces: the sum commutes with the
 dp reduce-scatter, and every copy of the parameter has the same pieces.
@@ -32,7 +44,8 @@ dp reduce-scatter, and every copy of the parameter has the same pieces.
 Requires: the placements of every parameter on the tp axis (the tp pass), gradient buckets
 (`meta.trained_parameters`: which parameters are trained).
 Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather (and
-regather); each gather comes before every use of its outputs; with `reshard_after_forward`
+regather); each gather comes before every use of its outputs; under bf16-mixed with fp32
+reduction the pieces are fp32 with no `fxpar.master_dtype` and their gathers bf16; with `reshard_after_forward`
 each unit has one regather, after every use; `gm.meta[GRAPH_PARAMETER_UNITS]` lists the units
 in gather order.
 """
@@ -90,8 +103,10 @@ def every_trained_parameter_sharded(gm: fx.GraphModule) -> None:
 
 
 @ensures(every_trained_parameter_sharded)
-def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: bool = False) -> fx.GraphModule:
-    """Shard every trained parameter over dp and gather each layer's before use (module doc)."""
+def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: bool = False,
+                     reduce_dtype: torch.dtype | None = None) -> fx.GraphModule:
+    """Shard every trained parameter over dp and gather each layer's before use (module doc);
+    `reduce_dtype`: what bf16-mixed sums gradients in (None: the pieces' compute dtype)."""
     if deferred := deferred_weights(gm):
         raise PlanError(
             f"plan zero=3 reduce-scatters each layer's gradients when backward leaves the layer, "
@@ -110,10 +125,12 @@ def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: b
     units = []
     for (layer, _), names in sorted(layers.items(), key=lambda item: first_use[item[1][0]]):
         units.append(ParameterUnit(len(units), layer, tuple(names)))
-        wholes = _gather_before_use(graph, [nodes[n] for n in names], mesh, before=min(
+        shards = [nodes[n] for n in names]
+        gathered = _store_in_reduce_dtype(shards, reduce_dtype)
+        wholes = _gather_before_use(graph, shards, mesh, gathered, before=min(
             (u for n in names for u in nodes[n].users), key=order.__getitem__))
         if reshard_after_forward:
-            _regather_after_use(graph, [nodes[n] for n in names], wholes, mesh, layer)
+            _regather_after_use(graph, shards, wholes, mesh, layer, gathered)
     gm.meta[meta.GRAPH_PARAMETER_UNITS] = tuple(units)
     gm.recompile()
     return gm
@@ -125,9 +142,24 @@ def layer_of(name: str) -> str:
     return match.group(1) if match else ""
 
 
-def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, before: fx.Node) -> list[fx.Node]:
-    """One gather of `shards` just before `before`; every other use reads its whole value
-    (returned, one node per shard)."""
+def _store_in_reduce_dtype(shards: list[fx.Node], reduce_dtype: torch.dtype | None) -> torch.dtype | None:
+    """Under bf16-mixed with a `reduce_dtype` that is the parameters' master dtype, make the
+    pieces their masters (module doc): their values in that dtype, no master beside them.
+    Returns the dtype the gather casts to (their compute dtype), else None."""
+    masters = {meta.master_dtype(s) for s in shards}
+    if reduce_dtype is None or masters != {reduce_dtype}:
+        return None
+    (computed,) = {s.meta["val"].dtype for s in shards}
+    for shard in shards:
+        del shard.meta[meta.MASTER_DTYPE]
+        shard.meta["val"] = shard.meta["val"].new_empty(shard.meta["val"].shape, dtype=reduce_dtype)
+    return computed
+
+
+def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, dtype: torch.dtype | None, *,
+                       before: fx.Node) -> list[fx.Node]:
+    """One gather of `shards` (in `dtype`, when not theirs) just before `before`; every other
+    use reads its whole value (returned, one node per shard)."""
     whole_shapes = [local_shape(s.meta["val"].shape, meta.placements(s), mesh.sizes) for s in shards]
     for shard in shards:
         meta.set_placement(shard, "dp", FlatShard())
@@ -136,10 +168,10 @@ def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, be
         before.prepend(shard)
     wholes = []
     with graph.inserting_before(before):
-        gather = graph.call_function(GATHER, (list(shards), "dp", mesh.dp))
+        gather = graph.call_function(GATHER, (list(shards), "dp", mesh.dp), {"dtype": dtype} if dtype else {})
         _like(gather, before)
         gather.meta[meta.REQUIRES_GRAD] = any(map(meta.requires_grad, shards))
-        gather.meta["val"] = [s.meta["val"].new_empty(p * mesh.dp) for s, p in zip(shards, pieces)]
+        gather.meta["val"] = [s.meta["val"].new_empty(p * mesh.dp, dtype=dtype) for s, p in zip(shards, pieces)]
         for i, (shard, shape) in enumerate(zip(shards, whole_shapes)):
             flat = graph.call_function(operator.getitem, (gather, i))
             trimmed = graph.call_function(aten.narrow.default, (flat, 0, 0, _numel(shape)))
@@ -149,7 +181,7 @@ def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, be
                 node.meta["val"] = value
                 node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(shard)
             _like(whole, before)
-            whole.meta["val"] = shard.meta["val"]
+            whole.meta["val"] = shard.meta["val"].new_empty(shard.meta["val"].shape, dtype=dtype)
             whole.meta[meta.PLACEMENT] = meta.placements(shard).on("dp", R)
             whole.meta[meta.REQUIRES_GRAD] = meta.requires_grad(shard)
             for user in list(shard.users):
@@ -159,7 +191,8 @@ def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, *, be
     return wholes
 
 
-def _regather_after_use(graph: fx.Graph, shards: list[fx.Node], wholes: list[fx.Node], mesh: Mesh, layer: str) -> None:
+def _regather_after_use(graph: fx.Graph, shards: list[fx.Node], wholes: list[fx.Node], mesh: Mesh, layer: str,
+                        dtype: torch.dtype | None) -> None:
     """Put the output of the last node reading `wholes` through a regather of `shards`."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     last = max((u for w in wholes for u in w.users), key=order.__getitem__)
@@ -173,7 +206,7 @@ def _regather_after_use(graph: fx.Graph, shards: list[fx.Node], wholes: list[fx.
             value=True,
         )
     with graph.inserting_after(last):
-        gate = graph.call_function(REGATHER, (last, list(shards), "dp", mesh.dp))
+        gate = graph.call_function(REGATHER, (last, list(shards), "dp", mesh.dp), {"dtype": dtype} if dtype else {})
     last.replace_all_uses_with(gate, delete_user_cb=lambda user: user is not gate)
     _like(gate, last)
     gate.meta["val"] = value

@@ -19,6 +19,16 @@ With `reshard_after_forward`, forward runs inside `saving()`: a saved-tensor hoo
 memory as (layer, output, geometry) instead of the tensor, so nothing keeps the layer's whole
 weights alive after its forward; unpacking in backward re-makes the view on the layer's
 re-gathered values, which are bit-identical (the same pieces, gathered the same way).
+A checkpoint region (`runtime.recompute`, activation checkpointing) would keep its inputs,
+the layer's whole weights among them, until backward: it takes those as the same recipes
+(`region_input`), and its recomputation reads them off the backward's re-gather
+(`region_value`). No collective is issued that the step program does not list: the region
+ends before the layer's `regather_parameters` (ZeRO-3's ops are in no region), whose backward
+is the re-gather the recomputation reads.
+
+Under bf16-mixed with `reduce_dtype=fp32` the pieces are fp32 and each gather node names bf16
+(`passes.zero3`): the copy-in casts them, and the reduce-scatter sums the gradients in the
+pieces' fp32.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ REGATHER_TARGET = torch.ops.fxpar.regather_parameters.default
 @dataclass
 class _Layer:
     shards: list[torch.Tensor]  # this rank's pieces, the module's parameters
+    dtype: torch.dtype | None = None  # what the gather moves, when not the pieces' (bf16-mixed)
     pending: PendingCollective | None = None
     flat: torch.Tensor | None = None  # the gathered flat buffer in flight or done
     outputs: list[torch.Tensor] | None = None  # the re-gathered values (backward)
@@ -56,7 +67,7 @@ class ParameterGatherer:
         gathers = [n for n in module.graph.nodes if n.target is GATHER_TARGET]
         regathers = [n for n in module.graph.nodes if n.target is REGATHER_TARGET]
         index = {tuple(n.args[0]): k for k, n in enumerate(gathers)}
-        self.layers = [_Layer([_parameter(module, s) for s in n.args[0]]) for n in gathers]
+        self.layers = [_Layer([_parameter(module, s) for s in n.args[0]], n.kwargs.get("dtype")) for n in gathers]
         self.forward_order = list(range(len(gathers)))
         self.backward_order = [index[tuple(n.args[1])] for n in reversed(regathers)]
         # storage pointer -> the gathered value living there (while it lives)
@@ -72,7 +83,7 @@ class ParameterGatherer:
     def _issue(self, k: int, *, tag: str, phase: str) -> None:
         layer = self.layers[k]
         if layer.pending is None and layer.flat is None:
-            flat = laid_out(layer.shards)
+            flat = laid_out(layer.shards, layer.dtype)
             layer.flat = flat.new_empty(self.group.size * flat.numel())
             layer.pending = self.communicator.all_gather(layer.flat, flat, self.group, tag=tag, phase=phase)
 
@@ -98,16 +109,18 @@ class ParameterGatherer:
                     for j, out in enumerate(outputs):
                         gatherer._remember(out, k, j)
                 ctx.widths, ctx.shapes, ctx.axis, ctx.size = [s.numel() for s in shards], [s.shape for s in shards], axis, size
+                ctx.dtype = shards[0].dtype
                 return tuple(outputs)
 
             @staticmethod
             def backward(ctx, *grads):
                 gatherer.layers[k].outputs = None  # the layer's backward is over
                 like = next(g for g in grads if g is not None)
-                flat = reduce_scatter(list(grads), ctx.widths, like, ctx.axis, ctx.size)
+                # summed in the pieces' dtype (fp32 pieces under bf16-mixed: reduce_dtype=fp32)
+                flat = reduce_scatter(list(grads), ctx.widths, like, ctx.axis, ctx.size, ctx.dtype)
                 return None, None, *(p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes))
 
-        def gather_parameters(shards, axis, size):
+        def gather_parameters(shards, axis, size, dtype=None):
             return list(Gather.apply(axis, size, *shards))
 
         return gather_parameters
@@ -125,7 +138,7 @@ class ParameterGatherer:
                 gatherer._regathered(k)
                 return grad
 
-        def regather_parameters(x, shards, axis, size):
+        def regather_parameters(x, shards, axis, size, dtype=None):
             return Regather.apply(x)
 
         return regather_parameters
@@ -166,6 +179,43 @@ class ParameterGatherer:
             return packed
         whole = self._regathered(packed.layer)[packed.output]
         return whole.as_strided(packed.shape, packed.stride, packed.offset)
+
+
+    # -- checkpoint regions (`runtime.recompute`) -------------------------------------------
+
+    def region_input(self, value):
+        """What a checkpoint region takes in place of `value`, one of its inputs: a value lying
+        in a gathered layer's memory as its recipe, holding the value itself only weakly (the
+        checkpoint keeps its inputs until backward, and these are the layer's whole weights);
+        anything else itself. Only with `reshard_after_forward` (else the weights stay
+        gathered anyway)."""
+        if not self.reshard or not isinstance(value, torch.Tensor):
+            return value
+        recipe = self._pack(value)
+        if recipe is value:
+            return value
+        return _RegionInput(recipe, weakref.ref(value), value.requires_grad)
+
+    def region_value(self, taken):
+        """`region_input`'s value back: in forward the value itself (still alive: the module
+        is reading it), in the region's recomputation the same view of the layer's re-gathered
+        values (bit-identical), a leaf that requires grad as the value did, so the recomputed
+        ops save what they saved in forward."""
+        if not isinstance(taken, _RegionInput):
+            return taken
+        value = taken.value()
+        if value is not None:
+            return value
+        return self._unpack(taken.recipe).detach().requires_grad_(taken.requires_grad)
+
+
+@dataclass(frozen=True)
+class _RegionInput:
+    """A checkpoint region's input that lies in a gathered layer's memory (`region_input`)."""
+
+    recipe: _Recipe
+    value: weakref.ref
+    requires_grad: bool
 
 
 @dataclass(frozen=True)

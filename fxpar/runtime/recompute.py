@@ -16,6 +16,12 @@ forward; it nests with custom autograd functions, the zero-bubble deferred linea
 (the pass's contract): they stay in the outer forward, in the step program's order, and
 recomputation cannot issue one the step guard would refuse.
 
+Under ZeRO-3 a block's region reads the layer's gathered weights (the gather is a collective:
+outside every region). The checkpoint would keep them, as inputs, from forward to backward,
+which is what ZeRO-3 frees; with `reshard_after_forward` the region takes them as the
+gatherer's recipes instead and its recomputation reads the re-gathered weights
+(`ParameterGatherer.region_input`, wired by `read_gathered_through` from the step context).
+
 The rank module itself keeps its flat graph, which lowering, the pictures and the runtime's
 other readers (`takes_weight_gradients`, the partial gradients) read.
 """
@@ -30,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fxpar import meta
 from fxpar.recompute_regions import segment_inputs, segment_outputs, segments
+from fxpar.runtime.parameter_gatherer import ParameterGatherer
 from fxpar.runtime.saved_tensors import SavedTensorMeter
 
 
@@ -40,11 +47,27 @@ class RecomputedRegion(torch.nn.Module):
         super().__init__()
         self.region = region
         self.meter = meter
+        self.gatherer: ParameterGatherer | None = None  # ZeRO-3's (`read_gathered_through`)
 
     def forward(self, *inputs):
-        outputs = checkpoint(self.region, *inputs, use_reentrant=False)
+        if self.gatherer is None:
+            outputs = checkpoint(self.region, *inputs, use_reentrant=False)
+        else:
+            inputs = tuple(map(self.gatherer.region_input, inputs))
+            outputs = checkpoint(self._run_on_gathered, *inputs, use_reentrant=False)
         self.meter.hold_inputs(inputs, outputs)  # what the checkpoint keeps for its backward
         return outputs
+
+    def _run_on_gathered(self, *inputs):
+        return self.region(*map(self.gatherer.region_value, inputs))
+
+
+def read_gathered_through(forward: torch.nn.Module, gatherer: ParameterGatherer) -> None:
+    """Make the checkpoint regions of `forward` (what `recomputing` returned) take ZeRO-3's
+    gathered weights from `gatherer` as recipes, not hold them (module doc)."""
+    for region in forward.modules():
+        if isinstance(region, RecomputedRegion):
+            region.gatherer = gatherer
 
 
 def recomputing(module: fx.GraphModule, meter: SavedTensorMeter) -> fx.GraphModule:

@@ -72,6 +72,20 @@ def test_mixed_precision_with_fp32_reduction_keeps_fp32_gradient_shards():
     assert state == {"params": 2 * P, "grads": 2 * P, "optimizer": 12 * P}
 
 
+def test_zero3_with_fp32_reduction_stores_fp32_pieces_as_fsdp2():
+    """bf16-mixed ZeRO-3 with reduce_dtype=fp32: each piece is its own fp32 master (FSDP2's
+    sharded fp32 parameters, gathered in bf16), so 4P/N + 4P/N + 8P/N, the paper's 16P/N in
+    all; with reduce_dtype=bf16 the paper's 2P/N + 2P/N + 12P/N; with dp=1 nothing is sharded."""
+    P, N = sympy.symbols("P N", positive=True)
+    fp32 = model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=3, dp=N)
+    assert fp32 == {"params": 4 * P / N, "grads": 4 * P / N, "optimizer": 8 * P / N}
+    bf16 = model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=3, dp=N, reduce_dtype="bf16")
+    assert bf16 == {"params": 2 * P / N, "grads": 2 * P / N, "optimizer": 12 * P / N}
+    assert sympy.simplify(sum(fp32.values()) - sum(bf16.values())) == 0
+    alone = model_state_bytes(P, precision="bf16-mixed", optimizer="adamw", zero=3, dp=1)
+    assert alone == {"params": 2 * P, "grads": 2 * P, "optimizer": 12 * P}
+
+
 def test_fp32_adam_model_states_are_4_4_8():
     state = model_state_bytes(10, precision="fp32", optimizer="adamw", zero=0, dp=1)
     assert state == {"params": 40, "grads": 40, "optimizer": 80}

@@ -153,19 +153,33 @@ def test_gradients_are_bf16_and_reduced_in_the_plans_reduce_dtype(reduce_dtype, 
     assert [c.dtype for c in calls if c.tag == "loss"] == [torch.float32]  # the loss alone, in fp32
 
 
-def test_zero3_reduces_in_bf16_only_so_far():
-    """ZeRO-3's reduce-scatters are its gather ops' backwards, in the gathered bf16: an fp32
-    reduce_dtype (the default) is refused, not ignored."""
+def test_zero3_gathers_in_bf16_and_reduce_scatters_in_the_reduce_dtype():
+    """ZeRO-3 under bf16-mixed (`passes.zero3`): with reduce_dtype=fp32 (the default) each
+    piece is its fp32 master (no `fxpar.master_dtype`), its gather casts it to bf16 and the
+    layer computes in bf16, and the gather's backward reduce-scatters in fp32; with bf16 the
+    pieces are bf16 working copies and both collectives run in bf16. The step program's calls
+    (what the check, the estimate and `comm_stats` read) say so."""
     tokens, labels = global_batches()[0]
-    program = fxpar.compile(build_model(), "dp=2 zero=3 precision=bf16-mixed", example_inputs=(tokens, labels))
-    with pytest.raises(PlanError, match="reduce_dtype=fp32.*Fix: add reduce_dtype=bf16") as error:
+    gather, regather = torch.ops.fxpar.gather_parameters.default, torch.ops.fxpar.regather_parameters.default
+    expected = {
+        "fp32": ({"dp gather_parameters": torch.bfloat16, "dp regather_parameters (backward)": torch.bfloat16,
+                  "dp gather_parameters (backward)": torch.float32}, torch.float32, None),
+        "bf16": ({"dp gather_parameters": torch.bfloat16, "dp regather_parameters (backward)": torch.bfloat16,
+                  "dp gather_parameters (backward)": torch.bfloat16}, torch.bfloat16, torch.float32),
+    }
+    for reduce_dtype, (wire, pieces, master) in expected.items():
+        program = fxpar.compile(build_model(), f"dp=2 zero=3 precision=bf16-mixed reduce_dtype={reduce_dtype}",
+                                example_inputs=(tokens, labels))
         program.check()
-    assert error.value.field == "reduce_dtype"
-    program = fxpar.compile(build_model(), "dp=2 zero=3 precision=bf16-mixed reduce_dtype=bf16",
-                            example_inputs=(tokens, labels))
-    program.check()
-    gathers = program.collectives(0)
-    assert {c.dtype for c in gathers if c.kind in ("all_gather", "reduce_scatter")} == {torch.bfloat16}
+        calls = {c.tag: c.dtype for c in program.collectives(0) if c.kind in ("all_gather", "reduce_scatter")}
+        assert calls == wire, reduce_dtype
+        graph = program.rank_module(0).graph
+        gathers = [n for n in graph.nodes if n.target is gather]
+        assert gathers and len([n for n in graph.nodes if n.target is regather]) == len(gathers)
+        for node in gathers:
+            assert {s.meta["val"].dtype for s in node.args[0]} == {pieces}
+            assert {meta.master_dtype(s) for s in node.args[0]} == {master}
+            assert {v.dtype for v in node.meta["val"]} == {torch.bfloat16}  # what the layer reads
 
 
 def test_ddp_buckets_carry_the_loss_only_in_fp32():
