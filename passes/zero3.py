@@ -16,9 +16,13 @@ reduce-scatter of their gradients. The layer's uses then read the gathered value
             %w_whole = aten.view(aten.narrow(gathered[0], 0, 0, n), shape)   dp=R
             %linear = aten.linear(%x, %w_whole, %b_whole)
 
-With `reshard_after_forward`, the output of each layer's last use of its gathered values goes
-through `fxpar.regather_parameters(x, [pieces...], 'dp', N)`: an identity whose backward, the
-first of the layer's in backward, gathers the layer again (FSDP's reshard after forward).
+With `reshard_after_forward`, the layer's output goes through
+`fxpar.regather_parameters(x, [pieces...], 'dp', N)`: an identity whose backward, the first of
+the layer's in backward, gathers the layer again (FSDP's reshard after forward). The layer's
+output is the last node of the layer's module path that follows from its last use of its
+gathered values (a block's residual add), else that use itself (the root's head): so a
+block's activation checkpoint region (`runtime.recompute`, which ZeRO-3's ops end) is the
+whole block, recomputed from the weights the regather's backward gathered.
 
 A layer (an FSDP unit) is a block of the model's repeated block list: the parameters whose
 names share the path up to their first numeric part (`h.3.attn.q.weight` -> `h.3`); the
@@ -193,9 +197,9 @@ def _gather_before_use(graph: fx.Graph, shards: list[fx.Node], mesh: Mesh, dtype
 
 def _regather_after_use(graph: fx.Graph, shards: list[fx.Node], wholes: list[fx.Node], mesh: Mesh, layer: str,
                         dtype: torch.dtype | None) -> None:
-    """Put the output of the last node reading `wholes` through a regather of `shards`."""
+    """Put the layer's output (module doc) through a regather of `shards`."""
     order = {node: i for i, node in enumerate(graph.nodes)}
-    last = max((u for w in wholes for u in w.users), key=order.__getitem__)
+    last = _layer_output(max((u for w in wholes for u in w.users), key=order.__getitem__), layer, order)
     value = last.meta.get("val")
     if not isinstance(value, torch.Tensor) or not meta.requires_grad(last):
         raise PlanError(
@@ -212,6 +216,20 @@ def _regather_after_use(graph: fx.Graph, shards: list[fx.Node], wholes: list[fx.
     gate.meta["val"] = value
     gate.meta[meta.PLACEMENT] = meta.placements(last)
     gate.meta[meta.REQUIRES_GRAD] = True
+
+
+def _layer_output(last_use: fx.Node, layer: str, order: dict[fx.Node, int]) -> fx.Node:
+    """The last node of `layer`'s module path reached from `last_use` through nodes of the
+    layer, where it is a tensor backward passes through; else `last_use` (module doc)."""
+    if not layer:
+        return last_use
+    reached, frontier = [last_use], [last_use]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users
+                    if u not in reached and layer_of(meta.module_path(u) + ".") == layer]
+        reached += frontier
+    outputs = [n for n in reached if isinstance(n.meta.get("val"), torch.Tensor) and meta.requires_grad(n)]
+    return max(outputs, key=order.__getitem__, default=last_use)
 
 
 def _like(node: fx.Node, model: fx.Node) -> None:

@@ -107,3 +107,56 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
     names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "state": model.state_dict() | {names[id(m)]: m for m in masters}, "optimizer": moments}
+
+
+def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches: int = 1,
+                             reduce_dtype: torch.dtype = torch.float32) -> dict:
+    """`train_single_device_bf16`'s arithmetic as `ranks` data-parallel ranks do it: each
+    rank's contiguous share of the batch, cut in `microbatches`; each microbatch's bf16
+    gradients (its mean loss / (ranks x microbatches), a power of two here) summed over the
+    ranks in `reduce_dtype` (fp32: each rank's bf16 gradient cast up, then added), the sums
+    accumulated over the microbatches in `reduce_dtype`, the fp32 masters stepped by AdamW.
+    Also returns the first step's fp32 gradients ("grads")."""
+    model = build_model(name)
+    masters = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = parameter.data.bfloat16()
+    optimizer = torch.optim.AdamW(masters, **OPTIMIZER)
+    functional = torch.nn.functional
+    cross_entropy, attention = functional.cross_entropy, functional.scaled_dot_product_attention
+    losses, first_grads = [], None
+    try:
+        functional.cross_entropy = lambda logits, *a, **k: cross_entropy(logits.float(), *a, **k)
+        functional.scaled_dot_product_attention = lambda *qkv, **k: attention(
+            *(t.bfloat16() for t in qkv), **k)
+        for tokens, labels in global_batches():
+            shares = list(zip(tokens.tensor_split(ranks), labels.tensor_split(ranks)))
+            chunks = [list(zip(t.tensor_split(microbatches), y.tensor_split(microbatches))) for t, y in shares]
+            accumulated, step_loss = None, 0.0
+            for m in range(microbatches):
+                reduced = None
+                for r in range(ranks):
+                    loss = model(*chunks[r][m]) / (ranks * microbatches)
+                    loss.backward()
+                    step_loss += loss.item()
+                    grads = [p.grad.to(reduce_dtype) for p in model.parameters()]
+                    model.zero_grad(set_to_none=True)
+                    reduced = grads if reduced is None else [a + g for a, g in zip(reduced, grads)]
+                accumulated = reduced if accumulated is None else [a + g for a, g in zip(accumulated, reduced)]
+            losses.append(step_loss)
+            for master, grad in zip(masters, accumulated):
+                master.grad = grad.float()
+            if first_grads is None:
+                first_grads = {n: m.grad.clone() for (n, _), m in zip(model.named_parameters(), masters)}
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for master, parameter in zip(masters, model.parameters()):
+                    parameter.copy_(master)
+    finally:
+        functional.cross_entropy, functional.scaled_dot_product_attention = cross_entropy, attention
+    names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
+    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
+    return {"losses": losses, "grads": first_grads, "optimizer": moments,
+            "state": model.state_dict() | {names[id(m)]: m for m in masters}}
