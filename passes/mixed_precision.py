@@ -36,10 +36,12 @@ The rules, in graph order:
 Gradients follow by autograd: a bf16 parameter's gradient is bf16 (2 bytes), reduced over dp
 in the plan's `reduce_dtype` (`passes.data_parallel.Bucket.reduce_dtype`).
 
-ZeRO-3 (parameters `Shard(0)` on dp, gathered before use): the gather goes right after the
-parameter node, on its bf16 value, before its first user (`meta.parameter_nodes` finds them),
-so parameters travel in bf16 and a rank stores 2/N bytes of each; the fp32 master is then the
-same shard in fp32 inside the optimizer. Nothing else in this pass changes.
+ZeRO-3 (parameters `FlatShard` on dp, gathered before use, `passes.zero3`, later): with
+`reduce_dtype=bf16` the gather reads the bf16 parameter, so parameters travel and are stored
+in bf16 (2/N bytes each) with the fp32 master the same piece in fp32 inside the optimizer;
+with `reduce_dtype=fp32` (FSDP2's way) that pass makes each piece its fp32 master again and
+gathers it cast to bf16, so what the layer computes in is the same. Nothing else in this
+pass changes.
 
 Runs right after the loss normalisation, before tensor parallelism, so every later pass
 (and its inserted ops) sees the dtypes the rank really computes in.

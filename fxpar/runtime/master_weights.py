@@ -9,6 +9,9 @@ weights, 2 of gradients, 12 of Adam state: master, m, v):
                      becomes its master and the parameter a bf16 copy (`keep`);
     ZeRO-1/2         only this rank's shard of each flat bucket keeps a master (`shard`):
                      4P/N bytes, the shard the sharded optimizer steps;
+    ZeRO-3           with reduce_dtype=bf16 each bf16 piece has its fp32 master here; with
+                     fp32 the pieces are fp32 and are their own masters (`passes.zero3`):
+                     nothing here, the optimizer steps them with their fp32 gradients;
     optimizer step   master.grad = the (reduced) gradient in fp32, the inner optimizer steps
                      the masters, and each working copy is the master rounded to bf16
                      (ZeRO: the shard, then gathered in bf16 by `ShardedOptimizer`).

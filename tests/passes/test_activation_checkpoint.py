@@ -96,10 +96,19 @@ def test_full_on_a_model_without_blocks_is_a_plan_error():
     compile_model(Flat(), "checkpoint=none").check()
 
 
-def test_full_with_zero3_is_a_plan_error_until_composed():
-    with pytest.raises(PlanError, match="zero=3 is not composed yet") as error:
-        compile_model(build_model("gpt"), "dp=2 zero=3 checkpoint=full")
-    assert error.value.field == "checkpoint"
+def test_under_zero3_a_block_is_one_region_and_the_gathers_are_in_none():
+    """ZeRO-3's gathers communicate and its regathers' backwards do: neither is recomputed.
+    The regather wraps the block's output (`passes.zero3`), so each block is still one
+    checkpoint call, whose recomputation reads the weights the regather's backward gathers."""
+    gather, regather = torch.ops.fxpar.gather_parameters.default, torch.ops.fxpar.regather_parameters.default
+    for reshard in ("true", "false"):
+        program = compile_model(build_model("gpt"), f"dp=2 zero=3 checkpoint=full reshard_after_forward={reshard}")
+        program.check()
+        graph = program.rank_module(0).graph
+        zero3 = [n for n in graph.nodes if n.target in (gather, regather)]
+        assert zero3 and all(meta.recompute_region(n) is None for n in zero3)
+        runs = segments(graph.nodes, meta.recompute_region)
+        assert [meta.recompute_region(run[0]) for run in runs] == ["h.0", "h.1"], reshard
 
 
 def test_the_estimate_keeps_block_inputs_under_full_and_drops_the_attention_core_under_selective():

@@ -34,8 +34,9 @@ ONE_DEVICE = ("", "mb=2", "explicit:", "explicit:mb=2", "gpt2:", "llama:")
 TWO_RANKS = ("dp=2", "tp=2", "tp=2 sp=true", "pp=2 mb=2", "pp=2 mb=4 schedule=zb-h1")
 
 
-# Metered only (checkpointing with ZeRO-3 is refused until composed): ZeRO-3's gathered
-# weights are model state when re-gathered for backward, activations when kept from forward.
+# Metered only (checkpointing composed with ZeRO-3: tests/runtime/test_zero3_compositions.py):
+# ZeRO-3's gathered weights are model state when re-gathered for backward, activations when
+# kept from forward.
 ZERO3 = ("dp=2 zero=3 checkpoint=none", "dp=2 zero=3 reshard_after_forward=false checkpoint=none")
 
 
