@@ -3,7 +3,8 @@ checkpointing trains as its references do, and holds what the estimate says.
 
 One world-2 launch trains the example Llama for 5 AdamW steps under every plan below
 (tests/workers/train_worker.py); one world-4 launch composes both with tensor parallelism
-on the tiny GPT.
+(sequence parallelism, microbatches) on the tiny GPT; one world-2 launch checkpoints and
+resumes the fp32-reduced plan (tests/workers/checkpoint_worker.py).
 
 bf16-mixed with ZeRO-3 (`passes.zero3`). With `reduce_dtype=fp32` (the default) each rank's
 pieces are fp32 and are their own masters (FSDP2's sharded fp32 parameters): the gather casts
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -152,3 +154,22 @@ def test_zero3_with_tensor_parallelism_checkpointing_and_bf16(torchrun):
                 assert_equivalent(result, reference)
             assert_collectives_as_predicted(result)
             assert_memory_as_estimated(result)
+
+
+def test_zero3_fp32_pieces_checkpoint_and_resume_exactly(torchrun):
+    """With reduce_dtype=fp32 the pieces are the fp32 masters, and a resharding checkpoint
+    (`runner.save`) holds them: saved after 3 steps and loaded under the same plan, 2 more
+    steps are the uninterrupted run's (bitwise), and loaded under fp32 DDP the state is the
+    saved full state."""
+    plan = f"dp=2 zero=3 {BF16}"
+    jobs = [f"save|{plan}|m|3", f"load|{plan}|m|2", f"save|{plan}|u|5", "load|dp=2|m|0"]
+    ranks = torchrun("checkpoint_worker.py", 2, *jobs)
+    folder = ranks[0]["folder"]
+    saved, uninterrupted = load_file(folder / "m.safetensors"), load_file(folder / "u.safetensors")
+    for results in ranks:
+        resumed = results[jobs[1]]
+        assert resumed["losses"] == pytest.approx(results[jobs[2]]["losses"][3:], rel=1e-7)
+        for name, expected in uninterrupted.items():
+            assert torch.equal(resumed["state"][name], expected), name
+        for name, expected in saved.items():
+            assert torch.equal(results[jobs[3]]["state"][name], expected), name
