@@ -177,3 +177,32 @@ def test_zero3_ops_have_real_shapes_under_fake_tensors_and_pass_opcheck(axis):
     torch.library.opcheck(torch.ops.fxpar.gather_parameters.default, (_pieces(), "tp", SIZE), test_utils=checks)
     torch.library.opcheck(torch.ops.fxpar.regather_parameters.default,
                           (torch.ones(4, requires_grad=True), _pieces(), "tp", SIZE), test_utils=checks)
+
+
+def test_gather_parameters_in_another_dtype_reduce_scatters_in_the_pieces_dtype(axis):
+    """bf16-mixed ZeRO-3 with reduce_dtype=fp32: fp32 pieces gathered as bf16, the bf16
+    gradients summed in fp32 into fp32 piece gradients; lowering lists the same dtypes."""
+    pieces = _pieces()
+    whole = torch.ops.fxpar.gather_parameters(pieces, "tp", SIZE, dtype=torch.bfloat16)
+    assert [w.dtype for w in whole] == [torch.bfloat16] * 2
+    sum((w.float() * 0.5).sum() for w in whole).backward()
+    assert all(p.grad.dtype == torch.float32 and torch.equal(p.grad, torch.full_like(p, SIZE * 0.5)) for p in pieces)
+    graph = fx.Graph()
+    with FakeTensorMode() as fake:
+        sources = []
+        for i, n in enumerate((3, 5)):
+            node = graph.placeholder(f"piece{i}")
+            node.meta.update({"val": fake.from_tensor(torch.empty(n)), meta.REQUIRES_GRAD: True})
+            sources.append(node)
+    node = graph.call_function(torch.ops.fxpar.gather_parameters.default, (sources, "tp", SIZE),
+                               {"dtype": torch.bfloat16})
+    graph.output(node)
+    forward, backward = graph_calls(fx.GraphModule({}, graph), Mesh(tp=SIZE))
+    assert [(c.kind, c.dtype) for c in (*forward, *backward)] == [
+        ("all_gather", torch.bfloat16), ("reduce_scatter", torch.float32)]
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.fxpar.gather_parameters.default, (_pieces(), "tp", SIZE),
+                          {"dtype": torch.bfloat16}, test_utils=checks)
+    torch.library.opcheck(torch.ops.fxpar.regather_parameters.default,
+                          (torch.ones(4, requires_grad=True), _pieces(), "tp", SIZE), {"dtype": torch.bfloat16},
+                          test_utils=checks)
