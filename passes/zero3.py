@@ -49,9 +49,9 @@ Requires: the placements of every parameter on the tp axis (the tp pass), gradie
 (`meta.trained_parameters`: which parameters are trained).
 Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather (and
 regather); each gather comes before every use of its outputs; under bf16-mixed with fp32
-reduction the pieces are fp32 with no `fxpar.master_dtype` and their gathers bf16; with `reshard_after_forward`
-each unit has one regather, after every use; `gm.meta[GRAPH_PARAMETER_UNITS]` lists the units
-in gather order.
+reduction the pieces are fp32 with no `fxpar.master_dtype` and their gathers name bf16; with
+`reshard_after_forward` each unit has one regather, after every use;
+`gm.meta[GRAPH_PARAMETER_UNITS]` lists the units in gather order.
 """
 
 from __future__ import annotations

@@ -180,7 +180,6 @@ class ParameterGatherer:
         whole = self._regathered(packed.layer)[packed.output]
         return whole.as_strided(packed.shape, packed.stride, packed.offset)
 
-
     # -- checkpoint regions (`runtime.recompute`) -------------------------------------------
 
     def region_input(self, value):
