@@ -3,7 +3,7 @@ checkpointing trains as its references do, and holds what the estimate says.
 
 One world-2 launch trains the example Llama for 5 AdamW steps under every plan below
 (tests/workers/train_worker.py); one world-4 launch composes both with tensor parallelism
-(sequence parallelism, microbatches) on the tiny GPT; one world-2 launch checkpoints and
+(sequence parallelism, microbatches) and with a 1F1B pipeline on the tiny GPT; one world-2 launch checkpoints and
 resumes the fp32-reduced plan (tests/workers/checkpoint_worker.py).
 
 bf16-mixed with ZeRO-3 (`passes.zero3`). With `reduce_dtype=fp32` (the default) each rank's
@@ -63,7 +63,7 @@ DP_FULL = "dp=2 checkpoint=full"
 MIXED_FULL = f"dp=2 zero=3 checkpoint=full {BF16}"
 RECOMPUTED = (NONE, FULL, SELECTIVE, KEPT_NONE, KEPT_FULL, DP_FULL)
 FOUR_RANKS = ("dp=2 tp=2 sp=true zero=3 checkpoint=full", "dp=2 tp=2 zero=3 checkpoint=selective",
-              f"dp=2 tp=2 zero=3 mb=2 {BF16}")
+              f"dp=2 tp=2 zero=3 mb=2 {BF16}", "dp=2 pp=2 zero=3 mb=4 checkpoint=full")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_zero3_checkpointing_is_exact_and_frees_the_gathered_weights(two_ranks, 
         assert saved[MIXED_FULL] < saved[FULL]  # bf16 activations
 
 
-def test_zero3_with_tensor_parallelism_checkpointing_and_bf16(torchrun):
+def test_zero3_checkpointing_and_bf16_with_tensor_parallelism_and_a_pipeline(torchrun):
     ranks = torchrun("train_worker.py", 4, *FOUR_RANKS)
     reference = train_single_device("gpt")
     fp32 = reference | {"initial": build_model("gpt").state_dict()}
@@ -153,7 +153,10 @@ def test_zero3_with_tensor_parallelism_checkpointing_and_bf16(torchrun):
             else:
                 assert_equivalent(result, reference)
             assert_collectives_as_predicted(result)
-            assert_memory_as_estimated(result)
+            if not result["schedule_row"]:  # (with a pipeline the estimate reports one rank)
+                assert_memory_as_estimated(result)
+            elif result["rank"] == result["estimated_rank"]:
+                assert_memory_as_estimated(result, ("params", "grads", "optimizer"))
 
 
 def test_zero3_fp32_pieces_checkpoint_and_resume_exactly(torchrun):
