@@ -9,7 +9,7 @@ Map of this module:
 - `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
 - `Plan.check_batch`          the plan against the global batch
 - `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
-- `fxpar.plan_checks`        those three checks, and `check_runnable`: what the runtime runs
+- `fxpar.plan_checks`        those three checks
 - `fxpar.plan_text`          the field table and the text form, with their errors
 - `fxpar.plan_file`          plan files read as untrusted input (size cap, no repeated keys or
                               YAML aliases, nothing of the file echoed)

@@ -1,4 +1,4 @@
-"""Plan checks: a valid plan against the launch, the data, and what the runtime can run.
+"""Plan checks: a valid plan against the launch and the data.
 
 A `Plan` is valid on its own once built (`Plan.__post_init__`); these checks need something
 the plan does not hold, and each raises `PlanError` naming the numbers and a fix:
@@ -7,10 +7,8 @@ the plan does not hold, and each raises `PlanError` naming the numbers and a fix
                        (`fxpar.plan_world`)
 - `check_batch`        a global batch against dp x microbatches
 - `check_sequence`     a sequence length against tp, under sequence parallelism
-- `check_runnable`     fields the cost model prices but the runtime cannot run yet
 
-`Plan.check_world_size`, `Plan.check_batch` and `Plan.check_sequence` are these functions;
-`check_runnable` is called by `Program.check()` and `bind()` alike.
+`Plan.check_world_size`, `Plan.check_batch` and `Plan.check_sequence` are these functions.
 """
 
 from __future__ import annotations
@@ -113,9 +111,3 @@ def check_sequence(plan: CheckedPlan, length: int, *, what: str = "the sequence 
         field="sequence_parallel",
         value=True,
     )
-
-
-def check_runnable(plan: CheckedPlan) -> None:
-    """Plan fields the cost model estimates but the runtime cannot run yet: a PlanError, raised
-    by `Program.check()` and `bind()` alike, so a plan the check accepts is one bind runs."""
-    del plan  # every combination the cost model estimates now runs

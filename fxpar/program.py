@@ -46,7 +46,6 @@ from fxpar.pipeline_program import (
 from fxpar.step_program import StepProgram
 from fxpar.schedules import Schedule, schedule
 from fxpar.plan import Plan
-from fxpar.plan_checks import check_runnable
 from fxpar.model_io import ExampleInputs
 from fxpar.rank_specialisation import specialise
 from fxpar.trace import CapturedGraph
@@ -81,7 +80,7 @@ def compile(
     is available, else "cpu"); the plan's `bucket_mb` overrides the bucket size.
     Raises PlanError for a plan that does not fit the model or batch, CaptureError for a model
     that cannot be captured. With `check` (the default), the compiled program is proved before
-    it is returned (`Program.prove`: every group's calls match, every send has its receive, the
+    it is returned (`Program.check`: every group's calls match, every send has its receive, the
     schedule cannot deadlock); `check=False` skips it, for tools that prove it themselves.
     """
     plan = Plan.parse(plan)
@@ -91,7 +90,7 @@ def compile(
     program = Program(plan=plan, mesh=compiled.mesh, captured=captured, graph_module=compiled.graph_module,
                       stages=compiled.stages, hardware=hardware, passes=compiled.passes)
     if check:
-        program.prove()
+        program.check()
     return program
 
 
@@ -279,14 +278,7 @@ class Program:
     def check(self) -> None:
         """Prove that all ranks of every process group issue matching collectives, in a step
         and when gathering the full state (or gradients), and, with a pipeline, that every send
-        has its receive and the schedule cannot deadlock. A plan the runtime cannot run yet
-        (`plan_checks.check_runnable`) is refused with bind's message; `estimate()` prices it all the
-        same."""
-        check_runnable(self.plan)
-        self.prove()
-
-    def prove(self) -> None:
-        """`check()` without asking whether the runtime can run the plan: what `compile` runs.
+        has its receive and the schedule cannot deadlock (`compile` runs it by default).
 
         Ranks of one pipeline row run the same actions (`lowering`): on a dp or tp group every
         member runs one row, so those groups match by construction, and every (dp, tp)

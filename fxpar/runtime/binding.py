@@ -36,7 +36,7 @@ from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.master_weights import MasterWeights
 from fxpar.runtime.parameter_gatherer import ParameterGatherer
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime.recompute import recomputing
+from fxpar.runtime.recompute import read_gathered_through, recomputing
 from fxpar.runtime.saved_tensors import SavedTensorMeter
 from fxpar.runtime.sharded_optimizer import flatten_parameters
 from fxpar.runtime.step_context import StepContext
@@ -187,10 +187,13 @@ def step_context(
     arrival = CountArrival()  # the graphs wait for the step's count where they read it
     for module in modules:
         await_count(module, arrival)
+    forwards = tuple(recomputing(m, meter) for m in modules)
+    for forward, gatherer in zip(forwards, gatherers):  # ZeRO-3: regions take gathered weights as recipes
+        read_gathered_through(forward, gatherer)
     context = StepContext(
         rank=rank, device=device, step_program=step_program,
         guard=StepGuard(step_program), modules=tuple(modules),
-        forwards=tuple(recomputing(m, meter) for m in modules),
+        forwards=forwards,
         module_of_stage={meta.stage_of(m): i for i, m in enumerate(modules)},
         buckets=tuple(buckets),
         # Replicated parameters whose gradient each tp rank holds a summand of, per module.

@@ -20,7 +20,7 @@ Under ZeRO-3 a block's region reads the layer's gathered weights (the gather is 
 outside every region). The checkpoint would keep them, as inputs, from forward to backward,
 which is what ZeRO-3 frees; with `reshard_after_forward` the region takes them as the
 gatherer's recipes instead and its recomputation reads the re-gathered weights
-(`ParameterGatherer.region_input`, wired by `read_gathered_through` from the step context).
+(`ParameterGatherer.region_input`, wired at bind by `read_gathered_through`, `runtime.binding.step_context`).
 
 The rank module itself keeps its flat graph, which lowering, the pictures and the runtime's
 other readers (`takes_weight_gradients`, the partial gradients) read.

@@ -42,7 +42,6 @@ from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
-from fxpar.plan_checks import check_runnable
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
@@ -129,7 +128,6 @@ class Runner(WholeState):
     ) -> Runner:
         timeout = bind_timeout(timeout)
         check_seed(seed)
-        check_runnable(program.plan)
         env = TorchrunEnvironment.read(expected_world_size=program.world_size)
         program.plan.check_world_size(env.world_size)
         live_runners.check_can_bind(program)

@@ -90,8 +90,8 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
         state.loss /= context.loss.data_parallel_divisor()
         phase = action.calls[0].phase
         context.communicator.all_reduce_now(state.loss, groups[Axis.DP], tag="loss", phase=phase)
-    else:  # ZeRO's gathers: `plan_checks.check_runnable` refuses those plans at bind
-        raise BindError(f"the runtime cannot run {purpose.value} yet")
+    else:  # every purpose lowering writes into a step is handled above
+        raise BindError(f"a step program's {purpose.value} action has no runtime handler")
 
 
 def sum_gradients(context: StepContext, grads: list[torch.Tensor | None], group: RankGroup, tag: str) -> None:

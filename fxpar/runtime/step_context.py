@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxpar.runtime.recompute import read_gathered_through
 from fxpar.runtime.valid_targets import CountArrival
 
 if TYPE_CHECKING:
@@ -88,11 +87,6 @@ class StepContext:
     meter: SavedTensorMeter | None = None
     # The step's count of valid targets, in flight during the forward (`runtime.valid_targets`).
     count_arrival: CountArrival = field(default_factory=CountArrival)
-
-    def __post_init__(self) -> None:
-        # ZeRO-3: checkpoint regions take the gathered weights as recipes (`runtime.recompute`).
-        for forward, gatherer in zip(self.forwards, self.gatherers):
-            read_gathered_through(forward, gatherer)
 
     def saving(self, module: int):
         """The context a forward of module `module` runs in (ZeRO-3 packs what autograd saves of
