@@ -80,7 +80,7 @@ def compile(
     is available, else "cpu"); the plan's `bucket_mb` overrides the bucket size.
     Raises PlanError for a plan that does not fit the model or batch, CaptureError for a model
     that cannot be captured. With `check` (the default), the compiled program is proved before
-    it is returned (`Program.check`: every group's calls match, every send has its receive, the
+    it is returned (`Program.prove`: every group's calls match, every send has its receive, the
     schedule cannot deadlock); `check=False` skips it, for tools that prove it themselves.
     """
     plan = Plan.parse(plan)
@@ -90,7 +90,7 @@ def compile(
     program = Program(plan=plan, mesh=compiled.mesh, captured=captured, graph_module=compiled.graph_module,
                       stages=compiled.stages, hardware=hardware, passes=compiled.passes)
     if check:
-        program.check()
+        program.prove()
     return program
 
 
@@ -278,7 +278,12 @@ class Program:
     def check(self) -> None:
         """Prove that all ranks of every process group issue matching collectives, in a step
         and when gathering the full state (or gradients), and, with a pipeline, that every send
-        has its receive and the schedule cannot deadlock (`compile` runs it by default).
+        has its receive and the schedule cannot deadlock: `prove()`, which `compile` runs
+        unless `check=False`; call it again after `replace_step_program`."""
+        self.prove()
+
+    def prove(self) -> None:
+        """The proof of `check()` (what `compile` runs).
 
         Ranks of one pipeline row run the same actions (`lowering`): on a dp or tp group every
         member runs one row, so those groups match by construction, and every (dp, tp)
