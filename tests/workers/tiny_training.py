@@ -6,6 +6,7 @@ so both draw the same initial weights and the same global batches.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -75,19 +76,9 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
     do under autocast), fp32 master weights stepped by AdamW, the cross entropy on fp32
     logits, and the microbatches' gradients accumulated in bf16 (each microbatch's mean loss /
     microbatches, a power of two here, so the same gradient as a sum over the global count)."""
-    model = build_model(name)
-    masters = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.data = parameter.data.bfloat16()
-    optimizer = torch.optim.AdamW(masters, **OPTIMIZER)
-    functional = torch.nn.functional
-    cross_entropy, attention = functional.cross_entropy, functional.scaled_dot_product_attention
+    model, masters, optimizer = _bf16_model(name)
     losses = []
-    try:
-        functional.cross_entropy = lambda logits, *a, **k: cross_entropy(logits.float(), *a, **k)
-        functional.scaled_dot_product_attention = lambda *qkv, **k: attention(
-            *(t.bfloat16() for t in qkv), **k)
+    with _bf16_compute():
         for tokens, labels in global_batches():
             step_loss = 0.0
             for chunk, targets in zip(tokens.tensor_split(microbatches), labels.tensor_split(microbatches)):
@@ -102,8 +93,6 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
             with torch.no_grad():
                 for master, parameter in zip(masters, model.parameters()):
                     parameter.copy_(master)
-    finally:
-        functional.cross_entropy, functional.scaled_dot_product_attention = cross_entropy, attention
     names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "state": model.state_dict() | {names[id(m)]: m for m in masters}, "optimizer": moments}
@@ -117,19 +106,9 @@ def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches:
     ranks in `reduce_dtype` (fp32: each rank's bf16 gradient cast up, then added), the sums
     accumulated over the microbatches in `reduce_dtype`, the fp32 masters stepped by AdamW.
     Also returns the first step's fp32 gradients ("grads")."""
-    model = build_model(name)
-    masters = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.data = parameter.data.bfloat16()
-    optimizer = torch.optim.AdamW(masters, **OPTIMIZER)
-    functional = torch.nn.functional
-    cross_entropy, attention = functional.cross_entropy, functional.scaled_dot_product_attention
+    model, masters, optimizer = _bf16_model(name)
     losses, first_grads = [], None
-    try:
-        functional.cross_entropy = lambda logits, *a, **k: cross_entropy(logits.float(), *a, **k)
-        functional.scaled_dot_product_attention = lambda *qkv, **k: attention(
-            *(t.bfloat16() for t in qkv), **k)
+    with _bf16_compute():
         for tokens, labels in global_batches():
             shares = list(zip(tokens.tensor_split(ranks), labels.tensor_split(ranks)))
             chunks = [list(zip(t.tensor_split(microbatches), y.tensor_split(microbatches))) for t, y in shares]
@@ -154,9 +133,31 @@ def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches:
             with torch.no_grad():
                 for master, parameter in zip(masters, model.parameters()):
                     parameter.copy_(master)
-    finally:
-        functional.cross_entropy, functional.scaled_dot_product_attention = cross_entropy, attention
     names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "grads": first_grads, "optimizer": moments,
             "state": model.state_dict() | {names[id(m)]: m for m in masters}}
+
+
+def _bf16_model(name: str):
+    """The model with bf16 parameters, their fp32 masters, and AdamW over the masters."""
+    model = build_model(name)
+    masters = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = parameter.data.bfloat16()
+    return model, masters, torch.optim.AdamW(masters, **OPTIMIZER)
+
+
+@contextlib.contextmanager
+def _bf16_compute():
+    """What bf16-mixed computes in, patched into torch.nn.functional: the cross entropy on
+    fp32 logits, attention on bf16 copies of q, k and v (module doc of the callers)."""
+    functional = torch.nn.functional
+    cross_entropy, attention = functional.cross_entropy, functional.scaled_dot_product_attention
+    try:
+        functional.cross_entropy = lambda logits, *a, **k: cross_entropy(logits.float(), *a, **k)
+        functional.scaled_dot_product_attention = lambda *qkv, **k: attention(*(t.bfloat16() for t in qkv), **k)
+        yield
+    finally:
+        functional.cross_entropy, functional.scaled_dot_product_attention = cross_entropy, attention
