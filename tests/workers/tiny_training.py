@@ -88,14 +88,8 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
             losses.append(step_loss)
             for master, parameter in zip(masters, model.parameters()):
                 master.grad, parameter.grad = parameter.grad.float(), None
-            optimizer.step()
-            optimizer.zero_grad()
-            with torch.no_grad():
-                for master, parameter in zip(masters, model.parameters()):
-                    parameter.copy_(master)
-    names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
-    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
-    return {"losses": losses, "state": model.state_dict() | {names[id(m)]: m for m in masters}, "optimizer": moments}
+            _step_masters(optimizer, masters, model)
+    return _bf16_result(model, masters, optimizer, losses=losses)
 
 
 def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches: int = 1,
@@ -128,15 +122,8 @@ def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches:
                 master.grad = grad.float()
             if first_grads is None:
                 first_grads = {n: m.grad.clone() for (n, _), m in zip(model.named_parameters(), masters)}
-            optimizer.step()
-            optimizer.zero_grad()
-            with torch.no_grad():
-                for master, parameter in zip(masters, model.parameters()):
-                    parameter.copy_(master)
-    names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
-    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
-    return {"losses": losses, "grads": first_grads, "optimizer": moments,
-            "state": model.state_dict() | {names[id(m)]: m for m in masters}}
+            _step_masters(optimizer, masters, model)
+    return _bf16_result(model, masters, optimizer, losses=losses, grads=first_grads)
 
 
 def _bf16_model(name: str):
@@ -161,3 +148,19 @@ def _bf16_compute():
         yield
     finally:
         functional.cross_entropy, functional.scaled_dot_product_attention = cross_entropy, attention
+
+
+def _step_masters(optimizer, masters, model) -> None:
+    """AdamW on the fp32 masters, then each bf16 weight the master rounded."""
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for master, parameter in zip(masters, model.parameters()):
+            parameter.copy_(master)
+
+
+def _bf16_result(model, masters, optimizer, **results) -> dict:
+    """`results` with the state (the masters under the parameters' names) and the moments."""
+    names = dict(zip(map(id, masters), (n for n, _ in model.named_parameters())))
+    moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
+    return results | {"state": model.state_dict() | {names[id(m)]: m for m in masters}, "optimizer": moments}
