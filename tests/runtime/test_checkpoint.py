@@ -164,14 +164,16 @@ LOADS_2 = ["load|tp=2|a|2", "load|pp=2 mb=2|a|2", "load|dp=2 zero=2|b|2", "load|
            "load|dp=2 zero=1|a|2"]  # and under the plan it was saved with
 
 
-# bf16-mixed: saved as the fp32 masters (ZeRO-1's sharded ones, ZeRO-3's pieces), then
+# bf16-mixed: saved as the fp32 masters (ZeRO-1's sharded ones, ZeRO-3's pieces, a pipeline's
+# two stages' masters of the tied embedding), then
 # continued 2 steps (K+M) as the uninterrupted run; loaded under the same plan, another
 # bf16 plan, an fp32 plan, and an fp32 checkpoint (a) loaded under bf16.
 BF16 = "precision=bf16-mixed"
-SAVES_BF16 = [f"save|dp=2 zero=1 {BF16}|m|3+2", f"save|dp=2 zero=3 {BF16} reduce_dtype=bf16|n|3+2"]
+SAVES_BF16 = [f"save|dp=2 zero=1 {BF16}|m|3+2", f"save|dp=2 zero=3 {BF16} reduce_dtype=bf16|n|3+2",
+              f"save|pp=2 mb=2 {BF16}|q|3+2"]  # q: the tied embedding and head on two ranks
 LOADS_BF16 = [f"load|dp=2 zero=1 {BF16}|m|2", f"load|tp=2 {BF16}|m|2", f"load|pp=2 mb=2 {BF16}|m|2", "load|dp=2|m|2",
               f"load|dp=2 zero=3 {BF16} reduce_dtype=bf16|n|2", f"load|dp=2 zero=2 {BF16}|n|2",
-              f"load|dp=2 zero=2 {BF16}|a|2"]
+              f"load|dp=2 zero=2 {BF16}|a|2", f"load|pp=2 mb=2 {BF16}|q|2", f"load|dp=2 zero=1 {BF16}|q|2"]
 
 
 @pytest.fixture(scope="module")
