@@ -66,12 +66,13 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
                                  tag=action.calls[0].tag, device=context.device, count=state.count)
         state.count = context.count_arrival.expect(settle, context.loss.reduction.count_dtype, context.device)
         return
-    context.count_arrival.settle()  # no later collective goes before the steps are agreed
-    if purpose is Purpose.STEP_AGREEMENT:
+    if purpose is Purpose.STEP_AGREEMENT:  # data-free, on another axis: the count stays in flight
         call = action.calls[0]
         agree_on_step(context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag,
                       device=context.device)
-    elif purpose is Purpose.GRADIENT_BUCKET:
+        return
+    context.count_arrival.settle()  # no collective moves the step's data before the steps agree
+    if purpose is Purpose.GRADIENT_BUCKET:
         buckets = context.buckets[context.module_of_stage[action.stage]]
         buckets.finish_bucket(action.index)
         if buckets.carry_loss and action.index == len(buckets.states) - 1:
