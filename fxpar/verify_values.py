@@ -37,6 +37,7 @@ from fxpar.mesh import Mesh
 from fxpar.placement import (
     AXES, FlatShard, Partial, Placement, Placements, Replicate, Shard, global_tensor, local_shape,
 )
+from fxpar.runtime.valid_targets import ARRIVED
 
 RECORDER = "fxpar_verify_recorder"  # the submodule's name in a recorded GraphModule
 
@@ -58,8 +59,11 @@ class NodeRecorder(torch.nn.Module):
         for node in list(gm.graph.nodes):
             if node.name not in names or not isinstance(node.meta.get("val"), torch.Tensor):
                 continue
-            with gm.graph.inserting_after(node):
-                gm.graph.call_module(RECORDER, (node.name, node))
+            # A bound rank's count of valid targets arrives during the forward: its value is
+            # the one after the wait the runtime put in (`runtime.valid_targets`).
+            value = next((u for u in node.users if u.name == ARRIVED), node)
+            with gm.graph.inserting_after(value):
+                gm.graph.call_module(RECORDER, (node.name, value))
         gm.recompile()
         return recorder
 
