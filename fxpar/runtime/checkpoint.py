@@ -52,6 +52,7 @@ from fxpar.runtime.dcp_io import (
     read_checkpoint_metadata,
     stored_tensors,
 )
+from fxpar.runtime.wrapped_optimizer import inner_optimizer
 
 FORMAT = "fxpar-checkpoint"
 VERSION = 1
@@ -208,7 +209,7 @@ def check_same_model(state: RankState, stored: dict, path: Path, manifest: dict)
 def _optimizer_manifest(optimizer) -> dict | None:
     if optimizer is None:
         return None
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     groups = [{k: _json_option(v) for k, v in g.items() if k != "params" and _json_option(v) is not _SKIP}
               for g in inner.param_groups]
     return {"class": type(inner).__name__, "param_groups": groups}
@@ -228,7 +229,7 @@ def _json_option(value):
 
 def _check_optimizer(optimizer, manifest: dict, path: Path) -> None:
     saved = manifest.get("optimizer")
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     if saved is None:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved without optimizer=). "
                               "Fix: load without optimizer=, or save with it")
@@ -242,7 +243,7 @@ def _check_optimizer(optimizer, manifest: dict, path: Path) -> None:
 
 def _restore_options(optimizer, saved_groups: list[dict]) -> None:
     """The saved options (lr, betas, ...) back into the optimizer's groups, typed as they are."""
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     for group, saved in zip(inner.param_groups, saved_groups):
         for key, value in saved.items():
             if key in group:

@@ -35,6 +35,7 @@ from fxpar.placement import FlatShard, R, global_tensor, local_shape
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step_guard import StepGuard
+from fxpar.runtime.wrapped_optimizer import inner_optimizer
 from fxpar.step_program import Communicate, Purpose, StepProgram
 
 
@@ -96,7 +97,7 @@ def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather
     from fxpar.runtime.master_weights import MixedPrecisionOptimizer
     from fxpar.runtime.sharded_optimizer import ShardedOptimizer
 
-    inner = optimizer.optimizer if isinstance(optimizer, (ShardedOptimizer, MixedPrecisionOptimizer)) else optimizer
+    inner = inner_optimizer(optimizer)
     shard_of = {id(s): (b, i) for b, i, s in optimizer.shards} if isinstance(optimizer, ShardedOptimizer) else {}
     # bf16-mixed: the state is the fp32 masters'.
     stepped = optimizer.master_of if isinstance(optimizer, MixedPrecisionOptimizer) else lambda p: p

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpar import meta
+from fxpar.runtime.wrapped_optimizer import WrappedOptimizer
 
 if TYPE_CHECKING:
     from fxpar.runtime.gradient_buckets import GradientBuckets
@@ -117,7 +118,7 @@ class MasterWeights:
         return result
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(WrappedOptimizer):
     """`optimizer_class` over the fp32 masters of `parameters` (one device's fp32 optimizer
     step, on the masters), writing the rounded result into the bf16 working copies. A
     parameter without a master steps itself. Use it as the optimizer: `step`, `zero_grad`;
@@ -127,14 +128,6 @@ class MixedPrecisionOptimizer:
                  parameters: list[torch.nn.Parameter], masters: MasterWeights):
         self._pairs = [(p, m if (m := masters.master_of(p)) is not None else p) for p in parameters]
         self.optimizer = optimizer_class([master for _, master in self._pairs], **options)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def master_of(self, parameter: torch.Tensor) -> torch.Tensor:
         """The tensor the inner optimizer steps for `parameter` (its master, or itself)."""

@@ -35,6 +35,7 @@ import torch
 
 from fxpar.errors import PlanError
 from fxpar.runtime.step_guard import StepGuard
+from fxpar.runtime.wrapped_optimizer import WrappedOptimizer
 from fxpar.step_program import Purpose
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def flatten_parameters(buckets: GradientBuckets) -> list[torch.Tensor]:
     return flats
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(WrappedOptimizer):
     """`optimizer_class` over this rank's shards of the flat parameter buckets (module doc).
 
     Use it as the optimizer itself: `opt.step()`, `opt.zero_grad()`; `opt.optimizer` is the
@@ -116,14 +117,6 @@ class ShardedOptimizer:
         """(buckets, bucket index, this rank's shard of its flat parameters: what the inner
         optimizer steps, its fp32 master under bf16-mixed) per bucket."""
         return list(self._shards)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def step(self, closure: Callable | None = None):
         """Step this rank's shards on their reduced gradients, then gather every bucket's
