@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -98,11 +99,13 @@ class Communicator:
         self.log: list[Collective] = []  # the calls of the current step (or since reset)
         self._stats: dict[str, dict[str, int]] = {}
         self._guard: StepGuard | None = None  # during a step: holds each call to the program
+        self._agreements: list[Callable[[], object]] = []  # step agreements in flight, to settle
 
-    def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward"
-                   ) -> PendingCollective:
-        """Start a sum all-reduce of `tensor` in place over `group`."""
-        call = self._record("all_reduce", tensor, group, tag, phase=phase)
+    def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward",
+                   agreement: bool = False) -> PendingCollective:
+        """Start a sum all-reduce of `tensor` in place over `group`; an `agreement` (a step
+        agreement's, `runtime.step_agreement`) leaves the agreements in flight unsettled."""
+        call = self._record("all_reduce", tensor, group, tag, phase=phase, agreement=agreement)
         work = dist.all_reduce(tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 
@@ -210,11 +213,28 @@ class Communicator:
         self.log.clear()
         self._guard = guard
 
+    def settle_before_data(self, settle: Callable[[], object]) -> None:
+        """Run `settle` (it waits for a step agreement in flight and raises StepMismatchError
+        unless the group's members are on one step) before the next call that is not itself an
+        agreement, or at the end of the step: the agreement overlaps the step's first compute,
+        and still no collective moves the step's data before the ranks agree."""
+        self._agreements.append(settle)
+
+    def settle_agreements(self) -> None:
+        """Settle the step agreements in flight, in the order they were started."""
+        while self._agreements:
+            self._agreements.pop(0)()
+
     def end_step(self, *, check: bool = True) -> None:
-        """The step is over: its guard checks that no listed call was left out (`check=False`
-        for a step that failed: its error says what went wrong)."""
+        """The step is over: its agreements are settled and its guard checks that no listed
+        call was left out (`check=False` for a step that failed: its error says what went
+        wrong, and an agreement still in flight is left to complete on its own)."""
         guard, self._guard = self._guard, None
-        if guard is not None and check:
+        if not check:
+            self._agreements.clear()
+            return
+        self.settle_agreements()
+        if guard is not None:
             guard.finish()
 
     @contextlib.contextmanager
@@ -237,15 +257,19 @@ class Communicator:
         op: str = "sum",
         phase: str = "backward",
         log: bool = True,
+        agreement: bool = False,
     ) -> Collective:
         return self._admit(Collective(
             kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op,
             tag=tag, phase=phase,
-        ), log=log)
+        ), log=log, agreement=agreement)
 
-    def _admit(self, call: Collective, *, log: bool) -> Collective:
-        """Hold `call` to the guard (which raises if the program does not list it), then log
-        it (`log`: a step's call) and count it."""
+    def _admit(self, call: Collective, *, log: bool, agreement: bool = False) -> Collective:
+        """Settle the step agreements in flight unless `call` is one, hold `call` to the guard
+        (which raises if the program does not list it), then log it (`log`: a step's call) and
+        count it."""
+        if self._agreements and not agreement:
+            self.settle_agreements()
         if self._guard is not None:
             self._guard.admit(call)
         if log:

@@ -8,7 +8,8 @@ post transfers, and every `Communicate` action comes here:
     VALID_TARGETS        the step's count of valid targets, summed over dp, with the ranks'
                          step numbers (`runtime.step_agreement`); started here, waited for
                          where the graph reads it (`runtime.valid_targets`)
-    STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count)
+    STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count); started
+                         here, settled before the next call that moves data
     GRADIENT_BUCKET      wait for bucket i of stage s (launched by its hooks during backward)
     PARTIAL_GRADIENTS    replicated parameters' partial tp gradients of stage s, summed
     TIED_GRADIENT        a parameter's gradient summed over the pipeline ranks holding it
@@ -28,7 +29,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.errors import BindError
 from fxpar.mesh import Axis
-from fxpar.runtime.step_agreement import agree_on_step, start_agreement
+from fxpar.runtime.step_agreement import start_agreement
 from fxpar.step_program import Communicate, Purpose
 
 if TYPE_CHECKING:
@@ -66,10 +67,10 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
                                  tag=action.calls[0].tag, device=context.device, count=state.count)
         state.count = context.count_arrival.expect(settle, context.loss.reduction.count_dtype, context.device)
         return
-    if purpose is Purpose.STEP_AGREEMENT:  # data-free, on another axis: the count stays in flight
+    if purpose is Purpose.STEP_AGREEMENT:  # settled before the next call moves data
         call = action.calls[0]
-        agree_on_step(context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag,
-                      device=context.device)
+        context.communicator.settle_before_data(start_agreement(
+            context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag, device=context.device))
         return
     context.count_arrival.settle()  # no collective moves the step's data before the steps agree
     if purpose is Purpose.GRADIENT_BUCKET:

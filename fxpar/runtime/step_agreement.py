@@ -15,6 +15,13 @@ folded into the all-reduce the step needed anyway, with the valid-target count i
 dp). When they differ, every rank of the group raises StepMismatchError naming itself, the
 members and their steps, before any of the step's data is reduced.
 
+The agreement does not wait where it starts: on tp and pp the communicator settles it (waits,
+reads the steps back, compares) just before the next call that is not an agreement, the
+step's first tensor-parallel collective or pipeline transfer, or at the end of the step
+(`Communicator.settle_before_data`); on dp the count's arrival does (`runtime.valid_targets`).
+So the round trip overlaps the first layers' compute, as DDP has no such call to wait for,
+and still no collective moves data before the ranks agree.
+
 A step number counts every call of `runner.step` since bind, the failed ones included (the
 runner counts at the top of `step`): a rank whose step raised before its first collective (a
 bad batch) and that carries on sends its next step's number, while its peers still wait in
@@ -42,21 +49,13 @@ from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 
 
-def agree_on_step(
-    communicator: Communicator, group: RankGroup, step: int, *, tag: str, device: torch.device,
-    count: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """All-reduce this rank's `step` (and `count`, summed) over `group` and raise
-    StepMismatchError unless every member is on `step`; return the summed count."""
-    return start_agreement(communicator, group, step, tag=tag, device=device, count=count)()
-
-
 def start_agreement(
     communicator: Communicator, group: RankGroup, step: int, *, tag: str, device: torch.device,
     count: torch.Tensor | None = None,
 ) -> Callable[[], torch.Tensor | None]:
-    """`agree_on_step` started, not waited for: returns what waits, checks the steps and
-    returns the summed count (`runtime.valid_targets` waits where the graph reads it).
+    """Start all-reducing this rank's `step` (and `count`, summed) over `group`; returns what
+    waits for it, raises StepMismatchError unless every member is on `step`, and returns the
+    summed count (module doc: who calls it when).
 
     The vector lives on `device` (NCCL reduces device tensors only); reading the steps back is
     the one host synchronisation it costs."""
@@ -65,7 +64,7 @@ def start_agreement(
     if count is not None:
         vector[0] = count.reshape(())  # stays on the device: no synchronisation for the count
     vector[head + group.index] = step
-    pending = communicator.all_reduce(vector, group, tag=tag, phase="forward")
+    pending = communicator.all_reduce(vector, group, tag=tag, phase="forward", agreement=True)
 
     def settle() -> torch.Tensor | None:
         pending.wait()
