@@ -1,8 +1,11 @@
 """Data parallelism at run time: bucketed gradient all-reduce that overlaps backward.
 
 For each bucket of the compile-time assignment (`passes.data_parallel`) this keeps one flat
-buffer, and each parameter's `.grad` becomes a view into it (DDP's `gradient_as_bucket_view`),
-so the all-reduce reads the gradients where autograd left them. A
+buffer, and each parameter's `.grad` is a view into it (DDP's `gradient_as_bucket_view`), so
+the all-reduce reads the gradients where autograd left them. The views are in place before
+the step's first backward (`start_step` zeroes the buffer where the optimizer's `zero_grad`
+set gradients to None), so autograd accumulates each gradient into its view and no gradient
+is allocated and then copied into the bucket (the copy DDP pays in C++). A
 `register_post_accumulate_grad_hook` on every parameter counts the gradients still missing in
 its bucket: each parameter receives one per microbatch, so a bucket of n parameters is
 complete after microbatches x n of them, whichever actions deliver them (a pipeline's
@@ -51,6 +54,20 @@ class _BucketState:
         self.views: list[torch.Tensor] = []
         self.allocate()
         self.pending = len(parameters)
+        self.arrived = [0] * len(parameters)  # gradients each parameter got this step
+
+    def point_gradients_at_views(self) -> None:
+        """Make every parameter's `.grad` its view, zeroed where it had none, so backward
+        accumulates into the bucket (a gradient the user set to another tensor is copied in
+        by the hook instead)."""
+        if all(p.grad is None for p in self.parameters):
+            self.buffer.zero_()  # one fill for the bucket (its loss slot is written later)
+            for p, view in zip(self.parameters, self.views):
+                p.grad = view
+            return
+        for p, view in zip(self.parameters, self.views):
+            if p.grad is None:
+                p.grad = view.zero_()
 
     def allocate(self) -> None:
         """The flat buffer the parameters' gradients accumulate in, and their views into it."""
@@ -108,9 +125,10 @@ class GradientBuckets:
 
         def gradient_ready(_: torch.Tensor) -> None:
             view = state.views[position]  # (ZeRO-2 makes new views each step)
-            if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient, not accumulated in place
+            if param.grad is not view:  # a tensor of the user's, not accumulated in the bucket
                 view.copy_(param.grad)
                 param.grad = view
+            state.arrived[position] += 1
             state.pending -= 1
             if state.pending == 0:
                 self._launch_ready()
@@ -121,8 +139,10 @@ class GradientBuckets:
         """Arm the hooks for a step of `microbatches` backwards, before the first of them."""
         for state in self.states:
             state.pending = microbatches * len(state.parameters)
+            state.arrived = [0] * len(state.parameters)
             if state.buffer is None:  # ZeRO-2 freed it after the last step's reduction
                 state.allocate()
+            state.point_gradients_at_views()
         self._next = 0
         self._pending.clear()
 
@@ -166,8 +186,8 @@ class GradientBuckets:
             missing = [
                 name
                 for s in self.states if s.pending
-                for name, p in zip(s.bucket.parameters, s.parameters)
-                if p.grad is None
+                for name, arrived in zip(s.bucket.parameters, s.arrived)
+                if not arrived
             ]
             raise CollectiveError(
                 f"backward produced no gradient for {missing[:5]} although the graph uses them; "
