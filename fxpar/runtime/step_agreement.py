@@ -60,10 +60,10 @@ def start_agreement(
     The vector lives on `device` (NCCL reduces device tensors only); reading the steps back is
     the one host synchronisation it costs."""
     head = 0 if count is None else 1
-    vector = torch.zeros(head + group.size, dtype=torch.int64, device=device)
-    if count is not None:
-        vector[0] = count.reshape(())  # stays on the device: no synchronisation for the count
-    vector[head + group.index] = step
+    slots = [step if member == group.index else 0 for member in range(group.size)]
+    vector = torch.tensor(slots, dtype=torch.int64, device=device)
+    if count is not None:  # the count stays on the device: no synchronisation for it
+        vector = torch.cat((count.reshape(1).to(torch.int64), vector))
     pending = communicator.all_reduce(vector, group, tag=tag, phase="forward", agreement=True)
 
     def settle() -> torch.Tensor | None:

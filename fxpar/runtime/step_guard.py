@@ -40,7 +40,7 @@ class StepGuard:
     def start(self, sizes: Mapping) -> None:
         """Expect one step's calls at `sizes` (export's symbols -> one global microbatch),
         resolved once per size."""
-        size_key = tuple(sorted((str(k), int(v)) for k, v in sizes.items()))
+        size_key = tuple(sizes.items())  # symbols hash fast; another order only resolves again
         if size_key not in self._resolved:
             by_group: dict[tuple, list[Collective]] = {}
             for call in self.program.collectives(sizes, self.part):

@@ -46,7 +46,8 @@ class StepLoss:
         if not (self.sums and self.holds_loss):
             return None
         with torch.no_grad():
-            return sum(self.reduction.count_module(*chunk) for chunk in chunks)
+            counts = [self.reduction.count_module(*chunk) for chunk in chunks]
+        return counts[0] if len(counts) == 1 else torch.stack(counts).sum()
 
     def with_count(self, chunks: list[tuple[torch.Tensor, ...]], count: torch.Tensor | None):
         """Each microbatch's inputs, plus the step's global count where the loss needs it."""
