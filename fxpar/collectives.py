@@ -38,6 +38,7 @@ class Collective:
     tag: str = ""  # what it is for, e.g. "gradient bucket 0"; not part of the match
     phase: Phase = "backward"  # not part of the match either
     where: str = field(default="", compare=False)  # the module whose op issues it, if any
+    agreement: int = 0  # step-number slots riding at the payload's end (`runtime.step_numbers`)
 
     @property
     def payload_bytes(self) -> int:

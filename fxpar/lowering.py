@@ -5,7 +5,9 @@ their dp and tp coordinates): `lower_row` builds that row's actions once, and `S
 resolves the axes to one rank's groups. Without a pipeline there is one row:
 
     VALID_TARGETS / STEP_AGREEMENT      ranks agree on the step, per axis; on dp the step's
-                                        count rides along (`step_start_actions`)
+                                        count rides along (`step_start_actions`); tp's
+                                        agreement rides in its first f/g where it can
+                                        (`ride_agreements`)
     F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g)
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
     PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
@@ -28,6 +30,8 @@ What gathering the whole state issues, outside a step, is `fxpar.full_state_lowe
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import sympy
 import torch
@@ -229,8 +233,43 @@ def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[A
     those around the optimizer step; `ahead`: how many actions ahead receives are posted
     (`pipeline_program.receives_ahead`)."""
     if program.stages is None:
-        return _single_stage_row(program)
-    return _pipeline_row(program, pp, ahead)
+        step, optimizer = _single_stage_row(program)
+    else:
+        step, optimizer = _pipeline_row(program, pp, ahead)
+    return ride_agreements(step), optimizer
+
+
+RIDES = (torch.float32, torch.float64)  # dtypes that hold a step number exactly (below 2**24)
+
+
+def ride_agreements(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    """`actions` with the tp step agreement riding in the first call the step makes on tp
+    anyway, where that call is a sum all-reduce of a float32/64 payload (Megatron's first g,
+    or f's first backward): the call grows by the agreement's slots and the agreement's own
+    all-reduce goes. Each extra call a step costs a sync point with the peers (on gloo about
+    1.5 ms on two cores), which the hand-written code it is compared with does not make.
+    Elsewhere (sequence parallelism's gathers, a vocab-parallel max first, bf16) the agreement
+    keeps its call. The runtime carries the slots where the program says
+    (`runtime.step_numbers`)."""
+    for i, action in enumerate(actions):
+        if not (isinstance(action, Communicate) and action.purpose is Purpose.STEP_AGREEMENT
+                and action.calls[0].axis == Axis.TP.value):
+            continue
+        slots = action.calls[0].numel
+        for j in range(i + 1, len(actions)):
+            later = actions[j]
+            if isinstance(later, Exchange):
+                continue
+            k = next((k for k, c in enumerate(later.calls) if c.axis == Axis.TP.value), None)
+            if k is None:
+                continue
+            call = later.calls[k]
+            if call.kind != "all_reduce" or call.op != "sum" or call.dtype not in RIDES:
+                return actions
+            calls = (*later.calls[:k], replace(call, numel=call.numel + slots, agreement=slots), *later.calls[k + 1:])
+            return (*actions[:i], *actions[i + 1:j], replace(later, calls=calls), *actions[j + 1:])
+        return actions
+    return actions
 
 
 def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:

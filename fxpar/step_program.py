@@ -5,8 +5,12 @@ list of actions, and each action lists the communication calls it makes:
 
     Communicate  VALID_TARGETS         all_reduce(1+dp x int64) on dp   the step's count and
                                                                      step numbers
-    Communicate  STEP_AGREEMENT        all_reduce(tp x int64) on tp     step numbers (pp too)
-    Compute      F  stage 0  mb 0      tp f / g all-reduces             its graph's ops
+    Communicate  STEP_AGREEMENT        all_reduce(pp x int64) on pp     step numbers (tp when
+                                                                     its first call cannot
+                                                                     carry them)
+    Compute      F  stage 0  mb 0      tp f / g all-reduces             its graph's ops (the
+                                                                     first with tp's step
+                                                                     numbers riding)
     Exchange     send stage 1 activations, receive stage 0 gradients     pipeline transfers
     Compute      B  stage 0  mb 0      tp backward all-reduces
     Communicate  GRADIENT_BUCKET 0     all_reduce(n x f32) on dp       DDP's bucket
@@ -83,6 +87,7 @@ class Call:
     peer_stage: int | None = None
     tied: str | None = None
     where: str = ""  # the module whose op issues it (a graph call), for messages
+    agreement: int = 0  # the step agreement's slots riding at its end (`lowering.ride_agreements`)
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ class StepProgram:
                 numels[call.numel] = evaluate(call.numel, sizes)
             result.append(Collective(
                 kind=call.kind, group=groups[where], numel=numels[call.numel], dtype=call.dtype,
-                op=call.op, tag=call.tag, phase=call.phase, where=call.where,
+                op=call.op, tag=call.tag, phase=call.phase, where=call.where, agreement=call.agreement,
             ))
         return tuple(result)
 

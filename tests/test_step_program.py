@@ -99,12 +99,25 @@ def test_payloads_are_formulas_evaluated_at_each_step_size():
     forward = step.computes()[0].calls
     assert forward and all(not isinstance(c.numel, int) for c in forward)  # batch x seq x ...
     small = program.microbatch_sizes((TOKENS[:2, :8], LABELS[:2, :8]))
-    agreement, *calls = step.collectives(small)
-    assert (agreement.tag, agreement.numel) == ("step agreement on tp", 2)  # one slot per rank, any size
-    assert [c.numel for c in calls] == [
-        c.numel // 8 for c in program.collectives(0)[1:]  # a quarter of the batch, half the seq
+    calls = step.collectives(small)
+    # The step agreement rides in the first all-reduce: one slot per rank, at any size.
+    assert [c.agreement for c in calls] == [2] + [0] * (len(calls) - 1)
+    data = lambda c: c.numel - c.agreement  # noqa: E731  the payload without the slots
+    assert [data(c) for c in calls] == [
+        data(c) // 8 for c in program.collectives(0)  # a quarter of the batch, half the seq
     ]
     assert torch.float32 in {c.dtype for c in step.collectives(small)}
+
+
+def test_the_tp_agreement_rides_in_the_first_all_reduce_or_keeps_its_own_call():
+    """`lowering.ride_agreements`: one call fewer a step where the first tp call is a float sum
+    all-reduce; sequence parallelism's first call is a gather, which cannot carry the slots."""
+    riding = fxpar.compile(build_model(), "tp=2", (TOKENS, LABELS)).step_program(0)
+    assert not any(isinstance(a, Communicate) and a.purpose is Purpose.STEP_AGREEMENT for a in riding.actions)
+    assert [c.agreement for c in riding.calls() if c.agreement] == [2]
+    own = fxpar.compile(build_model(), "tp=2 sp=true", (TOKENS, LABELS)).step_program(0)
+    assert [a.purpose for a in own.actions if isinstance(a, Communicate)][0] is Purpose.STEP_AGREEMENT
+    assert not any(c.agreement for c in own.calls())
 
 
 def test_gathering_the_full_state_is_a_program_too():

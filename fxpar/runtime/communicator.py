@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fxpar.collectives import Collective, CollectiveKind
 from fxpar.errors import CollectiveError, clipped
 from fxpar.runtime.collective_failures import describe_failure
+from fxpar.runtime import step_numbers
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step_guard import StepGuard
 
@@ -100,6 +101,7 @@ class Communicator:
         self._stats: dict[str, dict[str, int]] = {}
         self._guard: StepGuard | None = None  # during a step: holds each call to the program
         self._agreements: list[Callable[[], object]] = []  # step agreements in flight, to settle
+        self._step = 0  # the running step's number (`start_step`)
 
     def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward",
                    agreement: bool = False) -> PendingCollective:
@@ -130,11 +132,20 @@ class Communicator:
     def all_reduce_now(
         self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str
     ) -> None:
-        """All-reduce `tensor` in place (sum or max) and wait for it."""
-        call = self._record("all_reduce", tensor, group, tag, op=op, phase=phase)
+        """All-reduce `tensor` in place (sum or max) and wait for it. Where the step program says
+        this call carries the step agreement (`lowering.ride_agreements`), the ranks' step
+        numbers ride at its end and are checked before `tensor` gets the sum
+        (`runtime.step_numbers`)."""
+        slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
+        payload = tensor if not slots else torch.cat((
+            tensor.reshape(-1), step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
+        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, agreement=slots)
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        work = dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=True)
+        work = dist.all_reduce(payload, op=reduce_op, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
+        if slots:
+            step_numbers.check(group, self._step, payload[-slots:])
+            tensor.copy_(payload[:-slots].view_as(tensor))
 
     def all_gather_now(
         self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str,
@@ -207,11 +218,12 @@ class Communicator:
         self._stats.clear()
         self.log.clear()
 
-    def start_step(self, guard: StepGuard | None = None) -> None:
+    def start_step(self, guard: StepGuard | None = None, step: int = 0) -> None:
         """Start one step's log (a long run does not grow it without bound); with a `guard`
-        (already started at the step's sizes), hold every call to the step program."""
+        (already started at the step's sizes), hold every call to the step program; `step`:
+        the rank's step number, for an agreement riding in a call (`runtime.step_numbers`)."""
         self.log.clear()
-        self._guard = guard
+        self._guard, self._step = guard, step
 
     def settle_before_data(self, settle: Callable[[], object]) -> None:
         """Run `settle` (it waits for a step agreement in flight and raises StepMismatchError
@@ -257,12 +269,14 @@ class Communicator:
         op: str = "sum",
         phase: str = "backward",
         log: bool = True,
-        agreement: bool = False,
+        agreement: bool | int = False,
     ) -> Collective:
+        """`agreement`: True for a step agreement's own call, or the number of step-number
+        slots riding at the end of `tensor`."""
         return self._admit(Collective(
             kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op,
-            tag=tag, phase=phase,
-        ), log=log, agreement=agreement)
+            tag=tag, phase=phase, agreement=0 if agreement is True else int(agreement),
+        ), log=log, agreement=agreement is True)
 
     def _admit(self, call: Collective, *, log: bool, agreement: bool = False) -> Collective:
         """Settle the step agreements in flight unless `call` is one, hold `call` to the guard

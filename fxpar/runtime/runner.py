@@ -255,7 +255,7 @@ class Runner(WholeState):
             self._sizes[shapes] = self.program.microbatch_sizes(chunks[0])
         guard = self._context.guard
         guard.start(self._sizes[shapes])
-        self.communicator.start_step(guard)
+        self.communicator.start_step(guard, step=self._context.steps)
         bind_axes(self._axes)
         bind_random(self._random)
         # The saved-tensor meter costs a Python call per saved tensor: it measures the first

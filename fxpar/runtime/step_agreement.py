@@ -11,16 +11,22 @@ member's step number in a slot of its own:
 
 Each rank writes its step in its slot and zeros in the others, so after the sum every rank
 holds every member's step number exactly (a sum of one non-zero per slot: an all-gather
-folded into the all-reduce the step needed anyway, with the valid-target count in front on
-dp). When they differ, every rank of the group raises StepMismatchError naming itself, the
-members and their steps, before any of the step's data is reduced.
+folded into an all-reduce, `runtime.step_numbers`; on dp into the one the step needs anyway,
+with the valid-target count in front). When they differ, every rank of the group raises
+StepMismatchError naming itself, the members and their steps, before any of the step's data
+is used.
 
-The agreement does not wait where it starts: on tp and pp the communicator settles it (waits,
-reads the steps back, compares) just before the next call that is not an agreement, the
-step's first tensor-parallel collective or pipeline transfer, or at the end of the step
-(`Communicator.settle_before_data`); on dp the count's arrival does (`runtime.valid_targets`).
-So the round trip overlaps the first layers' compute, as DDP has no such call to wait for,
-and still no collective moves data before the ranks agree.
+On tp the slots usually need no call of their own: they ride at the end of the step's first
+tensor-parallel all-reduce (Megatron's first g), which the step program lists with the slots
+(`lowering.ride_agreements`); the communicator appends this rank's number, and checks the
+summed slots before the call's data is handed back, so a mismatch stops the step before the
+mixed sum is used (`runtime.step_numbers`). Every extra call a step makes is a sync point with
+the peers, which the hand-written Megatron code does not pay. Where the agreement keeps its
+call (pp, sequence parallelism's first gather, bf16), it does not wait where it starts: the
+communicator settles it (waits, reads the steps back, compares) just before the next call
+that is not an agreement, or at the end of the step (`Communicator.settle_before_data`); on
+dp the count's arrival does (`runtime.valid_targets`). So no collective moves data before the
+ranks agree, except the one the agreement rides in, whose result is dropped when they do not.
 
 A step number counts every call of `runner.step` since bind, the failed ones included (the
 runner counts at the top of `step`): a rank whose step raised before its first collective (a
@@ -44,7 +50,7 @@ from collections.abc import Callable
 
 import torch
 
-from fxpar.errors import StepMismatchError
+from fxpar.runtime import step_numbers
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 
@@ -60,32 +66,14 @@ def start_agreement(
     The vector lives on `device` (NCCL reduces device tensors only); reading the steps back is
     the one host synchronisation it costs."""
     head = 0 if count is None else 1
-    slots = [step if member == group.index else 0 for member in range(group.size)]
-    vector = torch.tensor(slots, dtype=torch.int64, device=device)
+    vector = step_numbers.slots(group, step, dtype=torch.int64, device=device)
     if count is not None:  # the count stays on the device: no synchronisation for it
         vector = torch.cat((count.reshape(1).to(torch.int64), vector))
     pending = communicator.all_reduce(vector, group, tag=tag, phase="forward", agreement=True)
 
     def settle() -> torch.Tensor | None:
         pending.wait()
-        steps = vector[head:].tolist()
-        if any(s != step for s in steps):
-            raise StepMismatchError(mismatch_message(group, step, steps))
+        step_numbers.check(group, step, vector[head:])
         return None if count is None else vector[0].to(count.dtype).reshape(count.shape)
 
     return settle
-
-
-def mismatch_message(group: RankGroup, step: int, steps: list[int]) -> str:
-    """What every rank of `group` says when its members' `steps` differ (`step`: this rank's)."""
-    others = sorted({(s, r) for r, s in zip(group.ranks, steps) if s != step})
-    behind = ", ".join(f"rank {r} on step {s}" for s, r in others)
-    return (
-        f"rank {group.rank} is on step {step} (its call #{step} of runner.step since bind), but on "
-        f"the {group.name} {behind}: the ranks are on different steps, so this step's collectives "
-        "would pair with another step's and mix their data; nothing of this step was reduced. A "
-        "rank skipped a step or ran one more (it caught an exception and carried on, or its data "
-        "loader gave it a different number of batches). Fix: when a step fails on one rank, end "
-        "every rank (let the exception end the worker; torchrun --max-restarts can restart the "
-        "job), and give every rank the same number of batches"
-    )

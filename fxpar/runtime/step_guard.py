@@ -49,6 +49,13 @@ class StepGuard:
         self._expected = self._resolved[size_key]
         self._next = dict.fromkeys(self._expected, 0)
 
+    def agreement_slots(self, group: tuple[int, ...]) -> int:
+        """How many step-number slots the program's next collective on `group` carries at its
+        end (`lowering.ride_agreements`; 0 for most calls)."""
+        key = (group, "collective")
+        expected, position = self._expected.get(key, ()), self._next.get(key, 0)
+        return expected[position].agreement if position < len(expected) else 0
+
     def admit(self, call: Collective) -> None:
         """Let `call` through if it is the next one the program lists on its group."""
         key = _key(call)

@@ -1,5 +1,6 @@
 """Tier 1: tensor-parallel rules, rewrites and errors on small graphs, no processes."""
 
+import dataclasses
 import sys
 from collections import Counter
 from pathlib import Path
@@ -30,8 +31,10 @@ TOKENS, LABELS = global_batches()[0]
 
 def layer_collectives(program: fxpar.Program) -> list:
     """Rank 0's collectives of the model's own ops: what the layers and the loss move, without
-    the all-reduce by which each step starts agreeing on the step (`lowering.step_start_actions`)."""
-    return [c for c in program.collectives(0) if not c.tag.startswith("step agreement")]
+    the step agreement (`lowering.step_start_actions`), its own call or the slots it rides in
+    (`lowering.ride_agreements`)."""
+    return [dataclasses.replace(c, numel=c.numel - c.agreement, agreement=0)  # slots riding in a call
+            for c in program.collectives(0) if not c.tag.startswith("step agreement")]
 
 def placements(program: fxpar.Program) -> dict[str, object]:
     nodes = meta.parameter_nodes(program.graph_module.graph)

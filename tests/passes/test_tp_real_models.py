@@ -14,6 +14,7 @@ query_key_value, BERT's pad token), with sdpa and eager attention. Three kinds o
   sharding sums the same products in another order, nothing more.
 """
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -94,8 +95,10 @@ class ThreadedCollectives:
 
 def layer_collectives(program: fxpar.Program) -> list:
     """Rank 0's collectives of the model's own ops: what the layers and the loss move, without
-    the all-reduce by which each step starts agreeing on the step (`lowering.step_start_actions`)."""
-    return [c for c in program.collectives(0) if not c.tag.startswith("step agreement")]
+    the step agreement (`lowering.step_start_actions`), its own call or the slots it rides in
+    (`lowering.ride_agreements`)."""
+    return [dataclasses.replace(c, numel=c.numel - c.agreement, agreement=0)  # slots riding in a call
+            for c in program.collectives(0) if not c.tag.startswith("step agreement")]
 
 def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, ThreadedCollectives]:
     """Each tp rank's (loss, {parameter name: gradient}) for one step on `inputs`."""
