@@ -85,10 +85,29 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
         numel = example_numel(captured, formula)
         calls.append(Call(op.tag(axis, phase), primitive, numel * dtype.itemsize))
         lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]
+    rider = _riding_call(program, node, rank)
+    if rider is not None:  # the step's first call of this op carries tp's agreement too
+        calls.append(Call(rider.tag, rider.kind, rider.payload_bytes))
+        lines.append(f"first of the step: + {rider.agreement} step-number slots")
     lines += per_step(program, bool(calls))
     return Box(kind="collective", title=f"{op.name} · {axis}", lines=tuple(lines), axis=axis,
                primitive=calls[0].kind if calls else "slice",
                backward_only=op.primitive("forward") not in COMMUNICATING, calls=tuple(calls), **placed)
+
+
+def _riding_call(program: CompiledProgram, node: fx.Node, rank: int | None):
+    """The rank's call (`fxpar.collectives.Collective`) that carries tp's step agreement
+    (`lowering.ride_agreements`) if `node`'s op issues it: the step program's call with
+    agreement slots comes from the first op of the graph with its module and tag."""
+    rider = next((c for c in program.collectives(0 if rank is None else rank) if c.agreement), None)
+    if rider is None:
+        return None
+    for other in node.graph.nodes:
+        op = distributed_op(other)
+        if (op is not None and meta.module_path(other) == rider.where
+                and rider.tag in (op.tag(axis_of(other), "forward"), op.tag(axis_of(other), "backward"))):
+            return rider if other is node else None
+    return None
 
 
 def transfer_box(program: CompiledProgram, boundary, stage: int, *, rank: int | None) -> Box:
