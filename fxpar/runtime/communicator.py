@@ -139,7 +139,7 @@ class Communicator:
         slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
         payload = tensor if not slots else torch.cat((
             tensor.reshape(-1), step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
-        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, agreement=slots)
+        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, slots=slots)
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         work = dist.all_reduce(payload, op=reduce_op, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
@@ -269,14 +269,15 @@ class Communicator:
         op: str = "sum",
         phase: str = "backward",
         log: bool = True,
-        agreement: bool | int = False,
+        agreement: bool = False,
+        slots: int = 0,
     ) -> Collective:
-        """`agreement`: True for a step agreement's own call, or the number of step-number
-        slots riding at the end of `tensor`."""
+        """`agreement`: a step agreement's own call; `slots`: step-number slots riding at the
+        end of `tensor`."""
         return self._admit(Collective(
             kind=kind, group=group.ranks, numel=tensor.numel(), dtype=tensor.dtype, op=op,
-            tag=tag, phase=phase, agreement=0 if agreement is True else int(agreement),
-        ), log=log, agreement=agreement is True)
+            tag=tag, phase=phase, agreement=slots,
+        ), log=log, agreement=agreement)
 
     def _admit(self, call: Collective, *, log: bool, agreement: bool = False) -> Collective:
         """Settle the step agreements in flight unless `call` is one, hold `call` to the guard
