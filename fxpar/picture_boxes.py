@@ -98,8 +98,9 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
 def _riding_call(program: CompiledProgram, node: fx.Node, rank: int | None):
     """The rank's call (`fxpar.collectives.Collective`) that carries tp's step agreement
     (`lowering.ride_agreements`) if `node`'s op issues it: the step program's call with
-    agreement slots comes from the first op of the graph with its module and tag."""
-    rider = next((c for c in program.collectives(0 if rank is None else rank) if c.agreement), None)
+    agreement slots comes from the first op of the graph with its module and tag (dp's rides in
+    a gradient bucket, which no op issues: its box is the step's)."""
+    rider = next((c for c in program.collectives(0 if rank is None else rank) if c.agreement and c.where), None)
     if rider is None:
         return None
     for other in node.graph.nodes:
