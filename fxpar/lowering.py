@@ -5,9 +5,10 @@ their dp and tp coordinates): `lower_row` builds that row's actions once, and `S
 resolves the axes to one rank's groups. Without a pipeline there is one row:
 
     VALID_TARGETS / STEP_AGREEMENT      ranks agree on the step, per axis; on dp the step's
-                                        count rides along (`step_start_actions`); tp's
-                                        agreement rides in its first f/g where it can
-                                        (`ride_agreements`)
+                                        count rides along (`step_start_actions`); where
+                                        they can, tp's agreement rides in its first f/g and
+                                        dp's (and the count) in the first bucket
+                                        (`ride_agreements`), with no call of their own
     F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g)
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
     PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
@@ -128,7 +129,8 @@ def step_start_actions(mesh: Mesh, *, counted: bool) -> list[Action]:
     before any of the step's data is reduced. On dp, where the loss is a sum over the step's
     count of valid targets (`passes.loss_normalisation`) and this rank computes the loss, the
     count rides in front of the slots (VALID_TARGETS): the all-reduce the step needed anyway
-    carries the agreement, so a data-parallel step costs no collective more than before.
+    carries the agreement. Where they can, both then ride in a call the step makes anyway
+    and these actions go (`ride_agreements`).
     Every group a rank communicates on lies inside one of these axis groups (pipeline peers and
     tied-parameter owners inside its pp group), so checking the three before the first call of
     the step covers them all.
@@ -236,39 +238,61 @@ def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[A
         step, optimizer = _single_stage_row(program)
     else:
         step, optimizer = _pipeline_row(program, pp, ahead)
-    return ride_agreements(step), optimizer
+    count_may_ride = program.stages is None and program.plan.zero == 0 and carries_loss(program.buckets)
+    return ride_agreements(step, count_may_ride=count_may_ride), optimizer
 
 
 RIDES = (torch.float32, torch.float64)  # dtypes that hold a step number exactly (below 2**24)
+# The count of valid targets rides as base-4096 digits: each digit's sum over dp stays below
+# 2**24, exact in float32, up to 4096 ranks and 2**36 targets a step.
+COUNT_SLOTS, COUNT_RIDES_UP_TO = 2, 4096
 
 
-def ride_agreements(actions: tuple[Action, ...]) -> tuple[Action, ...]:
-    """`actions` with the tp step agreement riding in the first call the step makes on tp
-    anyway, where that call is a sum all-reduce of a float32/64 payload (Megatron's first g,
-    or f's first backward): the call grows by the agreement's slots and the agreement's own
-    all-reduce goes. Each extra call a step costs a sync point with the peers (on gloo about
-    1.5 ms on two cores), which the hand-written code it is compared with does not make.
-    Elsewhere (sequence parallelism's gathers, a vocab-parallel max first, bf16) the agreement
-    keeps its call. The runtime carries the slots where the program says
-    (`runtime.step_numbers`)."""
-    for i, action in enumerate(actions):
-        if not (isinstance(action, Communicate) and action.purpose is Purpose.STEP_AGREEMENT
-                and action.calls[0].axis == Axis.TP.value):
-            continue
-        slots = action.calls[0].numel
-        for j in range(i + 1, len(actions)):
-            later = actions[j]
-            if isinstance(later, Exchange):
-                continue
-            k = next((k for k, c in enumerate(later.calls) if c.axis == Axis.TP.value), None)
-            if k is None:
-                continue
-            call = later.calls[k]
-            if call.kind != "all_reduce" or call.op != "sum" or call.dtype not in RIDES:
-                return actions
-            calls = (*later.calls[:k], replace(call, numel=call.numel + slots, agreement=slots), *later.calls[k + 1:])
-            return (*actions[:i], *actions[i + 1:j], replace(later, calls=calls), *actions[j + 1:])
+def ride_agreements(actions: tuple[Action, ...], *, count_may_ride: bool) -> tuple[Action, ...]:
+    """`actions` with the tp and dp step agreements riding in the first call the step makes
+    on their axis anyway, where that call is a sum all-reduce of a float32/64 payload: the
+    call grows by the agreement's slots and the agreement's own all-reduce goes. Each extra
+    call a step costs a sync point with the peers (on gloo about 1.5 ms on two cores), which
+    the hand-written code and DDP it is compared with do not make.
+
+    On tp that call is Megatron's first g (or f's first backward); on dp the first gradient
+    bucket to launch. There dp's count of valid targets rides too (`count_may_ride`: one
+    stage, DDP's buckets, the loss in the last one): the rank's graphs are given a count of 1,
+    so their loss is a sum, and the buckets divide the summed gradients and loss by the
+    global count once it arrives with the first of them (`runtime.gradient_buckets`).
+    Elsewhere (sequence parallelism's gathers, a vocab-parallel max first, bf16, ZeRO's
+    reduce-scatters and gathers, a pipeline's count, pp's transfers) the agreement keeps its
+    call. The runtime carries the slots where the program says (`runtime.step_numbers`)."""
+    for axis in (Axis.TP, Axis.DP):
+        actions = _ride(actions, axis, count_may_ride=count_may_ride)
+    return actions
+
+
+def _ride(actions: tuple[Action, ...], axis: Axis, *, count_may_ride: bool) -> tuple[Action, ...]:
+    """`ride_agreements` on one axis."""
+    own = (Purpose.STEP_AGREEMENT, Purpose.VALID_TARGETS)
+    i = next((i for i, a in enumerate(actions) if isinstance(a, Communicate) and a.purpose in own
+              and a.calls[0].axis == axis.value), None)
+    if i is None:
         return actions
+    counted = actions[i].purpose is Purpose.VALID_TARGETS
+    slots = actions[i].calls[0].numel - (1 if counted else 0)
+    for j in range(i + 1, len(actions)):
+        later = actions[j]
+        k = next((k for k, c in enumerate(later.calls) if c.axis == axis.value), None)
+        if isinstance(later, Exchange) or k is None:
+            continue
+        call = later.calls[k]
+        if call.kind != "all_reduce" or call.op != "sum" or call.dtype not in RIDES:
+            return actions
+        if counted and not (count_may_ride and slots <= COUNT_RIDES_UP_TO and isinstance(later, Communicate)
+                            and later.purpose is Purpose.GRADIENT_BUCKET):
+            return actions
+        count = COUNT_SLOTS if counted else 0
+        tag = call.tag + (" + valid targets" if counted else "") + (" + step" if axis is Axis.DP else "")
+        rider = replace(call, numel=call.numel + count + slots, agreement=slots, count=count, tag=tag)
+        calls = (*later.calls[:k], rider, *later.calls[k + 1:])
+        return (*actions[:i], *actions[i + 1:j], replace(later, calls=calls), *actions[j + 1:])
     return actions
 
 

@@ -4,7 +4,8 @@ Lowering (`fxpar.lowering`) turns the compiled job into one `StepProgram` per ra
 list of actions, and each action lists the communication calls it makes:
 
     Communicate  VALID_TARGETS         all_reduce(1+dp x int64) on dp   the step's count and
-                                                                     step numbers
+                                                                     step numbers (where
+                                                                     no bucket carries them)
     Communicate  STEP_AGREEMENT        all_reduce(pp x int64) on pp     step numbers (tp when
                                                                      its first call cannot
                                                                      carry them)
@@ -13,7 +14,9 @@ list of actions, and each action lists the communication calls it makes:
                                                                      numbers riding)
     Exchange     send stage 1 activations, receive stage 0 gradients     pipeline transfers
     Compute      B  stage 0  mb 0      tp backward all-reduces
-    Communicate  GRADIENT_BUCKET 0     all_reduce(n x f32) on dp       DDP's bucket
+    Communicate  GRADIENT_BUCKET 0     all_reduce(n x f32) on dp       DDP's bucket (the first
+                                                                     with dp's count and
+                                                                     step numbers riding)
     Communicate  PIPELINE_LOSS         all_reduce(1 x f32) on pp
     and, around the optimizer step (`optimizer`, ZeRO-1/2):
     Communicate  UPDATED_PARAMETERS 0  all_gather(n x f32) on dp       a bucket's new values
@@ -88,6 +91,7 @@ class Call:
     tied: str | None = None
     where: str = ""  # the module whose op issues it (a graph call), for messages
     agreement: int = 0  # the step agreement's slots riding at its end (`lowering.ride_agreements`)
+    count: int = 0  # the step's count of valid targets' slots riding before them (dp's first bucket)
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,13 @@ class StepProgram:
         step ("optimizer"), or both, in that order ("all")."""
         actions = {"step": self.actions, "optimizer": self.optimizer, "all": (*self.actions, *self.optimizer)}[part]
         return [call for action in actions for call in action.calls]
+
+    def count_slots(self) -> int:
+        """Slots of the step's count of valid targets riding in its first gradient bucket
+        (`lowering.ride_agreements`), 0 where the count has a call of its own or none: the
+        rank's graphs are then given a count of 1 (their loss a sum) and the buckets divide
+        the summed gradients and loss by the global count (`runtime.gradient_buckets`)."""
+        return next((c.count for c in self.calls("step") if c.count), 0)
 
     def computes(self) -> list[Compute]:
         """The compute actions, in order: the schedule row this rank runs."""

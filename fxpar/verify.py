@@ -100,7 +100,7 @@ def verify(
     names = _joined_names(program, reference)
     with tempfile.TemporaryDirectory(prefix="fxpar-verify-") as folder:
         ranks = _run_ranks(program, example_inputs, names, Path(folder), timeout)
-        expected = _run_reference(reference, inputs, names)
+        expected = _run_reference(reference, inputs, names, count_rides=program.step_program(0).count_slots() > 0)
     return _compare(program, reference, expected, ranks, names, rtol=rtol, atol=atol)
 
 
@@ -159,13 +159,22 @@ def _as_call(example_inputs) -> tuple[tuple, dict]:
 
 # -- the two runs --------------------------------------------------------------------------------
 
-def _run_reference(reference: Program, inputs: tuple[torch.Tensor, ...], names: set[str]) -> dict:
+def _run_reference(reference: Program, inputs: tuple[torch.Tensor, ...], names: set[str], *,
+                   count_rides: bool) -> dict:
     """One device: every node's value and gradient, the parameters' gradients, the loss. The
-    model's own parameters are read, never written (gradients by `autograd.grad`)."""
+    model's own parameters are read, never written (gradients by `autograd.grad`).
+
+    Where the ranks' count of valid targets rides in a gradient bucket (`count_rides`), their
+    graphs divide the loss's sum by 1 and the buckets divide the reduced gradients by the
+    count (`runtime.step_loss`): the reference's graph is given 1 too, so node values and
+    gradients compare as they are, and its loss and parameters' gradients are divided by the
+    count after, as the buckets do."""
     gm = reference.rank_module(0)
     recorder = NodeRecorder.install(gm, names)
-    count = reference.loss_reduction.count_module
-    args = (*inputs, count(*inputs)) if reference.loss_reduction.sums else inputs
+    sums = reference.loss_reduction.sums
+    count = reference.loss_reduction.count_module(*inputs) if sums else None
+    divisor = count if count_rides and sums else 1
+    args = (*inputs, torch.ones_like(count) if count_rides else count) if sums else inputs
     stream = RandomStream(SEED)  # step 0, whole values: what rng=exact draws on the ranks
     bind_random(stream)
     try:
@@ -175,8 +184,8 @@ def _run_reference(reference: Program, inputs: tuple[torch.Tensor, ...], names: 
         grads = torch.autograd.grad(loss, list(trained.values()), allow_unused=True)
     finally:
         unbind_random(stream)
-    return {"loss": float(loss.detach()), "values": recorder.values, "grads": recorder.grads,
-            "parameter_grads": {n: g for n, g in zip(trained, grads) if g is not None}}
+    return {"loss": float(loss.detach() / divisor), "values": recorder.values, "grads": recorder.grads,
+            "parameter_grads": {n: g / divisor for n, g in zip(trained, grads) if g is not None}}
 
 
 def _run_ranks(program: Program, example_inputs, names: set[str], folder: Path, timeout: float) -> list[dict]:

@@ -22,9 +22,9 @@ data-parallel ranks (not averaged) it is the one-device loss, and so are the gra
 The count depends on the inputs alone (the target is the labels, shifted or reshaped, never a
 parameter), so the pass also extracts `count_module`: the nodes that compute the target from
 the step's inputs, plus `(target != ignore_index).sum()`. The runtime runs it on each
-microbatch before the step and sums over the data-parallel group in one small all-reduce,
-the only collective this costs (`fxpar.lowering.step_start_actions`, which lets the ranks' step
-numbers ride along).
+microbatch before the step and sums over the data-parallel group: as two digits riding in
+DDP's first gradient bucket, which then divides the summed gradients by it, or in one small
+all-reduce of its own (`fxpar.lowering.ride_agreements`, `step_start_actions`).
 
 A loss of any other form (class weights, label smoothing, a loss computed by hand) keeps the
 mean of the pieces' means, which equals one device only when the pieces are alike; compile

@@ -30,7 +30,7 @@ def test_collectives_added_and_removed_per_step_with_their_bytes(programs):
     tp = rows[("rank 0 per step", "all_reduce tp all_reduce")]
     calls = [c for c in after.collectives(0) if c.tag == "tp all_reduce"]
     assert (tp.mark, tp.before, tp.after) == ("+", None, (len(calls), sum(c.payload_bytes for c in calls)))
-    assert rows[("rank 0 per step", "all_reduce dp gradient bucket # + loss")].mark == "-"
+    assert rows[("rank 0 per step", "all_reduce dp gradient bucket # + loss + valid targets + step")].mark == "-"
     assert rows[("rank 0 per step", "send pp stage # activations")].after[0] == 2  # one per microbatch
     moved = rows[("bytes", "payload of rank 0's collectives per step")]
     assert moved.before == sum(c.payload_bytes for c in before.collectives(0))

@@ -39,8 +39,8 @@ def _buckets(program) -> list[int]:
 def test_the_step_program_lists_every_action_and_collectives_are_its_calls(data_parallel):
     step = data_parallel.step_program(1)
     kinds = [type(a).__name__ if not isinstance(a, Compute) else a.kind for a in step.actions]
-    assert kinds[:3] == ["Communicate", "F", "B"]  # the count, then the one microbatch
-    assert step.actions[0].purpose is Purpose.VALID_TARGETS
+    assert kinds[:3] == ["F", "B", "Communicate"]  # the one microbatch, then the buckets
+    assert step.actions[2].purpose is Purpose.GRADIENT_BUCKET  # the count and steps ride in it
     assert len(_buckets(step)) == len(data_parallel.buckets) > 2
     assert data_parallel.collectives(1) == step.collectives(data_parallel.example_sizes)
 
@@ -118,6 +118,28 @@ def test_the_tp_agreement_rides_in_the_first_all_reduce_or_keeps_its_own_call():
     own = fxpar.compile(build_model(), "tp=2 sp=true", (TOKENS, LABELS)).step_program(0)
     assert [a.purpose for a in own.actions if isinstance(a, Communicate)][0] is Purpose.STEP_AGREEMENT
     assert not any(c.agreement for c in own.calls())
+
+
+def test_the_dp_count_and_agreement_ride_in_the_first_bucket_or_keep_their_own_call():
+    """`lowering.ride_agreements` on dp: DDP's first bucket carries the count of valid targets
+    (two digits) and the step numbers (a slot per rank), so a step makes no call but its
+    buckets, as DDP. ZeRO's reduce-scatters cannot carry them; a pipeline's count keeps its
+    call (the stages before the last do not count), while their agreement rides."""
+    def first_dp_action(step):
+        return next(a for a in step.actions if isinstance(a, Communicate) and a.calls[0].axis == "dp")
+
+    riding = fxpar.compile(build_model(), "dp=2", (TOKENS, LABELS)).step_program(0)
+    bucket = first_dp_action(riding)
+    assert bucket.purpose is Purpose.GRADIENT_BUCKET and bucket.index == 0
+    assert (bucket.calls[0].count, bucket.calls[0].agreement, riding.count_slots()) == (2, 2, 2)
+    zero = fxpar.compile(build_model(), "dp=2 zero=1", (TOKENS, LABELS)).step_program(0)
+    assert first_dp_action(zero).purpose is Purpose.VALID_TARGETS and zero.count_slots() == 0
+    pipeline = fxpar.compile(build_model(), "dp=2 pp=2 mb=2", (TOKENS, LABELS))
+    first, last = (pipeline.step_program(pipeline.mesh.rank_of(dp=0, pp=p, tp=0)) for p in (0, 1))
+    assert first_dp_action(last).purpose is Purpose.VALID_TARGETS
+    carrier = first_dp_action(first)
+    assert carrier.purpose is Purpose.GRADIENT_BUCKET and (carrier.calls[0].count, carrier.calls[0].agreement) == (0, 2)
+    pipeline.check()
 
 
 def test_gathering_the_full_state_is_a_program_too():

@@ -51,6 +51,18 @@ def test_a_clean_plan_equals_one_device():
     assert report.loss_parallel == pytest.approx(report.loss_reference, rel=1e-6)
 
 
+def test_a_plan_whose_count_rides_in_a_bucket_equals_one_device():
+    """dp's count of valid targets rides in the first bucket: the ranks' graphs divide by 1 and
+    the buckets by the global count (`runtime.step_loss`); the reference is given 1 too, so
+    every node compares as it is, and the loss and reduced gradients after the division."""
+    program = fxpar.compile(build_model(), "dp=2 mb=2", BATCH)
+    assert program.step_program(0).count_slots() == 2
+    report = fxpar.verify(program, example_inputs=BATCH, timeout=20)
+    assert report.equal, str(report)
+    assert report.compared["parameter gradient"] == len(dict(build_model().named_parameters()))
+    assert report.loss_parallel == pytest.approx(report.loss_reference, rel=1e-6)
+
+
 def test_a_wrong_redistribution_rule_is_named_at_the_first_node_reading_the_bad_value(monkeypatch):
     """The tp pass asks the table how to make a row-parallel linear's output (Partial, each
     rank's summand) whole; for the third it asks (h.0's MLP projection), a wrong row gives f
@@ -123,7 +135,7 @@ def test_verify_refuses_a_program_the_check_refuses_and_reports_each_ranks_failu
     process is started). check=False runs it anyway: rank 1's guard stops its resized bucket
     before sending, rank 0 fails when its peer is gone, and the VerifyError lists both."""
     program = fxpar.compile(build_model(), "dp=2 bucket_mb=0.02", BATCH)
-    program.replace_step_program(1, resize_call(program.step_program(1), 1, 7))
+    program.replace_step_program(1, resize_call(program.step_program(1), 0, 7))  # bucket 0
     with pytest.raises(PlanError, match=r"process group \[0, 1\] does not match"):
         fxpar.verify(program, example_inputs=BATCH)
     with pytest.raises(fxpar.VerifyError) as failed:
@@ -131,7 +143,7 @@ def test_verify_refuses_a_program_the_check_refuses_and_reports_each_ranks_failu
     message = str(failed.value)
     assert message.startswith("the parallel run of plan 'dp=2 bucket_mb=0.02' failed, so nothing was compared")
     assert "rank 1: StepProgramError: rank 1 was about to issue all_reduce(" in message
-    assert "its step program's call #1 of its 5 on that group is all_reduce(7 x torch.float32" in message
+    assert "its step program's call #0 of its 4 on that group is all_reduce(7 x torch.float32" in message
     assert "rank 0: CollectiveError: all_reduce of gradient bucket 0" in message
     # rank 1 exits at once, so rank 0's backend sees it gone (or, on a slow machine, its 3 s pass)
     assert "rank 1 is gone" in message or "did not complete within 3 s" in message

@@ -45,7 +45,7 @@ from fxpar.runtime.step_loss import StepLoss
 from fxpar.runtime.valid_targets import CountArrival, await_count
 from fxpar.runtime.whole_state import graph_parameters
 from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
-from fxpar.step_program import StepProgram
+from fxpar.step_program import Communicate, Purpose, StepProgram
 
 
 def bound_device(device: torch.device | str | None, local_rank: int) -> torch.device:
@@ -169,9 +169,12 @@ def step_context(
     stages, plan, dp, buckets = program.stages, program.plan, groups[Axis.DP], []
     # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
     for module in modules if dp.size > 1 and plan.zero < 3 else ():
-        assignment = stages[module.meta[meta.GRAPH_STAGE]].buckets if stages else program.buckets
+        stage = meta.stage_of(module)
+        assignment = stages[stage].buckets if stages else program.buckets
+        calls = {a.index: a.calls[0] for a in step_program.actions
+                 if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET and a.stage == stage}
         buckets.append(GradientBuckets(
-            assignment, graph_parameters(module), dp, communicator,
+            assignment, graph_parameters(module), dp, communicator, calls,
             carry_loss=stages is None, average=not loss.sums, zero=plan.zero,
         ))
     # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.

@@ -14,6 +14,7 @@ holds it to the rank's step program: a call the program does not list fails befo
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +36,11 @@ class PendingCollective:
     """An asynchronous collective; `wait()` raises CollectiveError naming the group, the time
     really waited since the call was issued, and the cause (`runtime.collective_failures`)."""
 
-    def __init__(self, work: dist.Work | None, call: Collective, group: RankGroup, timeout: timedelta):
+    def __init__(self, work: dist.Work | None, call: Collective, group: RankGroup, timeout: timedelta,
+                 then: Callable[[], None] | None = None):
+        """`then`: run once the call completed (a riding step agreement's check)."""
         self._work, self._call, self._group, self._timeout = work, call, group, timeout
+        self._then = then
         self._issued = time.perf_counter()
 
     def wait(self) -> None:
@@ -54,6 +58,9 @@ class PendingCollective:
             ) from error
         finally:
             self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
 
 @dataclass(frozen=True)
@@ -106,10 +113,21 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward",
                    agreement: bool = False) -> PendingCollective:
         """Start a sum all-reduce of `tensor` in place over `group`; an `agreement` (a step
-        agreement's, `runtime.step_agreement`) leaves the agreements in flight unsettled."""
-        call = self._record("all_reduce", tensor, group, tag, phase=phase, agreement=agreement)
+        agreement's, `runtime.step_agreement`) leaves the agreements in flight unsettled.
+
+        Where the step program says this call carries the step agreement (a gradient bucket,
+        `lowering.ride_agreements`), `tensor`'s last elements are the room its caller left for
+        the slots: they get this rank's step number here, and `wait()` checks the sums before
+        the caller reads anything (`runtime.step_numbers`)."""
+        slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
+        then = None
+        if slots:
+            riding = tensor.view(-1)[-slots:]
+            riding.copy_(step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device))
+            then = functools.partial(step_numbers.check, group, self._step, riding)
+        call = self._record("all_reduce", tensor, group, tag, phase=phase, agreement=agreement, slots=slots)
         work = dist.all_reduce(tensor, group=group.handle, async_op=True)
-        return PendingCollective(work, call, group, self.timeout)
+        return PendingCollective(work, call, group, self.timeout, then)
 
     def reduce_scatter(
         self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str

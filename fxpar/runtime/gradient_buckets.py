@@ -24,29 +24,52 @@ Averaging is DDP's: divide by the group size, then sum-all-reduce. When each ran
 gradients are already its share of the global mean (the loss divides by the global count of
 valid targets: `runtime.step_loss`), `average=False` sums them instead.
 
-The last bucket has one element more: the step's local loss, summed over microbatches. It is
-averaged with the gradients, so every rank learns the global-batch mean loss without a
-collective of its own (`loss()`). (Not with a pipeline: only the last stage knows the loss,
-after the other stages' buckets are long gone; `carry_loss=False` leaves the slot out. A
-model with nothing to train has no bucket: its step program all-reduces the loss alone.)
+Each bucket's buffer is laid out as its all-reduce in the step program (`lowering`):
+
+    [ gradients | loss? | count? | step numbers? ]
+
+The last bucket has one element more, the step's local loss summed over microbatches. It is
+averaged (or summed) with the gradients, so every rank learns the global-batch mean loss
+without a collective of its own (`loss()`). (Not with a pipeline: only the last stage knows
+the loss, after the other stages' buckets are long gone; nor under bf16. A model with nothing
+to train has no bucket: its step program all-reduces the loss alone.)
+
+The first bucket to launch may carry dp's step agreement (`lowering.ride_agreements`): the
+communicator writes this rank's step number into the last slots and checks the sums when
+the bucket is waited for, before its gradients are used (`Communicator.all_reduce`). With
+it may ride the rank's count of valid targets (`riding_count`): the graphs were then given a
+count of 1, so each rank's gradients and loss are sums, and every bucket is divided by the
+global count after its sum (`finish_bucket`), as the one-device loss divides its sum.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
 from fxpar.errors import CollectiveError
 from fxpar.passes.data_parallel import Bucket, carries_loss
+from fxpar.runtime import riding_count
 from fxpar.runtime.communicator import Communicator, PendingCollective
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.step_program import Call
 
 
 class _BucketState:
-    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], size: int, shard: slice | None):
+    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], call: Call | None, *,
+                 loss: bool, padded: int | None, shard: slice | None):
         self.bucket = bucket
         self.parameters = parameters
         self.device = parameters[0].device if parameters else torch.device("cpu")
-        self.size = size  # elements of the flat buffer (with the loss slot, or ZeRO's padding)
+        # Its reduction in the step program: the tag and the slots riding (none where an edited
+        # program dropped it: the guard then refuses the call, `runtime.step_guard`).
+        self.tag = call.tag if call is not None else f"gradient bucket {bucket.index}"
+        self.count_slots = call.count if call is not None else 0
+        agreement = call.agreement if call is not None else 0
+        self.count_at = bucket.numel + loss  # where the count's slots start
+        # Elements of the flat buffer: the gradients and the slots (module doc), or ZeRO's padding.
+        self.size = padded if padded is not None else self.count_at + self.count_slots + agreement
         self.shard = shard  # ZeRO: this rank's elements of the buffer, else None
         self.reduced: torch.Tensor | None = None  # ZeRO: the reduced gradient shard
         self.staged: torch.Tensor | None = None  # the buffer in `reduce_dtype`, while reduced
@@ -95,23 +118,28 @@ class GradientBuckets:
         parameters: dict[str, torch.nn.Parameter],
         group: RankGroup,
         communicator: Communicator,
+        calls: Mapping[int, Call],
         *,
         carry_loss: bool = True,
         average: bool = True,
         zero: int = 0,
     ):
+        """`calls`: each bucket's reduction in the rank's step program, by bucket index."""
         self.group = group
         self.communicator = communicator
         self.carry_loss = carry_loss and zero == 0 and carries_loss(buckets)
         self.average = average
         self.zero = zero
-        self.states = []
-        for i, b in enumerate(buckets):
-            if zero:
-                size, shard = b.padded(group.size), b.shard(group.size, group.index)
-            else:
-                size, shard = b.numel + (1 if self.carry_loss and i == len(buckets) - 1 else 0), None
-            self.states.append(_BucketState(b, [parameters[n] for n in b.parameters], size, shard))
+        self.states = [
+            _BucketState(b, [parameters[n] for n in b.parameters], calls.get(b.index),
+                         loss=self.carry_loss and i == len(buckets) - 1,
+                         padded=b.padded(group.size) if zero else None,
+                         shard=b.shard(group.size, group.index) if zero else None)
+            for i, b in enumerate(buckets)
+        ]
+        self.counted = any(s.count_slots for s in self.states)  # the count rides: divide by it
+        self._local_count: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None  # the global count, once its bucket is reduced
         self._hooked = [i for i, s in enumerate(self.states) if not s.bucket.held]  # launch order
         self._pending: dict[int, PendingCollective] = {}  # bucket index -> its reduction
         self._next = 0  # into `_hooked`
@@ -135,8 +163,13 @@ class GradientBuckets:
 
         return gradient_ready
 
-    def start_step(self, microbatches: int) -> None:
-        """Arm the hooks for a step of `microbatches` backwards, before the first of them."""
+    def start_step(self, microbatches: int, count: torch.Tensor | None = None) -> None:
+        """Arm the hooks for a step of `microbatches` backwards, before the first of them;
+        `count`: this rank's count of valid targets, where it rides in a bucket."""
+        if self.counted and count is None:
+            raise CollectiveError("the step program has the count of valid targets ride in a gradient "
+                                  "bucket, but the step gave none; this is an fxpar bug")
+        self._local_count, self._count = count, None
         for state in self.states:
             state.pending = microbatches * len(state.parameters)
             state.arrived = [0] * len(state.parameters)
@@ -148,8 +181,9 @@ class GradientBuckets:
 
     def carry(self, loss: torch.Tensor) -> None:
         """Put the step's local loss in the last bucket's extra slot (before the last backward)."""
-        if self.carry_loss and self.states:
-            self.states[-1].buffer[-1].copy_(loss.detach())
+        if self.carry_loss:
+            state = self.states[-1]
+            state.buffer[state.bucket.numel].copy_(loss.detach())
 
     def _launch_ready(self) -> None:
         while self._next < len(self._hooked) and self.states[self._hooked[self._next]].pending == 0:
@@ -163,10 +197,12 @@ class GradientBuckets:
             wire = state.staged = state.buffer.to(state.bucket.reduce_dtype)
         if self.average:
             wire.div_(self.group.size)
-        tag = f"gradient bucket {state.bucket.index}"
+        tag = state.tag
         if not self.zero:
-            if index == len(self.states) - 1 and self.carry_loss:
-                tag += " + loss"
+            if state.count_slots:  # after the division: the count is summed, not averaged
+                end = state.count_at + state.count_slots
+                wire[state.count_at:end] = riding_count.digits(self._local_count, state.count_slots, wire.dtype)
+            # The step numbers' slots, if any, are the communicator's to fill and check.
             self._pending[index] = self.communicator.all_reduce(wire, self.group, tag=tag)
             return
         if self.zero == 1 and wire is state.buffer:
@@ -193,7 +229,17 @@ class GradientBuckets:
                 f"backward produced no gradient for {missing[:5]} although the graph uses them; "
                 f"bucket {index} was never reduced. Are they detached or frozen mid-step?"
             )
-        self._pending[index].wait()
+        self._pending[index].wait()  # raises StepMismatchError if a step agreement rode along
+        if state.count_slots:
+            end = state.count_at + state.count_slots
+            self._count = riding_count.number(state.staged if state.staged is not None else state.buffer,
+                                              state.count_at, end)
+        if self.counted:  # the sums become the one-device mean (module doc)
+            if self._count is None:
+                raise CollectiveError(f"gradient bucket {index} was reduced before the one that carries "
+                                      "the count of valid targets; this is an fxpar bug")
+            wire = state.staged if state.staged is not None else state.buffer
+            wire[: state.count_at].div_(self._count.to(wire.dtype))  # the gradients and the loss
         if state.staged is not None:  # the sum, rounded once into the bucket (DDP)
             if not self.zero:
                 state.buffer.copy_(state.staged)
@@ -227,7 +273,8 @@ class GradientBuckets:
 
     def loss(self) -> float:
         """The global-batch mean loss the last bucket carried (after `finish_bucket` of it)."""
-        return float(self.states[-1].buffer[-1])
+        state = self.states[-1]
+        return float(state.buffer[state.bucket.numel])
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -34,7 +34,7 @@ class ModuleExecutor:
         module, all_buckets = context.forwards[0], context.buckets
         state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))
         for buckets in all_buckets:
-            buckets.start_step(microbatches)
+            buckets.start_step(microbatches, state.count)
         for action in context.step_program.actions:
             if isinstance(action, Communicate):
                 communicate(action, context, state)

@@ -121,7 +121,7 @@ class PipelineExecutor:
         computes = context.step_program.computes()  # this rank's schedule row
         position = -1  # of the compute action running
         for buckets in context.buckets:
-            buckets.start_step(len(chunks))
+            buckets.start_step(len(chunks), state.count)
         self.timeline = []
         for action in context.step_program.actions:
             if isinstance(action, Exchange):

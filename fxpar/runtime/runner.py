@@ -80,6 +80,7 @@ class Runner(WholeState):
             program.loss_reduction,
             holds_loss=program.holds_loss(rank),
             data_parallel=self._dp,
+            count_rides=self._step_program.count_slots() > 0,
         )
         self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
         self._executor: ModuleExecutor | PipelineExecutor | None = None

@@ -6,8 +6,9 @@ run the rank's modules (`ModuleExecutor`, `PipelineExecutor`), pipeline `Exchang
 post transfers, and every `Communicate` action comes here:
 
     VALID_TARGETS        the step's count of valid targets, summed over dp, with the ranks'
-                         step numbers (`runtime.step_agreement`); started here, waited for
-                         where the graph reads it (`runtime.valid_targets`)
+                         step numbers (`runtime.step_agreement`), where no bucket carries
+                         them; started here, waited for where the graph reads it
+                         (`runtime.valid_targets`)
     STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count); started
                          here, settled before the next call that moves data
     GRADIENT_BUCKET      wait for bucket i of stage s (launched by its hooks during backward)

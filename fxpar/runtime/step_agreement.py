@@ -16,17 +16,20 @@ with the valid-target count in front). When they differ, every rank of the group
 StepMismatchError naming itself, the members and their steps, before any of the step's data
 is used.
 
-On tp the slots usually need no call of their own: they ride at the end of the step's first
-tensor-parallel all-reduce (Megatron's first g), which the step program lists with the slots
-(`lowering.ride_agreements`); the communicator appends this rank's number, and checks the
-summed slots before the call's data is handed back, so a mismatch stops the step before the
-mixed sum is used (`runtime.step_numbers`). Every extra call a step makes is a sync point with
-the peers, which the hand-written Megatron code does not pay. Where the agreement keeps its
-call (pp, sequence parallelism's first gather, bf16), it does not wait where it starts: the
-communicator settles it (waits, reads the steps back, compares) just before the next call
+On tp and dp the slots usually need no call of their own: they ride at the end of the step's
+first call on the axis (tp: Megatron's first g; dp: DDP's first gradient bucket, with the
+count of valid targets), which the step program lists with the slots
+(`lowering.ride_agreements`); the communicator fills in this rank's number and checks the
+summed slots before the call's data is used, so a mismatch stops the step before the mixed
+sum is (`runtime.step_numbers`). Every extra call a step makes is a sync point with the
+peers, which the hand-written Megatron code and DDP do not pay. Where the agreement keeps its
+call (pp, sequence parallelism's first gather, bf16, ZeRO), it does not wait where it starts:
+the communicator settles it (waits, reads the steps back, compares) just before the next call
 that is not an agreement, or at the end of the step (`Communicator.settle_before_data`); on
 dp the count's arrival does (`runtime.valid_targets`). So no collective moves data before the
-ranks agree, except the one the agreement rides in, whose result is dropped when they do not.
+ranks agree, except those issued before the call the agreement rides in is waited for (tp's
+f/g is waited for at once; dp's buckets launch during backward, each waited for in order
+after it), whose results are never used when they do not.
 
 A step number counts every call of `runner.step` since bind, the failed ones included (the
 runner counts at the top of `step`): a rank whose step raised before its first collective (a

@@ -12,7 +12,11 @@ With `sums`, before the first forward every rank that computes the loss runs the
 count module on each of its microbatches and sums the counts over the data-parallel group in
 one small all-reduce (its step program's VALID_TARGETS action, `fxpar.lowering`, which also
 carries the ranks' step numbers: `runtime.step_agreement`); each
-microbatch then gets that global count as its `valid_targets` input.
+microbatch then gets that global count as its `valid_targets` input. Where the count rides in
+the first gradient bucket instead (`count_rides`: `lowering.ride_agreements`), each microbatch
+gets a count of 1, so its loss and gradients are sums, and the buckets divide them by the
+global count after the all-reduce (`runtime.gradient_buckets`): the one-device division, made
+once on the summed gradients instead of on the loss's gradient at the top of backward.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ class StepLoss:
         *,
         holds_loss: bool,
         data_parallel: RankGroup,
+        count_rides: bool = False,
     ):
         self.reduction = reduction
         self.holds_loss = holds_loss
         self.data_parallel = data_parallel
+        self.count_rides = count_rides
 
     @property
     def sums(self) -> bool:
@@ -50,9 +56,12 @@ class StepLoss:
         return counts[0] if len(counts) == 1 else torch.stack(counts).sum()
 
     def with_count(self, chunks: list[tuple[torch.Tensor, ...]], count: torch.Tensor | None):
-        """Each microbatch's inputs, plus the step's global count where the loss needs it."""
+        """Each microbatch's inputs, plus the count its loss divides by where it needs one:
+        the step's global count, or 1 where the count rides in a bucket (module doc)."""
         if count is None:
             return chunks
+        if self.count_rides:
+            count = torch.ones((), dtype=self.reduction.count_dtype, device=count.device)
         count = count.to(self.reduction.count_dtype)
         return [(*chunk, count) for chunk in chunks]
 

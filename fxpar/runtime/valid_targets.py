@@ -1,9 +1,10 @@
 """The step's count of valid targets arrives while the forward runs.
 
 A mean cross entropy is compiled into sum / global count of valid targets
-(`passes.loss_normalisation`), and the count is summed over dp by the step program's first
-action, VALID_TARGETS, whose all-reduce also carries every member's step number
-(`runtime.step_agreement`). The graph reads the count once, in its last op (the division),
+(`passes.loss_normalisation`). Where the count cannot ride in the first gradient bucket
+(`lowering.ride_agreements`: ZeRO, a pipeline's last stage), it is summed over dp by the step
+program's first action, VALID_TARGETS, whose all-reduce also carries every member's step
+number (`runtime.step_agreement`). The graph reads the count once, in its last op (the division),
 so waiting for that all-reduce before the forward would add a synchronisation point to every
 step: each rank stalls until the slowest has finished its optimizer step, then again at the
 gradient buckets. DDP has one such point a step, at the buckets; under load the second costs

@@ -186,5 +186,5 @@ def test_ddp_buckets_carry_the_loss_only_in_fp32():
     tokens, labels = global_batches()[0]
     for plan, carried in (("dp=2", True), ("dp=2 precision=bf16-mixed", False)):
         calls = fxpar.compile(build_model(), plan, example_inputs=(tokens, labels)).collectives(0)
-        assert any(c.tag.endswith("+ loss") for c in calls) is carried
+        assert any(" + loss" in c.tag for c in calls) is carried  # (its count and steps may follow)
         assert any(c.tag == "loss" for c in calls) is not carried

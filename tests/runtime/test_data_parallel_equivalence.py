@@ -83,13 +83,14 @@ def test_dp2_matches_single_device_and_predicted_collectives(torchrun, reference
             result = results[plan]
             assert_equivalent(result, reference)
             for log, stats in result["comm"]:
-                # Exactly what the compiler predicted, call for call: the step's count of valid
-                # targets with each rank's step number (three int64), then the buckets; the
-                # loss rides along as one element of the last bucket.
+                # Exactly what the compiler predicted, call for call: the buckets, and nothing
+                # else. The first carries the step's count of valid targets (two float digits)
+                # and each rank's step number (two slots); the last carries the loss.
                 assert log == list(result["predicted"])
-                assert log[0].tag == "valid targets + step"
+                assert log[0].tag.startswith("gradient bucket 0") and log[0].tag.endswith(" + valid targets + step")
+                assert log[0].agreement == 2
                 assert stats == {
-                    "all_reduce": {"count": 1 + len(result["buckets"]), "bytes": 8 * 3 + 4 * parameters + 4}
+                    "all_reduce": {"count": len(result["buckets"]), "bytes": 4 * (parameters + 1 + 2 + 2)}
                 }
                 # The cost model's prediction of the same step, byte for byte.
                 estimated = result["estimated_comm"]["all_reduce"]

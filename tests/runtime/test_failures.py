@@ -8,7 +8,8 @@ pytestmark = pytest.mark.multirank
 @pytest.mark.parametrize(
     "plan, what",
     [
-        ("dp=2", "all_reduce of valid targets + step"),  # the step's first collective
+        # The step's first collective: its first bucket, with the count and the step numbers.
+        ("dp=2", "all_reduce of gradient bucket 0 + loss + valid targets + step"),
         # The step starts with the pipeline's ranks agreeing on the step: the stalled last
         # stage never joins (before this agreement existed, the first stage's first backward
         # waited for gradients it never sent; both go through the same timed wait).
@@ -30,7 +31,7 @@ def test_an_edited_step_program_is_refused_by_check_and_stopped_by_the_runtime(t
     rank 0 fails within its timeout naming the bucket (tests/test_step_program.py: in process)."""
     zero, one = torchrun("edited_worker.py", 2, timeout=120)
     for rank in (zero, one):
-        assert "collective #1 on process group [0, 1] does not match" in rank["check"]
+        assert "collective #0 on process group [0, 1] does not match" in rank["check"]
     assert one["type"] == "StepProgramError"
     assert "rank 1 was about to issue all_reduce" in one["error"] and "7 x torch.float32" in one["error"]
     assert zero["type"] == "CollectiveError" and "gradient bucket 0" in zero["error"]
@@ -42,7 +43,7 @@ def test_a_rank_that_carries_on_after_a_failed_step_is_stopped_naming_both_steps
     third while rank 0 is in its second: the first collective of the step, on each axis, holds
     every rank's step number (`runtime.step_agreement`), so both ranks stop there, naming both
     steps, at once (no timeout), before the two steps' data is mixed."""
-    plans = ("dp=2", "tp=2", "pp=2 mb=2")  # the count's all-reduce on dp; the agreement on tp, pp
+    plans = ("dp=2", "tp=2", "pp=2 mb=2")  # riding in dp's first bucket and tp's first g; pp's own call
     zero, one = torchrun("skip_worker.py", 2, *plans, timeout=180)
     for plan, axis in zip(plans, ("dp", "tp", "pp")):
         assert zero[plan]["steps"] == one[plan]["steps"] == 1, plan
