@@ -40,6 +40,7 @@ class StepLoss:
         self.holds_loss = holds_loss
         self.data_parallel = data_parallel
         self.count_rides = count_rides
+        self._one: torch.Tensor | None = None  # the count a graph gets where it rides: made once
 
     @property
     def sums(self) -> bool:
@@ -61,7 +62,9 @@ class StepLoss:
         if count is None:
             return chunks
         if self.count_rides:
-            count = torch.ones((), dtype=self.reduction.count_dtype, device=count.device)
+            if self._one is None or self._one.device != count.device:
+                self._one = torch.ones((), dtype=self.reduction.count_dtype, device=count.device)
+            count = self._one
         count = count.to(self.reduction.count_dtype)
         return [(*chunk, count) for chunk in chunks]
 
