@@ -300,7 +300,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     formulas["memory.workspace"] = workspace.subs(BATCH, local_batch)
     formulas["memory.total"] = peak_bytes(
         state, formulas["memory.activations"], formulas["memory.workspace"],
-        grads_persist=dp > 1 or plan.microbatches > 1,
+        parameters=parameters, precision=plan.precision, zero=plan.zero, dp=dp, microbatches=plan.microbatches,
     )
 
     # Time: this rank's ops over its share of the batch. `weight` is the part of `backward`

@@ -32,7 +32,14 @@ step's peak. When gradients exist decides where it is:
   no activation, so the peak is params + optimizer + max(activations + workspace, grads);
 * gradients that live all step (fxpar's dp > 1 keeps them in gradient-bucket buffers that
   `.grad` views; gradient accumulation keeps them across microbatches): params + optimizer
-  + grads + activations + workspace.
+  + grads + activations + workspace;
+* ZeRO-2 (dp > 1): the reduced shards (`grads`) live all step, and the whole gradients
+  (4P fp32, 2P bf16) exist from a bucket's first gradient in backward until the bucket is
+  reduced (`runtime.gradient_buckets`): with one microbatch they come as the activations go,
+  params + optimizer + grads + max(activations + workspace, whole); with several they
+  accumulate over the step's backwards and are kept while the later microbatches save their
+  activations, params + optimizer + grads + whole + activations + workspace. (Reducing per
+  microbatch instead would drop that 4P for a reduce-scatter per microbatch: not built.)
 
 Measured on the CPU, the peak of every configuration of RESULTS.md is at the start of
 backward, where this formula puts it.
@@ -103,10 +110,20 @@ def peak_bytes(
     activations: sympy.Expr,
     workspace: sympy.Expr,
     *,
-    grads_persist: bool,
+    parameters: sympy.Expr | int,
+    precision: str,
+    zero: int,
+    dp: int,
+    microbatches: int,
 ) -> sympy.Expr:
-    """Peak bytes of one rank over a step (see module doc); `state` as `model_state_bytes`."""
+    """Peak bytes of one rank over a step (see module doc); `state` as `model_state_bytes` for
+    the rank's `parameters`, the plan's fields as named."""
     held = state["params"] + state["optimizer"]
-    if grads_persist:
+    if zero == 2 and dp > 1:  # the reduced shards persist; the whole buckets exist in backward
+        whole = model_state_bytes(parameters, precision=precision, optimizer="sgd", zero=0, dp=1)["grads"]
+        if microbatches > 1:  # accumulated over the step's backwards, kept through its forwards
+            return held + state["grads"] + whole + activations + workspace
+        return held + state["grads"] + sympy.Max(activations + workspace, whole)
+    if dp > 1 or microbatches > 1:
         return held + state["grads"] + activations + workspace
     return held + sympy.Max(activations + workspace, state["grads"])

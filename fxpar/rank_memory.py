@@ -58,6 +58,7 @@ def predicted_memory(program: CompiledProgram, *, optimizer: str = "adamw") -> d
         workspace = backward_workspace_bytes(captured) if holds_loss else sympy.Integer(0)
         terms["workspace"] = workspace.subs(BATCH, local_batch)
         terms["total"] = peak_bytes(state, terms["activations"], terms["workspace"],
-                                    grads_persist=plan.dp > 1 or plan.microbatches > 1)
+                                    parameters=sum(held.values()), precision=plan.precision,
+                                    zero=plan.zero, dp=plan.dp, microbatches=plan.microbatches)
         result[rank] = {k: float(sympy.sympify(v).subs(numbers)) for k, v in terms.items()}
     return result

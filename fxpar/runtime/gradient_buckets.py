@@ -58,7 +58,7 @@ from fxpar.step_program import Call
 
 class _BucketState:
     def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], call: Call | None, *,
-                 loss: bool, padded: int | None, shard: slice | None):
+                 loss: bool, padded: int | None, shard: slice | None, lazy: bool):
         self.bucket = bucket
         self.parameters = parameters
         self.device = parameters[0].device if parameters else torch.device("cpu")
@@ -75,7 +75,8 @@ class _BucketState:
         self.staged: torch.Tensor | None = None  # the buffer in `reduce_dtype`, while reduced
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        self.allocate()
+        if not lazy:  # ZeRO-2's buffer exists only from its first gradient to its reduction
+            self.allocate()
         self.pending = len(parameters)
         self.arrived = [0] * len(parameters)  # gradients each parameter got this step
 
@@ -108,7 +109,12 @@ class GradientBuckets:
     of the group size (`Bucket.padded`) and reduce-scattered, so each rank gets the reduced
     shard its optimizer-state shard needs (`shard_gradient`): under ZeRO-1 into the buffer's
     own shard (the rest keeps this rank's unreduced gradients, 4P bytes in all), under ZeRO-2
-    into a shard of its own, after which the whole buffer is freed (4P/N held). A held
+    into a shard of its own (4P/N held). ZeRO-2's whole buffer exists only while the step
+    needs it: allocated when the bucket's first gradient arrives in backward (autograd's
+    gradient is copied in, as DDP copies), freed once the bucket is reduced, so the whole
+    gradients never sit beside the forward's activations of a one-microbatch step; with
+    several microbatches they accumulate over the step's backwards, and are kept while the
+    later microbatches' activations are (`cost.memory.peak_bytes` prices both). A held
     bucket (`Bucket.held`) waits for its step-end sum and goes out in `finish_bucket`.
     """
 
@@ -134,7 +140,7 @@ class GradientBuckets:
             _BucketState(b, [parameters[n] for n in b.parameters], calls.get(b.index),
                          loss=self.carry_loss and i == len(buckets) - 1,
                          padded=b.padded(group.size) if zero else None,
-                         shard=b.shard(group.size, group.index) if zero else None)
+                         shard=b.shard(group.size, group.index) if zero else None, lazy=zero == 2)
             for i, b in enumerate(buckets)
         ]
         self.counted = any(s.count_slots for s in self.states)  # the count rides: divide by it
@@ -152,6 +158,8 @@ class GradientBuckets:
         param = state.parameters[position]
 
         def gradient_ready(_: torch.Tensor) -> None:
+            if state.buffer is None:  # ZeRO-2: the bucket's first gradient of the step
+                state.allocate()
             view = state.views[position]  # (ZeRO-2 makes new views each step)
             if param.grad is not view:  # a tensor of the user's, not accumulated in the bucket
                 view.copy_(param.grad)
@@ -173,9 +181,8 @@ class GradientBuckets:
         for state in self.states:
             state.pending = microbatches * len(state.parameters)
             state.arrived = [0] * len(state.parameters)
-            if state.buffer is None:  # ZeRO-2 freed it after the last step's reduction
-                state.allocate()
-            state.point_gradients_at_views()
+            if state.buffer is not None:  # ZeRO-2 allocates it at its first gradient (class doc)
+                state.point_gradients_at_views()
         self._next = 0
         self._pending.clear()
 

@@ -1,0 +1,57 @@
+"""Gradient buckets on a world of one real gloo group: when ZeRO-2's whole gradients exist.
+
+`runtime.gradient_buckets` allocates a ZeRO-2 bucket's whole buffer at its first gradient in
+backward and frees it once the bucket is reduced, so a one-microbatch step never holds the
+whole gradients beside the forward's activations (what `cost.memory.peak_bytes` prices);
+with two microbatches they accumulate over both backwards and are reduced once.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fxpar.mesh import Axis
+from fxpar.passes.data_parallel import Bucket
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.process_groups import RankGroup
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=10))
+    try:
+        yield RankGroup(axis=Axis.DP, ranks=(0,), handle=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_zero2_holds_whole_gradients_only_from_the_first_gradient_to_the_reduction(group, microbatches):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    parameters = dict(layer.named_parameters())
+    bucket = Bucket(index=0, parameters=("bias", "weight"), numel=15, dtype=torch.float32)
+    buckets = GradientBuckets((bucket,), parameters, group, Communicator(timedelta(seconds=10)), {}, zero=2)
+    state = buckets.states[0]
+    assert state.buffer is None  # nothing whole at bind
+    inputs = torch.randn(microbatches, 5, 4)
+    buckets.start_step(microbatches)
+    assert state.buffer is None and layer.weight.grad is None  # the forward runs without it
+    for k in range(microbatches):
+        loss = layer(inputs[k]).square().sum()
+        if k == 0:
+            assert state.buffer is None
+        loss.backward()
+        assert state.buffer is not None  # allocated at the first gradient, kept to accumulate
+    buckets.finish_bucket(0)
+    assert state.buffer is None and layer.weight.grad is None  # only the reduced shard is left
+    expected = torch.autograd.grad(sum(layer(x).square().sum() for x in inputs), (layer.bias, layer.weight))
+    torch.testing.assert_close(buckets.shard_gradient(0), torch.cat([g.reshape(-1) for g in expected]),
+                               rtol=1e-6, atol=1e-6)
+    buckets.remove()
