@@ -1,15 +1,18 @@
-"""Shared fixtures: launching torchrun workers for the multi-rank tiers."""
+"""Shared fixtures: launching torchrun workers for the multi-rank tiers, and a real gloo group
+of this process alone for runtime pieces tested in one process."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 WORKERS = Path(__file__).parent / "workers"
 # Every pass checks its written contract after it runs (passes.contracts), here and in the
@@ -62,3 +65,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def world_of_one():
+    """The default process group of a world of one (gloo, an in-memory store, a 10 s timeout),
+    destroyed after the test: real collectives, each with itself as the only peer."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=10))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fxpar.mesh import Axis
 from fxpar.passes.data_parallel import Bucket
@@ -22,13 +21,8 @@ from fxpar.runtime.process_groups import RankGroup
 
 
 @pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=10))
-    try:
-        yield RankGroup(axis=Axis.DP, ranks=(0,), handle=dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
+def group(world_of_one):
+    return RankGroup(axis=Axis.DP, ranks=(0,), handle=world_of_one)
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])

@@ -13,7 +13,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fxpar.errors import StepMismatchError
 from fxpar.mesh import Axis
@@ -24,13 +23,8 @@ from fxpar.runtime.step_agreement import start_agreement
 
 
 @pytest.fixture
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=10))
-    try:
-        yield RankGroup(axis=Axis.TP, ranks=(0,), handle=dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
+def group(world_of_one):
+    return RankGroup(axis=Axis.TP, ranks=(0,), handle=world_of_one)
 
 
 def test_an_agreement_settles_before_the_next_data_call_not_before_another_agreement(group):
