@@ -5,8 +5,9 @@
 PyTorch's own ZeRO-3 is FSDP2: `torch.distributed.fsdp.fully_shard` on each transformer block
 and on the root, which makes every parameter a DTensor sharded on dim 0, all-gathers a
 block's parameters before its forward (prefetching the next), frees them after it and again
-after its backward (reshard_after_forward=True, its default), and reduce-scatters the block's
-gradients. fxpar `dp=N zero=3` does the same moves with one graph op per layer
+after its backward (its default `reshard_after_forward=None`: True for the blocks, False for
+the root, whose parameters stay gathered from forward to backward), and reduce-scatters the
+block's gradients. fxpar `dp=N zero=3` does the same moves with one graph op per layer
 (`passes.zero3`), with its defaults `prefetch=1 reshard_after_forward=true`. One timed step:
 
     torch:  loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()

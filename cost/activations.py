@@ -67,9 +67,10 @@ class _FakeStateInterpreter(fx.Interpreter):
         self.run_of = {node: run for run in runs for node in run}
         self.kept = kept
         self.inputs: dict[fx.Node, torch.Tensor] = {}  # of the run being interpreted
-        # ZeRO-3 with re-gathering packs what is saved of a gathered layer as a recipe
-        # (`runtime.parameter_gatherer`): model state, not activations, as the meter counts.
-        self.recipes = any(n.target is _REGATHER for n in gm.graph.nodes)
+        # ZeRO-3 with re-gathering packs what is saved of a layer gathered again for backward
+        # as a recipe (`runtime.parameter_gatherer`): model state, not activations, as the
+        # meter counts. The root's layer is not gathered again: what it saves counts.
+        self.regathered = {tuple(n.args[1]) for n in gm.graph.nodes if n.target is _REGATHER}
         self.gathered: list[torch.Tensor] = []
 
     def get_attr(self, target, args, kwargs):
@@ -79,7 +80,7 @@ class _FakeStateInterpreter(fx.Interpreter):
         run = self.run_of.get(node)
         if run is None:
             value = super().run_node(node)
-            if node.target is _GATHER and self.recipes:
+            if node.target is _GATHER and tuple(node.args[0]) in self.regathered:
                 self.gathered += [v for v in value if isinstance(v, torch.Tensor)]
             return value
         if node is run[0]:

@@ -19,7 +19,7 @@ them: the step program lists them like any tensor-parallel op's calls.
 The gathered parameters are ordinary graph values: they are freed after their last use in
 forward unless autograd saves them for backward (a linear keeps its weight). With
 `reshard_after_forward=true` the pass also puts a `regather_parameters` op on the output of
-the layer's last use: its backward gathers the layer again, and the runtime
+each layer's last use but the root layer's (`passes.zero3`): its backward gathers the layer again, and the runtime
 (`runtime.parameter_gatherer`) hands backward those values where autograd saved the
 forward's, so a layer's whole weights live only while its forward or backward runs.
 

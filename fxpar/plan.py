@@ -102,7 +102,7 @@ class Plan:
     zero: int = 0
     # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
     # gathered, and whether the gathered parameters are freed after forward and gathered again
-    # for backward.
+    # for backward (every layer's but the root's, as FSDP2's default).
     prefetch: int = 1
     reshard_after_forward: bool = True
     # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients

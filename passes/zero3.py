@@ -18,7 +18,10 @@ reduce-scatter of their gradients. The layer's uses then read the gathered value
 
 With `reshard_after_forward`, the layer's output goes through
 `fxpar.regather_parameters(x, [pieces...], 'dp', N)`: an identity whose backward, the first of
-the layer's in backward, gathers the layer again (FSDP's reshard after forward). The layer's
+the layer's in backward, gathers the layer again (FSDP's reshard after forward). Not the root's
+unit: it holds the head, whose backward is the first of the step, right after its forward, so
+its whole weights are kept for backward instead of gathered again at once (FSDP2's default,
+`reshard_after_forward=None`, which reshards every module but the root). The layer's
 output is the last node of the layer's module path that follows from its last use of its
 gathered values (a block's residual add), else that use itself (the root's head): so a
 block's activation checkpoint region (`runtime.recompute`, which ZeRO-3's ops end) is the
@@ -50,7 +53,7 @@ Requires: the placements of every parameter on the tp axis (the tp pass), gradie
 Ensures: every trained parameter is FlatShard on dp, read only by its unit's gather (and
 regather); each gather comes before every use of its outputs; under bf16-mixed with fp32
 reduction the pieces are fp32 with no `fxpar.master_dtype` and their gathers name bf16; with
-`reshard_after_forward` each unit has one regather, after every use;
+`reshard_after_forward` each unit but the root's has one regather, after every use;
 `gm.meta[GRAPH_PARAMETER_UNITS]` lists the units in gather order.
 """
 
@@ -133,7 +136,7 @@ def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: b
         gathered = _store_in_reduce_dtype(shards, reduce_dtype)
         wholes = _gather_before_use(graph, shards, mesh, gathered, before=min(
             (u for n in names for u in nodes[n].users), key=order.__getitem__))
-        if reshard_after_forward:
+        if reshard_after_forward and layer:  # the root's unit stays whole for backward (module doc)
             _regather_after_use(graph, shards, wholes, mesh, layer, gathered)
     gm.meta[meta.GRAPH_PARAMETER_UNITS] = tuple(units)
     gm.recompile()

@@ -15,9 +15,9 @@ Which calls go out when is what `lowering.prefetched` wrote into the step progra
 step guard admits them.
 
 With `reshard_after_forward`, forward runs inside `saving()`: a saved-tensor hook
-(`torch.autograd.graph.saved_tensors_hooks`) packs a tensor that lies in a gathered layer's
-memory as (layer, output, geometry) instead of the tensor, so nothing keeps the layer's whole
-weights alive after its forward; unpacking in backward re-makes the view on the layer's
+(`torch.autograd.graph.saved_tensors_hooks`) packs a tensor that lies in the memory of a layer
+gathered again for backward (all but the root's) as (layer, output, geometry) instead of the
+tensor, so nothing keeps the layer's whole weights alive after its forward; unpacking in backward re-makes the view on the layer's
 re-gathered values, which are bit-identical (the same pieces, gathered the same way).
 A checkpoint region (`runtime.recompute`, activation checkpointing) would keep its inputs,
 the layer's whole weights among them, until backward: it takes those as the same recipes
@@ -63,10 +63,13 @@ class ParameterGatherer:
     def __init__(self, module: fx.GraphModule, group: RankGroup, communicator: Communicator, *,
                  prefetch: int, reshard_after_forward: bool):
         self.group, self.communicator, self.depth = group, communicator, prefetch
-        self.reshard = reshard_after_forward
         gathers = [n for n in module.graph.nodes if n.target is GATHER_TARGET]
         regathers = [n for n in module.graph.nodes if n.target is REGATHER_TARGET]
         index = {tuple(n.args[0]): k for k, n in enumerate(gathers)}
+        # The layers gathered again for backward (every one but the root's: `passes.zero3`);
+        # the others' whole values are saved for backward as they are.
+        self.regathered = {index[tuple(n.args[1])] for n in regathers}
+        self.reshard = reshard_after_forward and bool(self.regathered)
         self.layers = [_Layer([_parameter(module, s) for s in n.args[0]], n.kwargs.get("dtype")) for n in gathers]
         self.forward_order = list(range(len(gathers)))
         self.backward_order = [index[tuple(n.args[1])] for n in reversed(regathers)]
@@ -105,7 +108,7 @@ class ParameterGatherer:
             @staticmethod
             def forward(ctx, axis, size, *shards):
                 outputs = gatherer._take(k, gatherer.forward_order, tag=OP.tag(axis, "forward"), phase="forward")
-                if gatherer.reshard:
+                if k in gatherer.regathered:
                     for j, out in enumerate(outputs):
                         gatherer._remember(out, k, j)
                 ctx.widths, ctx.shapes, ctx.axis, ctx.size = [s.numel() for s in shards], [s.shape for s in shards], axis, size

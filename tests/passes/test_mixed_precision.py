@@ -175,7 +175,8 @@ def test_zero3_gathers_in_bf16_and_reduce_scatters_in_the_reduce_dtype():
         assert calls == wire, reduce_dtype
         graph = program.rank_module(0).graph
         gathers = [n for n in graph.nodes if n.target is gather]
-        assert gathers and len([n for n in graph.nodes if n.target is regather]) == len(gathers)
+        # every layer gathered again for backward but the root's (`passes.zero3`)
+        assert gathers and len([n for n in graph.nodes if n.target is regather]) == len(gathers) - 1
         for node in gathers:
             assert {s.meta["val"].dtype for s in node.args[0]} == {pieces}
             assert {meta.master_dtype(s) for s in node.args[0]} == {master}
