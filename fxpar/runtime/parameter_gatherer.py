@@ -17,8 +17,10 @@ step guard admits them.
 With `reshard_after_forward`, forward runs inside `saving()`: a saved-tensor hook
 (`torch.autograd.graph.saved_tensors_hooks`) packs a tensor that lies in the memory of a layer
 gathered again for backward (all but the root's) as (layer, output, geometry) instead of the
-tensor, so nothing keeps the layer's whole weights alive after its forward; unpacking in backward re-makes the view on the layer's
-re-gathered values, which are bit-identical (the same pieces, gathered the same way).
+tensor, so nothing keeps the layer's whole weights alive after its forward; unpacking in
+backward re-makes the view on the layer's re-gathered values, which are bit-identical (the
+same pieces, gathered the same way). The root's layer is not gathered again (`passes.zero3`):
+what autograd saves of it (the head's weight) is kept as it is, until the head's backward.
 A checkpoint region (`runtime.recompute`, activation checkpointing) would keep its inputs,
 the layer's whole weights among them, until backward: it takes those as the same recipes
 (`region_input`), and its recomputation reads them off the backward's re-gather
