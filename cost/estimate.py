@@ -264,44 +264,62 @@ def estimate(
     )
 
 
+def _holding(program: CompiledProgram, rank: int):
+    """What `rank` holds: every share of the work (`cost.layout.shares`), those of its pipeline
+    coordinate, its parameters (name -> elements) and the tensors its optimizer updates (under
+    ZeRO-1/2 one flat shard per bucket, as `runtime.sharded_optimizer` steps them)."""
+    plan, pipeline = program.plan, program.schedule
+    all_shares = shares(program)
+    pp_index = program.mesh.coord(rank).pp
+    mine = [s for s in all_shares if s.stage is None or pipeline.rank_of(s.stage) == pp_index]
+    held = {}
+    for piece in mine:
+        held.update(piece.parameters)
+    buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
+    tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
+    return all_shares, mine, held, tensors
+
+
+def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str = "adamw") -> dict[str, sympy.Expr]:
+    """`rank`'s memory terms, formulas in batch and seq: the model state of the parameters it
+    holds (`params`, `grads`, `optimizer`), the activations of the microbatches it keeps in
+    flight, the loss's workspace where the loss is, and the step's peak (`total`,
+    `cost.memory.peak_bytes`). The estimate reports the worst rank's; `fxpar.rank_memory`
+    every pipeline coordinate's."""
+    plan, pipeline = program.plan, program.schedule
+    all_shares, mine, held, tensors = _holding(program, rank)
+    parameters = sum(held.values())
+    terms = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
+                              zero=plan.zero, dp=plan.dp, reduce_dtype=plan.reduce_dtype)
+    # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
+    terms["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
+    local_batch = BATCH / (plan.dp * plan.microbatches)
+    in_flight = 1
+    if pipeline is not None:
+        in_flight = saved_in_flight(pipeline)[program.mesh.coord(rank).pp] / len(mine)
+    holds_loss = not pipeline or any(s.stage == len(all_shares) - 1 for s in mine)
+    terms["activations"] = (
+        rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
+    )
+    workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
+    terms["workspace"] = workspace.subs(BATCH, local_batch)
+    terms["total"] = peak_bytes(
+        terms, terms["activations"], terms["workspace"],
+        parameters=parameters, precision=plan.precision, zero=plan.zero, dp=plan.dp, microbatches=plan.microbatches,
+    )
+    return terms
+
+
 def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     """Memory, time and communication formulas of one rank, its comm table and, with a
     pipeline, the simulated step behind its bubble."""
     plan = program.plan
-    dp, share = plan.dp, sympy.Rational(1, plan.dp)
+    share = sympy.Rational(1, plan.dp)
     pipeline = program.schedule
-    all_shares = shares(program)
-    pp_index = program.mesh.coord(rank).pp
-    mine = [s for s in all_shares if s.stage is None or pipeline.rank_of(s.stage) == pp_index]
-    formulas: dict[str, sympy.Expr] = {}
-
-    # Memory: model state of the parameters this rank holds, activations of the microbatches
-    # it keeps in flight, and the loss's workspace where the loss is.
-    held = {}
-    for piece in mine:
-        held.update(piece.parameters)
+    all_shares, mine, held, tensors = _holding(program, rank)
     parameters = sum(held.values())
-    state = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
-                              zero=plan.zero, dp=dp, reduce_dtype=plan.reduce_dtype)
-    buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
-    tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
-    # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
-    state["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
-    local_batch = BATCH / (dp * plan.microbatches)
-    in_flight = 1
-    if pipeline is not None:
-        in_flight = saved_in_flight(pipeline)[pp_index] / len(mine)
-    holds_loss = not pipeline or any(s.stage == len(all_shares) - 1 for s in mine)
-    formulas.update({f"memory.{k}": v for k, v in state.items()})
-    formulas["memory.activations"] = (
-        rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
-    )
-    workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
-    formulas["memory.workspace"] = workspace.subs(BATCH, local_batch)
-    formulas["memory.total"] = peak_bytes(
-        state, formulas["memory.activations"], formulas["memory.workspace"],
-        parameters=parameters, precision=plan.precision, zero=plan.zero, dp=dp, microbatches=plan.microbatches,
-    )
+    pp_index = program.mesh.coord(rank).pp
+    formulas = {f"memory.{k}": v for k, v in rank_memory_formulas(program, rank, optimizer=optimizer).items()}
 
     # Time: this rank's ops over its share of the batch. `weight` is the part of `backward`
     # that is weight gradients of linears (W in a split schedule; cost.layout).
