@@ -25,6 +25,7 @@ from fxpar.compiled_program import CompiledProgram
 from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
 from fxpar.mesh import Axis
 from fxpar.payloads import example_numel, payload_formula, payload_text, shape_text
+from fxpar.step_program import evaluate
 
 BoxKind = Literal["input", "module", "node", "parameter", "collective", "transfer", "step", "output"]
 
@@ -87,7 +88,8 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
         lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]
     rider = _riding_call(program, node, rank)
     if rider is not None:  # the step's first call of this op carries tp's agreement too
-        calls.append(Call(rider.tag, rider.kind, rider.payload_bytes))
+        numel = evaluate(rider.numel, program.example_sizes)  # as the step program resolves it
+        calls.append(Call(rider.tag, rider.kind, numel * rider.dtype.itemsize))
         lines.append(f"first of the step: + {rider.agreement} step-number slots")
     lines += per_step(program, bool(calls))
     return Box(kind="collective", title=f"{op.name} · {axis}", lines=tuple(lines), axis=axis,
@@ -96,19 +98,21 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
 
 
 def _riding_call(program: CompiledProgram, node: fx.Node, rank: int | None):
-    """The rank's call (`fxpar.collectives.Collective`) that carries tp's step agreement
-    (`lowering.ride_agreements`) if `node`'s op issues it: the step program's call with
-    agreement slots comes from the first op of the graph with its module and tag (dp's rides in
-    a gradient bucket, which no op issues: its box is the step's)."""
-    rider = next((c for c in program.collectives(0 if rank is None else rank) if c.agreement and c.where), None)
-    if rider is None:
-        return None
-    for other in node.graph.nodes:
+    """The rank's step-program call (`fxpar.step_program.Call`) that carries tp's step
+    agreement (`lowering.ride_agreements`) if `node`'s op issues it: the call with agreement
+    slots comes from the first op of the graph with its module and tag (dp's rides in a
+    gradient bucket, which no op issues: its box is the step's)."""
+    calls = program.step_program(0 if rank is None else rank).calls("step")
+    rider = next((c for c in calls if c.agreement and c.where), None)
+
+    def issues(other: fx.Node) -> bool:
         op = distributed_op(other)
-        if (op is not None and meta.module_path(other) == rider.where
-                and rider.tag in (op.tag(axis_of(other), "forward"), op.tag(axis_of(other), "backward"))):
-            return rider if other is node else None
-    return None
+        return (op is not None and meta.module_path(other) == rider.where
+                and rider.tag in (op.tag(axis_of(other), "forward"), op.tag(axis_of(other), "backward")))
+
+    if rider is None or not issues(node):  # most boxes: no scan of the graph
+        return None
+    return rider if next(other for other in node.graph.nodes if issues(other)) is node else None
 
 
 def transfer_box(program: CompiledProgram, boundary, stage: int, *, rank: int | None) -> Box:

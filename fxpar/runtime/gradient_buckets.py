@@ -65,11 +65,11 @@ class _BucketState:
         # Its reduction in the step program: the tag and the slots riding (none where an edited
         # program dropped it: the guard then refuses the call, `runtime.step_guard`).
         self.tag = call.tag if call is not None else f"gradient bucket {bucket.index}"
-        self.count_slots = call.count if call is not None else 0
-        agreement = call.agreement if call is not None else 0
-        self.count_at = bucket.numel + loss  # where the count's slots start
+        slots, agreement = (call.count, call.agreement) if call is not None else (0, 0)
+        self.count_at = bucket.numel + loss  # the gradients and the loss end here
+        self.count = slice(self.count_at, self.count_at + slots) if slots else None  # its digits
         # Elements of the flat buffer: the gradients and the slots (module doc), or ZeRO's padding.
-        self.size = padded if padded is not None else self.count_at + self.count_slots + agreement
+        self.size = padded if padded is not None else self.count_at + slots + agreement
         self.shard = shard  # ZeRO: this rank's elements of the buffer, else None
         self.reduced: torch.Tensor | None = None  # ZeRO: the reduced gradient shard
         self.staged: torch.Tensor | None = None  # the buffer in `reduce_dtype`, while reduced
@@ -143,7 +143,7 @@ class GradientBuckets:
                          shard=b.shard(group.size, group.index) if zero else None, lazy=zero == 2)
             for i, b in enumerate(buckets)
         ]
-        self.counted = any(s.count_slots for s in self.states)  # the count rides: divide by it
+        self.counted = any(s.count is not None for s in self.states)  # the count rides: divide by it
         self._local_count: torch.Tensor | None = None
         self._count: torch.Tensor | None = None  # the global count, once its bucket is reduced
         self._hooked = [i for i, s in enumerate(self.states) if not s.bucket.held]  # launch order
@@ -206,9 +206,9 @@ class GradientBuckets:
             wire.div_(self.group.size)
         tag = state.tag
         if not self.zero:
-            if state.count_slots:  # after the division: the count is summed, not averaged
-                end = state.count_at + state.count_slots
-                wire[state.count_at:end] = riding_count.digits(self._local_count, state.count_slots, wire.dtype)
+            if state.count is not None:  # after the division: the count is summed, not averaged
+                slots = state.count.stop - state.count.start
+                wire[state.count] = riding_count.digits(self._local_count, slots, wire.dtype)
             # The step numbers' slots, if any, are the communicator's to fill and check.
             self._pending[index] = self.communicator.all_reduce(wire, self.group, tag=tag)
             return
@@ -237,15 +237,13 @@ class GradientBuckets:
                 f"bucket {index} was never reduced. Are they detached or frozen mid-step?"
             )
         self._pending[index].wait()  # raises StepMismatchError if a step agreement rode along
-        if state.count_slots:
-            end = state.count_at + state.count_slots
-            self._count = riding_count.number(state.staged if state.staged is not None else state.buffer,
-                                              state.count_at, end)
+        wire = state.staged if state.staged is not None else state.buffer  # what was reduced
+        if state.count is not None:
+            self._count = riding_count.number(wire, state.count.start, state.count.stop)
         if self.counted:  # the sums become the one-device mean (module doc)
             if self._count is None:
                 raise CollectiveError(f"gradient bucket {index} was reduced before the one that carries "
                                       "the count of valid targets; this is an fxpar bug")
-            wire = state.staged if state.staged is not None else state.buffer
             wire[: state.count_at].div_(self._count.to(wire.dtype))  # the gradients and the loss
         if state.staged is not None:  # the sum, rounded once into the bucket (DDP)
             if not self.zero:
