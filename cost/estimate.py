@@ -63,6 +63,7 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.compiled_program import CompiledProgram
+from fxpar.step_program import Compute, StepProgram
 from fxpar.symbols import BATCH
 from fxpar.simulation import Simulation, simulate
 
@@ -306,6 +307,8 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     terms["total"] = peak_bytes(
         terms, terms["activations"], terms["workspace"],
         parameters=parameters, precision=plan.precision, zero=plan.zero, dp=plan.dp, microbatches=plan.microbatches,
+        reduce_per_microbatch=program.zero_reduce.mode == "microbatch", reduce_dtype=plan.reduce_dtype,
+        released=terms["activations"] / sympy.nsimplify(round(in_flight, 4)),
     )
     return terms
 
@@ -375,28 +378,44 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
 
     comm: dict[str, dict[str, float]] = {}
-    phase_calls: dict[str, list[sympy.Expr]] = {"forward": [], "backward": [], "step": []}
-    for call in program.collectives(rank):
+    # Backward calls hide under the backward they are issued in or after (`_backward_windows`).
+    windows, backwards = _backward_windows(program.step_program(rank))
+    phase_calls: dict[tuple[str, int], list[sympy.Expr]] = {}
+    for call, window in zip(program.collectives(rank), windows):
         payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
         n = len(call.group)
         entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
         entry["count"] += 1
         entry["payload_bytes"] += float(payload)
         entry["wire_bytes"] += float(wire_bytes(call.kind, payload, n))
-        phase_calls[call.phase].append(collective_time(call.kind, payload, n, device.link(call.group)))
-    exposed = sum(phase_calls["step"], sympy.Integer(0))
-    for phase, window in (("forward", forward), ("backward", backward)):
-        if phase_calls[phase]:
-            total = sum(phase_calls[phase])
-            if device.comm_overlap == 0:
-                exposed += total
-            else:
-                exposed += sympy.Max(phase_calls[phase][-1], total - device.comm_overlap * window)
+        key = (call.phase, window if call.phase == "backward" else 0)
+        phase_calls.setdefault(key, []).append(collective_time(call.kind, payload, n, device.link(call.group)))
+    exposed = sympy.Integer(0)
+    for (phase, _), times in phase_calls.items():
+        window = {"forward": forward, "backward": backward / backwards, "step": 0}[phase]
+        if device.comm_overlap == 0 or phase == "step":
+            exposed += sum(times)
+        else:
+            exposed += sympy.Max(times[-1], sum(times) - device.comm_overlap * window)
     formulas["time.comm_exposed"] = exposed
     formulas["time.total"] = sum(
         formulas[f"time.{k}"] for k in ("compute", "recompute", "optimizer", "comm_exposed", "bubble")
     )
     return formulas, comm, run
+
+
+def _backward_windows(step: StepProgram) -> tuple[list[int], int]:
+    """For each call of `step` (in `StepProgram.calls()` order), the backward compute it can
+    hide under: the last B (or W) action at or before it, counted from 0; and how many there
+    are. A microbatch's calls hide under its own backward, so gradients reduced once per step
+    hide only under the last one, and those reduced per microbatch each under theirs
+    (`fxpar.zero_reduction`)."""
+    windows, seen = [], 0
+    for action in (*step.actions, *step.optimizer):
+        if isinstance(action, Compute) and action.kind in ("B", "W"):
+            seen += 1
+        windows += [max(seen - 1, 0)] * len(action.calls)
+    return windows, max(seen, 1)
 
 
 def _rounded(expr: sympy.Expr) -> sympy.Expr:

@@ -38,8 +38,14 @@ step's peak. When gradients exist decides where it is:
   reduced (`runtime.gradient_buckets`): with one microbatch they come as the activations go,
   params + optimizer + grads + max(activations + workspace, whole); with several they
   accumulate over the step's backwards and are kept while the later microbatches save their
-  activations, params + optimizer + grads + whole + activations + workspace. (Reducing per
-  microbatch instead would drop that 4P for a reduce-scatter per microbatch: not built.)
+  activations, params + optimizer + grads + whole + activations + workspace, when they
+  are reduced once per step. Reduced per microbatch instead (`fxpar.zero_reduction`), they
+  are freed after each microbatch's reduce-scatter: params + optimizer + grads +
+  max(activations + workspace, whole + the other microbatches' activations in flight);
+* ZeRO-3 reducing once per step (several microbatches): each layer's whole gradients
+  accumulate in the reduce dtype (4P fp32) from the first backward to the last, beside the
+  last microbatch's activations: params + optimizer + grads + whole + activations +
+  workspace.
 
 Measured on the CPU, the peak of every configuration of RESULTS.md is at the start of
 backward, where this formula puts it.
@@ -115,15 +121,25 @@ def peak_bytes(
     zero: int,
     dp: int,
     microbatches: int,
+    reduce_per_microbatch: bool = False,
+    released: sympy.Expr | None = None,
+    reduce_dtype: str = "fp32",
 ) -> sympy.Expr:
     """Peak bytes of one rank over a step (see module doc); `state` as `model_state_bytes` for
-    the rank's `parameters`, the plan's fields as named."""
+    the rank's `parameters`, the plan's fields as named; `reduce_per_microbatch`: ZeRO-2/3
+    reduce-scatter each microbatch's gradients (`fxpar.zero_reduction`); `released`: the
+    activations one microbatch's backward frees (default all of them: one in flight)."""
     held = state["params"] + state["optimizer"]
+    once = microbatches > 1 and not reduce_per_microbatch  # the whole gradients accumulate all step
     if zero == 2 and dp > 1:  # the reduced shards persist; the whole buckets exist in backward
         whole = model_state_bytes(parameters, precision=precision, optimizer="sgd", zero=0, dp=1)["grads"]
-        if microbatches > 1:  # accumulated over the step's backwards, kept through its forwards
+        if once:  # accumulated over the step's backwards, kept through its forwards
             return held + state["grads"] + whole + activations + workspace
-        return held + state["grads"] + sympy.Max(activations + workspace, whole)
+        kept = activations - (activations if released is None else released)  # other microbatches'
+        return held + state["grads"] + sympy.Max(activations + workspace, kept + whole)
+    if zero == 3 and dp > 1 and once:  # each layer's whole gradients, summed in the reduce dtype
+        whole = (_REDUCED_BYTES[reduce_dtype] if precision == "bf16-mixed" else 4) * sympy.sympify(parameters)
+        return held + state["grads"] + whole + activations + workspace
     if dp > 1 or microbatches > 1:
         return held + state["grads"] + activations + workspace
     return held + sympy.Max(activations + workspace, state["grads"])

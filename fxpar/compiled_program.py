@@ -17,6 +17,7 @@ from fxpar.plan import Plan
 from fxpar.schedules import Schedule
 from fxpar.step_program import StepProgram
 from fxpar.trace import CapturedGraph
+from fxpar.zero_reduction import ZeroReduction
 
 
 class CompiledProgram(Protocol):
@@ -26,6 +27,7 @@ class CompiledProgram(Protocol):
     graph_module: fx.GraphModule  # the global graph after every pass
     stages: tuple | None  # passes.pipeline.Stage per pipeline stage, or None
     schedule: Schedule | None
+    zero_reduce: ZeroReduction  # when ZeRO-2/3 reduce-scatter gradients (fxpar.zero_reduction)
 
     @property
     def world_size(self) -> int: ...

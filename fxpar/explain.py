@@ -33,6 +33,8 @@ def explain(program: CompiledProgram, *, rank: int = 0, hardware: str = "h100") 
         lines += [f"  {line}" for line in str(program.schedule).splitlines()]
     lines += ["", f"gradient buckets of rank {rank} (dp {coord.dp}, pp {coord.pp}, tp {coord.tp}), in launch order:"]
     lines += _buckets(program, rank)
+    if program.plan.zero in (2, 3) and program.plan.dp > 1:  # the one decision ZeRO leaves the cost model
+        lines += ["", f"ZeRO-{program.plan.zero} {program.zero_reduce}"]
     calls = program.collectives(rank)
     lines += ["", f"collectives of rank {rank} per step: {len(calls)} calls, "
                   f"{format_bytes(sum(c.payload_bytes for c in calls))} of payload"]

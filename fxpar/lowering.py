@@ -89,6 +89,7 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[t
 
 
 GATHER_TAG = BY_NAME["gather_parameters"].tag("dp", "forward")
+SCATTER_TAG = BY_NAME["gather_parameters"].tag("dp", "backward")  # ZeRO-3's gradients
 REGATHER_TAG = BY_NAME["regather_parameters"].tag("dp", "backward")
 
 
@@ -153,7 +154,7 @@ def step_start_actions(mesh: Mesh, *, counted: bool) -> list[Action]:
 
 def bucket_actions(
     buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0, carry_loss: bool = True,
-    held: bool = False,
+    held: bool = False, microbatch: int | None = None,
 ) -> list[Action]:
     """What one data-parallel rank issues to reduce its gradients, by ZeRO stage (Rajbhandari
     et al. 2020), buckets in launch order (`held`: only the held buckets, else the others):
@@ -168,7 +169,8 @@ def bucket_actions(
       the graph (`passes.zero3`), whose calls each Compute lists.
 
     Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs
-    (`Bucket.padded`).
+    (`Bucket.padded`). ZeRO-2 reducing per microbatch (`per_microbatch`) lists each
+    microbatch's reduce-scatters after its backward (`microbatch` names it in the tag).
     """
     n = mesh.dp
     if n == 1:
@@ -190,9 +192,10 @@ def bucket_actions(
         return actions
     if zero == 3:
         return actions
+    of = f" of microbatch {microbatch}" if microbatch is not None else ""
     for b in mine:
-        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.reduced_dtype, f"gradient bucket {b.index}",
-            "backward", b.index)
+        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.reduced_dtype,
+            f"gradient bucket {b.index}{of}", "backward", b.index)
     return actions
 
 
@@ -296,18 +299,40 @@ def _ride(actions: tuple[Action, ...], axis: Axis, *, count_may_ride: bool) -> t
     return actions
 
 
+def per_microbatch(program) -> bool:
+    """Whether ZeRO-2/3 reduce-scatter each microbatch's gradients after its backward, not the
+    step's sum once (`program.zero_reduce`, resolved by `fxpar.zero_reduction`)."""
+    return program.plan.zero in (2, 3) and program.zero_reduce.mode == "microbatch"
+
+
+def backward_calls(calls: tuple[Call, ...], *, last: bool, program) -> tuple[Call, ...]:
+    """One microbatch's backward calls of a stage: under ZeRO-3 reducing once per step, the
+    layers' reduce-scatters only in the stage's last backward of the step (the earlier ones
+    accumulate the whole gradients: `runtime.parameter_gatherer`)."""
+    if last or program.plan.zero != 3 or per_microbatch(program):
+        return calls
+    return tuple(c for c in calls if c.tag != SCATTER_TAG)
+
+
 def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = step_start_actions(mesh, counted=program.loss_reduction.sums)
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
-    for microbatch in range(program.plan.microbatches):
-        actions += [Compute("F", 0, microbatch, forward), Compute("B", 0, microbatch, backward)]
+    microbatches = program.plan.microbatches
+    each = zero == 2 and per_microbatch(program)
+    for microbatch in range(microbatches):
+        last = microbatch == microbatches - 1
+        actions += [Compute("F", 0, microbatch, forward),
+                    Compute("B", 0, microbatch, backward_calls(backward, last=last, program=program))]
+        if each:
+            actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False, microbatch=microbatch)
     if zero == 0:  # the loss rides in the last bucket, if that is fp32
         carry = carries_loss(buckets)
         actions += bucket_actions(buckets, mesh, zero=0, carry_loss=carry)
         actions += partial_gradient_actions(gm, mesh)
         return tuple(actions + ([] if carry else loss_actions(mesh))), ()
-    actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False)
+    if not each:
+        actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False)
     actions += partial_gradient_actions(gm, mesh)
     actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False, held=True)
     actions += loss_actions(mesh)
@@ -346,6 +371,21 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
             return transfers("send", stage.inputs, stage.index - 1, f"stage {stage.index - 1} gradients", "backward")
         return ()
 
+    last_backward = {s.index: max(i for i, a in enumerate(row) if a.stage == s.index and a.kind == "B") for s in local}
+    each = zero == 2 and per_microbatch(program)
+
+    def reductions(position: int) -> list[Action]:
+        """ZeRO-2 reducing per microbatch: the buckets the action at `position` completes (and
+        launches, in that order among the rank's stages), after the Exchange that sends its
+        results on (the peers do not wait for them)."""
+        action = row[position]
+        stage = stages[action.stage]
+        kind = "W" if deferred_weights(stage.graph_module) else "B"
+        if not each or action.kind != kind:
+            return []
+        return bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False,
+                              microbatch=action.microbatch)
+
     due: list[Receive] = []
     previous = None
     for event, i in issue_order(len(row), ahead):
@@ -354,16 +394,21 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
             if expected := receives(action):
                 due.append(Receive(i, expected))
             continue
-        outgoing = sends(previous) if previous is not None else ()
+        outgoing = sends(row[previous]) if previous is not None else ()
         if outgoing or due:
             actions.append(Exchange(outgoing, tuple(due)))
-        due, previous = [], action
+        if previous is not None:
+            actions += reductions(previous)
+        due, previous = [], i
         forward, backward = calls[action.stage]
-        own = {"F": forward, "B": backward, "W": ()}[action.kind]
+        final = i == last_backward[action.stage]
+        own = {"F": forward, "B": backward_calls(backward, last=final, program=program), "W": ()}[action.kind]
         actions.append(Compute(action.kind, action.stage, action.microbatch, own))
-    if previous is not None and (outgoing := sends(previous)):
+    if previous is not None and (outgoing := sends(row[previous])):
         actions.append(Exchange(outgoing, ()))
-    for stage in sorted(local, key=lambda s: _bucket_completion(s, row)):
+    if previous is not None:
+        actions += reductions(previous)
+    for stage in sorted(local, key=lambda s: _bucket_completion(s, row)) if not each else ():
         actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False)
     for stage in local:
         actions += partial_gradient_actions(stage.graph_module, mesh, stage=stage.index)

@@ -14,7 +14,9 @@ block. Backward: the reverse, one reduce-scatter of the layer's gradients laid o
 way, which leaves each rank the summed gradient of its own shards, where autograd
 accumulates them. So each layer costs one all-gather in forward and one reduce-scatter in
 backward, per microbatch, and both are in the graph, where `lowering.graph_calls` reads
-them: the step program lists them like any tensor-parallel op's calls.
+them: the step program lists them like any tensor-parallel op's calls. (With several
+microbatches the reduce-scatter may instead go out once per step, in the last backward, on
+the sum of the step's whole gradients: `fxpar.zero_reduction`.)
 
 The gathered parameters are ordinary graph values: they are freed after their last use in
 forward unless autograd saves them for backward (a linear keeps its weight). With
@@ -81,14 +83,27 @@ def reduce_scatter(grads: list[torch.Tensor | None], widths: list[int], like: to
     """The sum over ranks of each whole gradient, in `dtype` (default `like`'s: the pieces'
     dtype), this rank's piece of each side by side in one flat tensor (`gather`'s dual). The
     gradients are cast as they are laid out, so the sum runs in `dtype`."""
-    dtype = dtype or like.dtype
-    stacked = like.new_empty((size, sum(widths)), dtype=dtype)
+    return scattered(laid_out_gradients(grads, widths, like, size, dtype), axis, size)
+
+
+def laid_out_gradients(grads: list[torch.Tensor | None], widths: list[int], like: torch.Tensor, size: int,
+                       dtype: torch.dtype | None = None, *, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole gradients as the reduce-scatter sends them, a (size, sum(widths)) tensor
+    whose row r holds rank r's pieces, in `dtype` (default `like`'s); added to `into` when
+    given (the step's earlier microbatches', summed before one reduce-scatter:
+    `fxpar.zero_reduction`)."""
+    stacked = into if into is not None else like.new_empty((size, sum(widths)), dtype=dtype or like.dtype)
     for block, g, w in zip(stacked.split(widths, dim=1), grads, widths):
-        if g is None:
+        if g is not None:
+            (block.add_ if into is not None else block.copy_)(g.reshape(size, w))
+        elif into is None:
             block.zero_()
-        else:
-            block.copy_(g.reshape(size, w))
-    out = stacked.new_empty(sum(widths))
+    return stacked
+
+
+def scattered(stacked: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    """`laid_out_gradients` summed over the ranks of `axis`: this rank's row of the sum."""
+    out = stacked.new_empty(stacked.shape[1])
     _binding(axis, size).reduce_scatter(out, stacked.reshape(-1), tag=OP.tag(axis, "backward"), phase="backward")
     return out
 

@@ -56,6 +56,7 @@ from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     SCHEDULES,
     TP_RULE_SOURCES,
     ZERO_STAGES,
+    ZERO_REDUCES,
     InvalidPlanValue,
     Precision,
     given_twice,
@@ -100,6 +101,10 @@ class Plan:
     # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
     # 3 also parameters (passes.zero3: each layer gathered by one graph op before use).
     zero: int = 0
+    # ZeRO-2/3 with several microbatches: reduce-scatter each microbatch's gradients after its
+    # backward (only the shards accumulate) or the step's sum once (the whole gradients
+    # accumulate); "auto" takes what the cost model prices cheaper (`fxpar.zero_reduction`).
+    zero_reduce: str = "auto"
     # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
     # gathered, and whether the gathered parameters are freed after forward and gathered again
     # for backward (every layer's but the root's, as FSDP2's default).
@@ -157,6 +162,7 @@ class Plan:
             ("reduce_dtype", REDUCE_DTYPES),
             ("checkpoint", CHECKPOINTS),
             ("rng", RNG_MODES),
+            ("zero_reduce", ZERO_REDUCES),
         ):
             if getattr(self, name) not in accepted:
                 raise invalid_value(name, getattr(self, name))
@@ -177,6 +183,24 @@ class Plan:
                 "precision=bf16-mixed, or drop reduce_dtype",
                 field="reduce_dtype",
                 value=self.reduce_dtype,
+            )
+        if self.zero_reduce != "auto" and self.zero not in (2, 3):
+            raise PlanError(
+                f"plan zero_reduce={self.zero_reduce} says when ZeRO-2 and 3 reduce-scatter "
+                f"gradients, and zero={self.zero}"
+                + (": ZeRO-1 keeps every gradient whole and reduces once per step" if self.zero == 1 else "")
+                + ". Fix: zero=2 or zero=3, or drop zero_reduce",
+                field="zero_reduce",
+                value=self.zero_reduce,
+            )
+        if self.zero == 2 and self.zero_reduce == "microbatch" and self.schedule == "zb-h1" and self.pp > 1:
+            raise PlanError(
+                "plan zero=2 zero_reduce=microbatch with schedule=zb-h1: the zero-bubble schedule "
+                "runs a later microbatch's B (its bias and norm gradients) before an earlier one's "
+                "W (its weight gradients), so no point of the step holds exactly one microbatch's "
+                "gradients to reduce-scatter. Fix: zero_reduce=step, or schedule=1f1b",
+                field="zero_reduce",
+                value=self.zero_reduce,
             )
         for name, default in (("prefetch", 1), ("reshard_after_forward", True)):
             if getattr(self, name) != default and self.zero != 3:

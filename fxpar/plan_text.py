@@ -31,8 +31,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")  # FSDP2's reduce_dtype, under bf16-mixed
 CHECKPOINTS: tuple[str, ...] = ("none", "full", "selective")  # activation checkpointing
 RNG_MODES: tuple[str, ...] = ("fast", "exact")  # how ranks draw dropout's randomness
+# When ZeRO-2/3 reduce-scatter gradients with several microbatches (`fxpar.zero_reduction`).
+ZERO_REDUCES: tuple[str, ...] = ("auto", "microbatch", "step")
 BOOLEAN_FIELDS = ("sequence_parallel", "reshard_after_forward")
-CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng")
+CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce")
 
 # field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
 FIELDS: dict[str, tuple[str, str, str]] = {
@@ -67,6 +69,13 @@ FIELDS: dict[str, tuple[str, str, str]] = {
         'tp_rules={"h.*.attn.q":"colwise","h.*.attn.o":"rowwise"}',
     ),
     "zero": ("zero", "one of 0, 1, 2, 3 (the ZeRO stage: what is sharded over dp)", "zero=1"),
+    "zero_reduce": (
+        "zero_reduce",
+        "one of " + ", ".join(repr(r) for r in ZERO_REDUCES)
+        + " (when ZeRO-2/3 reduce-scatter gradients: after each microbatch's backward, once "
+        "per step, or as the cost model prices cheaper)",
+        "zero_reduce=microbatch",
+    ),
     "precision": (
         "precision",
         "one of " + ", ".join(repr(p) for p in PRECISIONS) + " (how weights and math are stored)",
@@ -109,7 +118,7 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
 }
 SUPPORTED_KEYS = (
     "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
-    "zero, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng"
+    "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng"
 )
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.

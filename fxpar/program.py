@@ -49,6 +49,7 @@ from fxpar.plan import Plan
 from fxpar.model_io import ExampleInputs
 from fxpar.rank_specialisation import specialise
 from fxpar.trace import CapturedGraph
+from fxpar.zero_reduction import Mode, ZeroReduction, decide, fixed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -130,6 +131,24 @@ class Program:
         self._rows: dict[tuple, tuple] = {}  # lowered actions: (pp rank, receives ahead), state
         self._tied_groups: dict[int, dict[str, tuple[int, ...]]] | None = None
         self._edited: dict[int, StepProgram] = {}  # replace_step_program
+
+    @functools.cached_property
+    def zero_reduce(self) -> ZeroReduction:
+        """When ZeRO-2/3 reduce-scatter gradients, per microbatch or per step, and why: the
+        plan's `zero_reduce`, or with "auto" the mode the cost model prices cheaper on the
+        profile compile used (`fxpar.zero_reduction`). Lowering reads it."""
+        if (known := fixed(self.plan)) is not None:
+            return known
+        device = hardware_profile(self.hardware, measured=False)  # every rank decides alike
+        priced = {mode: self._reducing(mode).estimate(hardware=device) for mode in ("microbatch", "step")}
+        return decide({m: e.time["total"] for m, e in priced.items()},
+                      {m: e.memory["total"] for m, e in priced.items()}, hardware=device.name)
+
+    def _reducing(self, mode: Mode) -> Program:
+        """This program reducing per `mode`, to price it: a shallow copy with its own step programs."""
+        twin = object.__new__(Program)  # not copy.copy: pickling's __reduce__ compiles again
+        twin.__dict__.update(self.__dict__, zero_reduce=ZeroReduction(mode, "priced"), _rows={}, _edited={})
+        return twin
 
     @property
     def world_size(self) -> int:

@@ -116,7 +116,7 @@ def test_to_dict_has_every_field_under_its_canonical_name() -> None:
     defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "tp_rules": "auto",
                 "sequence_parallel": False, "pp": 1, "schedule": "1f1b", "virtual_stages": 1,
                 "split": [], "prefetch": 1, "reshard_after_forward": True, "reduce_dtype": "fp32",
-                "checkpoint": "none", "rng": "fast"}
+                "checkpoint": "none", "rng": "fast", "zero_reduce": "auto"}
     assert Plan(microbatches=4).to_dict() == {"dp": 1, "microbatches": 4} | defaults
     assert json.loads(Plan(dp=2).to_json()) == {"dp": 2, "microbatches": 1} | defaults
     assert Plan.parse(Plan(dp=2, bucket_mb=8.0).to_dict()) == Plan(dp=2, bucket_mb=8.0)
@@ -211,7 +211,7 @@ def test_unknown_key_lists_keys_and_suggests_the_closest() -> None:
     message = str(caught.value)
     assert "unknown plan key 'dpp'" in message and "dpp=2" in message
     assert "Did you mean 'dp' or 'pp'?" in message
-    assert "Supported keys: dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, zero, precision" in message
+    assert "Supported keys: dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, zero, zero_reduce, precision" in message
     assert "Fix: rename or remove 'dpp'" in message
     assert caught.value.field == "dpp" and caught.value.value == "2"
 

@@ -167,15 +167,18 @@ def step_context(
     """The gradient buckets (with data parallelism), ZeRO's flat parameters (per module, per
     bucket; the master weights sharded to them) and the `StepContext` the executors read."""
     stages, plan, dp, buckets = program.stages, program.plan, groups[Axis.DP], []
+    per_microbatch = program.zero_reduce.mode == "microbatch"  # ZeRO-2/3 (`fxpar.zero_reduction`)
     # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
     for module in modules if dp.size > 1 and plan.zero < 3 else ():
         stage = meta.stage_of(module)
         assignment = stages[stage].buckets if stages else program.buckets
-        calls = {a.index: a.calls[0] for a in step_program.actions
-                 if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET and a.stage == stage}
+        calls: dict[int, list] = {}  # bucket -> its reductions (per microbatch, or one)
+        for a in step_program.actions:
+            if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET and a.stage == stage:
+                calls.setdefault(a.index, []).append(a.calls[0])
         buckets.append(GradientBuckets(
             assignment, graph_parameters(module), dp, communicator, calls,
-            carry_loss=stages is None, average=not loss.sums, zero=plan.zero,
+            carry_loss=stages is None, average=not loss.sums, zero=plan.zero, per_microbatch=per_microbatch,
         ))
     # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
     flat_parameters = [flatten_parameters(b) for b in buckets] if plan.zero else []
@@ -184,7 +187,7 @@ def step_context(
     mine = dict(parameters_of(modules))
     gatherers = tuple(
         ParameterGatherer(m, dp, communicator, prefetch=plan.prefetch,
-                          reshard_after_forward=plan.reshard_after_forward)
+                          reshard_after_forward=plan.reshard_after_forward, per_microbatch=per_microbatch)
         for m in modules
     ) if plan.zero == 3 and dp.size > 1 else ()
     arrival = CountArrival()  # the graphs wait for the step's count where they read it

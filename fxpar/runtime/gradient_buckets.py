@@ -57,21 +57,25 @@ from fxpar.step_program import Call
 
 
 class _BucketState:
-    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], call: Call | None, *,
+    def __init__(self, bucket: Bucket, parameters: list[torch.nn.Parameter], calls: list[Call], *,
                  loss: bool, padded: int | None, shard: slice | None, lazy: bool):
         self.bucket = bucket
         self.parameters = parameters
         self.device = parameters[0].device if parameters else torch.device("cpu")
-        # Its reduction in the step program: the tag and the slots riding (none where an edited
-        # program dropped it: the guard then refuses the call, `runtime.step_guard`).
-        self.tag = call.tag if call is not None else f"gradient bucket {bucket.index}"
-        slots, agreement = (call.count, call.agreement) if call is not None else (0, 0)
+        # Its reductions in the step program (one, or one per microbatch): their tags and the
+        # slots riding (none where an edited program dropped it: the guard then refuses the
+        # call, `runtime.step_guard`).
+        self.tags = [c.tag for c in calls] or [f"gradient bucket {bucket.index}"]
+        slots, agreement = (calls[0].count, calls[0].agreement) if calls else (0, 0)
         self.count_at = bucket.numel + loss  # the gradients and the loss end here
         self.count = slice(self.count_at, self.count_at + slots) if slots else None  # its digits
         # Elements of the flat buffer: the gradients and the slots (module doc), or ZeRO's padding.
         self.size = padded if padded is not None else self.count_at + slots + agreement
         self.shard = shard  # ZeRO: this rank's elements of the buffer, else None
         self.reduced: torch.Tensor | None = None  # ZeRO: the reduced gradient shard
+        self.incoming: torch.Tensor | None = None  # a later microbatch's shard, added to `reduced`
+        self.rounds = 1  # reductions a step (ZeRO-2 per microbatch: one per microbatch)
+        self.round = 0  # reductions launched this step
         self.staged: torch.Tensor | None = None  # the buffer in `reduce_dtype`, while reduced
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
@@ -114,8 +118,11 @@ class GradientBuckets:
     gradient is copied in, as DDP copies), freed once the bucket is reduced, so the whole
     gradients never sit beside the forward's activations of a one-microbatch step; with
     several microbatches they accumulate over the step's backwards, and are kept while the
-    later microbatches' activations are (`cost.memory.peak_bytes` prices both). A held
-    bucket (`Bucket.held`) waits for its step-end sum and goes out in `finish_bucket`.
+    later microbatches' activations are (`cost.memory.peak_bytes` prices both), unless the
+    buckets reduce per microbatch (`per_microbatch`, `fxpar.zero_reduction`): then each
+    microbatch's whole gradients are reduce-scattered after its backward and freed, and its
+    shard is added to the step's. A held bucket (`Bucket.held`) waits for its step-end sum
+    and goes out in `finish_bucket`, once per step.
     """
 
     def __init__(
@@ -124,20 +131,23 @@ class GradientBuckets:
         parameters: dict[str, torch.nn.Parameter],
         group: RankGroup,
         communicator: Communicator,
-        calls: Mapping[int, Call],
+        calls: Mapping[int, list[Call]],
         *,
         carry_loss: bool = True,
         average: bool = True,
         zero: int = 0,
+        per_microbatch: bool = False,
     ):
-        """`calls`: each bucket's reduction in the rank's step program, by bucket index."""
+        """`calls`: each bucket's reductions in the rank's step program, by bucket index;
+        `per_microbatch`: ZeRO-2 reduce-scatters each microbatch's gradients (class doc)."""
         self.group = group
         self.communicator = communicator
         self.carry_loss = carry_loss and zero == 0 and carries_loss(buckets)
         self.average = average
         self.zero = zero
+        self.per_microbatch = per_microbatch and zero == 2
         self.states = [
-            _BucketState(b, [parameters[n] for n in b.parameters], calls.get(b.index),
+            _BucketState(b, [parameters[n] for n in b.parameters], calls.get(b.index, []),
                          loss=self.carry_loss and i == len(buckets) - 1,
                          padded=b.padded(group.size) if zero else None,
                          shard=b.shard(group.size, group.index) if zero else None, lazy=zero == 2)
@@ -179,7 +189,9 @@ class GradientBuckets:
                                   "bucket, but the step gave none; this is an fxpar bug")
         self._local_count, self._count = count, None
         for state in self.states:
-            state.pending = microbatches * len(state.parameters)
+            each = self.per_microbatch and not state.bucket.held  # a held bucket waits for its sums
+            state.rounds, state.round = (microbatches, 0) if each else (1, 0)
+            state.pending = microbatches // state.rounds * len(state.parameters)
             state.arrived = [0] * len(state.parameters)
             if state.buffer is not None:  # ZeRO-2 allocates it at its first gradient (class doc)
                 state.point_gradients_at_views()
@@ -196,15 +208,21 @@ class GradientBuckets:
         while self._next < len(self._hooked) and self.states[self._hooked[self._next]].pending == 0:
             self._launch(self._hooked[self._next])
             self._next += 1
+            first = self.states[self._hooked[0]]
+            if self._next == len(self._hooked) and first.round < first.rounds:
+                self._next = 0  # per microbatch: the next microbatch launches them again, in order
 
     def _launch(self, index: int) -> None:
         state = self.states[index]
+        state.round += 1
+        if state.round < state.rounds:  # armed for the next microbatch's gradients
+            state.pending = len(state.parameters)
         wire = state.buffer
         if state.bucket.reduce_dtype is not None:  # e.g. bf16 gradients summed in fp32
             wire = state.staged = state.buffer.to(state.bucket.reduce_dtype)
         if self.average:
             wire.div_(self.group.size)
-        tag = state.tag
+        tag = state.tags[min(state.round, len(state.tags)) - 1]
         if not self.zero:
             if state.count is not None:  # after the division: the count is summed, not averaged
                 slots = state.count.stop - state.count.start
@@ -216,7 +234,10 @@ class GradientBuckets:
             state.reduced = state.buffer[state.shard]
         elif state.reduced is None:
             state.reduced = wire.new_empty(state.shard.stop - state.shard.start)
-        self._pending[index] = self.communicator.reduce_scatter(state.reduced, wire, self.group, tag=tag)
+        out = state.reduced
+        if state.round > 1:  # a later microbatch's: summed into the shard once it arrives
+            out = state.incoming = torch.empty_like(state.reduced)
+        self._pending[index] = self.communicator.reduce_scatter(out, wire, self.group, tag=tag)
 
     def finish_bucket(self, index: int) -> None:
         """Wait for bucket `index`'s reduction (launching what is ready first, and a held
@@ -236,7 +257,10 @@ class GradientBuckets:
                 f"backward produced no gradient for {missing[:5]} although the graph uses them; "
                 f"bucket {index} was never reduced. Are they detached or frozen mid-step?"
             )
-        self._pending[index].wait()  # raises StepMismatchError if a step agreement rode along
+        self._pending.pop(index).wait()  # raises StepMismatchError if a step agreement rode along
+        if state.incoming is not None:  # ZeRO-2 per microbatch: the shards' sum over microbatches
+            state.reduced.add_(state.incoming)
+            state.incoming = None
         wire = state.staged if state.staged is not None else state.buffer  # what was reduced
         if state.count is not None:
             self._count = riding_count.number(wire, state.count.start, state.count.stop)

@@ -35,6 +35,8 @@ class ModuleExecutor:
         state = StepState(chunks, torch.zeros((), device=context.device), context.loss.local_count(chunks))
         for buckets in all_buckets:
             buckets.start_step(microbatches, state.count)
+        for gatherer in context.gatherers:
+            gatherer.start_step(microbatches)
         for action in context.step_program.actions:
             if isinstance(action, Communicate):
                 communicate(action, context, state)

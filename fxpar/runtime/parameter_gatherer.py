@@ -9,7 +9,9 @@ every `gather_parameters` and `regather_parameters` node of the module at its ow
     backward  regather_parameters of layer k (the first of layer k's backward): the same, in
               backward order, into what the forward's saved tensors are re-made from
               gather_parameters of layer k: one reduce-scatter of the layer's gradients; the
-              layer's re-gathered values are dropped
+              layer's re-gathered values are dropped. Reducing once per step
+              (`fxpar.zero_reduction`), the step's earlier backwards only add the layer's
+              whole gradients into one buffer, and its last reduce-scatters their sum
 
 Which calls go out when is what `lowering.prefetched` wrote into the step program, so the
 step guard admits them.
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpar.parameter_gathers import OP, REGATHER, laid_out, reduce_scatter, whole_values
+from fxpar.parameter_gathers import OP, REGATHER, laid_out, laid_out_gradients, scattered, whole_values
 from fxpar.runtime.communicator import Communicator, PendingCollective
 from fxpar.runtime.process_groups import RankGroup
 
@@ -57,14 +59,19 @@ class _Layer:
     pending: PendingCollective | None = None
     flat: torch.Tensor | None = None  # the gathered flat buffer in flight or done
     outputs: list[torch.Tensor] | None = None  # the re-gathered values (backward)
+    # Reducing once per step: the whole gradients of the step's backwards so far, and how many.
+    accumulated: torch.Tensor | None = None
+    backwards: int = 0
 
 
 class ParameterGatherer:
     """The ZeRO-3 ops of one rank module, run eagerly (module doc)."""
 
     def __init__(self, module: fx.GraphModule, group: RankGroup, communicator: Communicator, *,
-                 prefetch: int, reshard_after_forward: bool):
+                 prefetch: int, reshard_after_forward: bool, per_microbatch: bool = True):
         self.group, self.communicator, self.depth = group, communicator, prefetch
+        self.per_microbatch = per_microbatch  # else the gradients are reduced once per step
+        self.microbatches = 1  # of the step running (`start_step`)
         gathers = [n for n in module.graph.nodes if n.target is GATHER_TARGET]
         regathers = [n for n in module.graph.nodes if n.target is REGATHER_TARGET]
         index = {tuple(n.args[0]): k for k, n in enumerate(gathers)}
@@ -82,6 +89,13 @@ class ParameterGatherer:
         for node in regathers:
             node.target = self._regather_function(index[tuple(node.args[1])])
         module.recompile()
+
+    def start_step(self, microbatches: int) -> None:
+        """Expect a step of `microbatches` backwards: reducing once per step, each layer's
+        reduce-scatter goes out in the last of them (`fxpar.zero_reduction`)."""
+        self.microbatches = microbatches
+        for layer in self.layers:
+            layer.accumulated, layer.backwards = None, 0
 
     # -- the calls --------------------------------------------------------------------------
 
@@ -119,10 +133,17 @@ class ParameterGatherer:
 
             @staticmethod
             def backward(ctx, *grads):
-                gatherer.layers[k].outputs = None  # the layer's backward is over
+                layer = gatherer.layers[k]
+                layer.outputs = None  # the layer's backward is over
                 like = next(g for g in grads if g is not None)
                 # summed in the pieces' dtype (fp32 pieces under bf16-mixed: reduce_dtype=fp32)
-                flat = reduce_scatter(list(grads), ctx.widths, like, ctx.axis, ctx.size, ctx.dtype)
+                stacked = laid_out_gradients(list(grads), ctx.widths, like, ctx.size, ctx.dtype, into=layer.accumulated)
+                layer.backwards += 1
+                if not gatherer.per_microbatch and layer.backwards < gatherer.microbatches:
+                    layer.accumulated = stacked  # reduced with the step's last backward
+                    return None, None, *(None for _ in ctx.widths)
+                layer.accumulated, layer.backwards = None, 0
+                flat = scattered(stacked, ctx.axis, ctx.size)
                 return None, None, *(p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes))
 
         def gather_parameters(shards, axis, size, dtype=None):

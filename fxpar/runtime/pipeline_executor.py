@@ -122,13 +122,15 @@ class PipelineExecutor:
         position = -1  # of the compute action running
         for buckets in context.buckets:
             buckets.start_step(len(chunks), state.count)
+        for gatherer in context.gatherers:
+            gatherer.start_step(len(chunks))
         self.timeline = []
         for action in context.step_program.actions:
             if isinstance(action, Exchange):
                 self._post(action, sends, receiving, step, computes, sizes, size_key)
                 sends = []
             elif isinstance(action, Communicate):
-                if step.sends:  # the step's compute is over: its last sends must land first
+                if step.sends and position == len(computes) - 1:  # the compute is over: its last sends land first
                     for send in step.sends:
                         send.wait()
                     step.sends = []

@@ -54,7 +54,8 @@ def assert_model_state_as_predicted(result: dict, *, zero: int, dp: int) -> None
 
 
 def test_zero_on_two_ranks_matches_single_device(torchrun, reference):
-    plans = ["dp=2 zero=1", "dp=2 zero=2 mb=2 bucket_mb=0.01", "dp=2"]
+    plans = ["dp=2 zero=1", "dp=2 zero=2 mb=2 bucket_mb=0.01", "dp=2 zero=2 mb=2 bucket_mb=0.01 zero_reduce=microbatch",
+             "dp=2"]
     for results in torchrun("train_worker.py", 2, *plans):
         for plan in plans:
             assert_equivalent(results[plan], reference)
@@ -67,7 +68,9 @@ def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
     plans = ["dp=4 zero=2 bucket_mb=0.05", "dp=2 tp=2 zero=1 mb=2", "dp=2 tp=2 sp=true zero=2",
              "dp=2 pp=2 zero=1 mb=4", "dp=2 pp=2 zero=2 mb=4 schedule=zb-h1", "dp=4 zero=3 prefetch=2",
              "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3",
-             "dp=2 pp=2 zero=3 mb=4 schedule=interleaved virtual_stages=2"]
+             "dp=2 pp=2 zero=3 mb=4 schedule=interleaved virtual_stages=2",
+             "dp=2 pp=2 zero=2 mb=4 zero_reduce=microbatch", "dp=2 pp=2 zero=3 mb=4 zero_reduce=microbatch",
+             "dp=2 tp=2 sp=true zero=2 mb=2 zero_reduce=microbatch"]
     for results in torchrun("train_worker.py", 4, *plans):
         for plan in plans:
             assert_equivalent(results[plan], reference)
@@ -77,7 +80,7 @@ def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
 def test_zero3_on_two_ranks_matches_single_device(torchrun, reference):
     """ZeRO-3: each rank stores a flat piece of every parameter; each layer's are gathered in
     forward and their gradients reduce-scattered in backward by the graph's own ops."""
-    plans = ["dp=2 zero=3", "dp=2 zero=3 mb=2 reshard_after_forward=false prefetch=0"]
+    plans = ["dp=2 zero=3", "dp=2 zero=3 mb=2 reshard_after_forward=false prefetch=0", "dp=2 zero=3 mb=2 zero_reduce=microbatch"]
     for results in torchrun("train_worker.py", 2, *plans):
         for plan in plans:
             assert_equivalent(results[plan], reference)
