@@ -29,10 +29,13 @@ Time model, per rank:
   (`cost.ops.op_counts`), per microbatch;
 * optimizer: a cost per parameter tensor the rank updates plus the bytes the step moves at
   memory bandwidth (`cost.optimizer`);
-* comm: collectives of the forward (backward) phase may hide under `comm_overlap` x that
-  phase's compute, so what is exposed is the larger of the last call and the part that
-  outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
-  around the optimizer step are fully exposed;
+* comm: collectives of the forward phase may hide under `comm_overlap` x the forward's
+  compute, and those of the backward phase under that share of the backward they are issued
+  in or after (one microbatch's, `_backward_windows`: gradients reduced once per step hide
+  under the last backward only, those reduced per microbatch each under theirs), so what is
+  exposed is, per window, the larger of its last call and the part that outlasts the hidden
+  share (all of it when `comm_overlap` is 0, as on the CPU); collectives around the
+  optimizer step are fully exposed;
 * bubble: with a pipeline, the schedule simulated with each stage's predicted times and one
   boundary transfer between dependent actions on different ranks (`fxpar.simulation.simulate`);
   the rank's idle time in it (the simulation itself is `Estimate.pipeline`). A schedule that
@@ -324,23 +327,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     pp_index = program.mesh.coord(rank).pp
     formulas = {f"memory.{k}": v for k, v in rank_memory_formulas(program, rank, optimizer=optimizer).items()}
 
-    # Time: this rank's ops over its share of the batch. `weight` is the part of `backward`
-    # that is weight gradients of linears (W in a split schedule; cost.layout).
-    def seconds(piece):
-        kernels = share * device.kernel_seconds(
-            piece.matmul_flops, piece.attention_flops, narrow * piece.other_bytes, precision
-        )
-        overhead = plan.microbatches * sympy.Float(device.op_overhead)
-        forward = kernels + piece.forward_ops * overhead
-        backward = 2 * kernels + piece.backward_nodes * overhead
-        weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
-        recompute = share * device.kernel_seconds(
-            piece.recompute_matmul_flops, piece.recompute_attention_flops, narrow * piece.recompute_bytes,
-            precision,
-        ) + piece.recompute_ops * overhead
-        return forward, backward, weight, recompute
-
-    timed = {id(p): seconds(p) for p in all_shares}
+    timed = {id(p): _piece_seconds(p, plan, device, precision, narrow) for p in all_shares}
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
     backward = sum((timed[id(p)][1] for p in mine), sympy.Integer(0))
     # rng=exact: the whole value drawn (fp32, written once) for each microbatch.
@@ -377,6 +364,52 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         run = simulate(pipeline, f, b, weight_cost=w, comm_cost=hop)
         formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
 
+    formulas["time.comm_exposed"], comm = _comm_terms(program, rank, device, forward, backward)
+    formulas["time.total"] = sum(
+        formulas[f"time.{k}"] for k in ("compute", "recompute", "optimizer", "comm_exposed", "bubble")
+    )
+    return formulas, comm, run
+
+
+def _piece_seconds(piece, plan, device: Hardware, precision: str, narrow):
+    """Forward, backward, weight-gradient and recompute seconds of one share of the work
+    (`cost.layout`) over this rank's share of the batch; `weight` is the part of `backward`
+    that is weight gradients of linears (W in a split schedule)."""
+    share = sympy.Rational(1, plan.dp)
+    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, narrow * piece.other_bytes, precision)
+    overhead = plan.microbatches * sympy.Float(device.op_overhead)
+    forward = kernels + piece.forward_ops * overhead
+    backward = 2 * kernels + piece.backward_nodes * overhead
+    weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
+    recompute = share * device.kernel_seconds(
+        piece.recompute_matmul_flops, piece.recompute_attention_flops, narrow * piece.recompute_bytes, precision,
+    ) + piece.recompute_ops * overhead
+    return forward, backward, weight, recompute
+
+
+def exposed_comm_seconds(program: CompiledProgram, device: Hardware) -> tuple[float, float]:
+    """The estimate's `time.comm_exposed` at the example's sizes on the pipeline coordinate
+    that exposes the most, and that rank's forward and backward compute seconds, without the
+    memory terms (which need a fake forward): what the two ways of reducing ZeRO's gradients
+    differ in, and the scale it is judged at (`fxpar.zero_reduction`)."""
+    plan, mesh = program.plan, program.mesh
+    numbers = dict(program.captured.example_sizes)
+    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
+    worst = (0.0, 0.0)
+    for rank in (mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)):
+        mine = _holding(program, rank)[1]
+        timed = [_piece_seconds(p, plan, device, plan.compute_precision, narrow) for p in mine]
+        forward = sum((t[0] for t in timed), sympy.Integer(0))
+        backward = sum((t[1] for t in timed), sympy.Integer(0))
+        exposed, _ = _comm_terms(program, rank, device, forward, backward)
+        seconds = (float(sympy.sympify(exposed).subs(numbers)), float(sympy.sympify(forward + backward).subs(numbers)))
+        worst = max(worst, seconds)
+    return worst
+
+
+def _comm_terms(program, rank: int, device: Hardware, forward, backward):
+    """`rank`'s exposed communication seconds (a formula, given its forward and backward
+    seconds) and its table of calls per kind (module doc, "comm")."""
     comm: dict[str, dict[str, float]] = {}
     # Backward calls hide under the backward they are issued in or after (`_backward_windows`).
     windows, backwards = _backward_windows(program.step_program(rank))
@@ -397,11 +430,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
             exposed += sum(times)
         else:
             exposed += sympy.Max(times[-1], sum(times) - device.comm_overlap * window)
-    formulas["time.comm_exposed"] = exposed
-    formulas["time.total"] = sum(
-        formulas[f"time.{k}"] for k in ("compute", "recompute", "optimizer", "comm_exposed", "bubble")
-    )
-    return formulas, comm, run
+    return exposed, comm
 
 
 def _backward_windows(step: StepProgram) -> tuple[list[int], int]:

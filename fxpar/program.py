@@ -137,12 +137,14 @@ class Program:
         """When ZeRO-2/3 reduce-scatter gradients, per microbatch or per step, and why: the
         plan's `zero_reduce`, or with "auto" the mode the cost model prices cheaper on the
         profile compile used (`fxpar.zero_reduction`). Lowering reads it."""
+        from fxpar.cost.estimate import exposed_comm_seconds
+
         if (known := fixed(self.plan)) is not None:
             return known
         device = hardware_profile(self.hardware, measured=False)  # every rank decides alike
-        priced = {mode: self._reducing(mode).estimate(hardware=device) for mode in ("microbatch", "step")}
-        return decide({m: e.time["total"] for m, e in priced.items()},
-                      {m: e.memory["total"] for m, e in priced.items()}, hardware=device.name)
+        priced = {mode: exposed_comm_seconds(self._reducing(mode), device) for mode in ("microbatch", "step")}
+        return decide({mode: exposed for mode, (exposed, _) in priced.items()}, compute=priced["step"][1],
+                      hardware=device.name)
 
     def _reducing(self, mode: Mode) -> Program:
         """This program reducing per `mode`, to price it: a shallow copy with its own step programs."""

@@ -12,13 +12,15 @@ optimizer):
     "step"           1 x P                       from the first backward to the step's end,
                                                  beside the later microbatches' activations
 
-The plan's `zero_reduce` names one, or "auto" lets the cost model choose: the program is
-priced both ways (`cost.estimate`, on the hardware profile compile priced the cut and the
-buckets with, its nominal constants, so every rank decides alike), and the step reduces per
-microbatch when that step's predicted time is within `TIE` of per step's (its extra
-reductions hide under the backwards, as on GPUs, where NCCL runs beside the compute), since
-it holds less memory; otherwise per step, the fewer bytes on the wire (always on the CPU,
-where gloo's thread and the compute share the cores and nothing hides:
+The plan's `zero_reduce` names one, or "auto" lets the cost model choose. The two modes do
+the same compute and differ only in when the reductions go out and what lives meanwhile, so
+the program's exposed communication is priced both ways (`cost.estimate.exposed_comm_seconds`,
+the estimate's `time.comm_exposed`, on the hardware profile compile priced the cut and the
+buckets with, its nominal constants, so every rank decides alike). The step reduces per
+microbatch when that exposes at most `TIE` of the step's compute more than per step does (its
+extra reductions hide under the backwards, as on GPUs, where NCCL runs beside the compute),
+since it never holds more memory; otherwise per step, the fewer bytes on the wire
+(always on the CPU, where gloo's thread and the compute share the cores and nothing hides:
 `cost.hardware.Hardware.comm_overlap`). A step of one microbatch reduces once either way.
 
 Where it shows: the step program lists the reductions where they happen (`fxpar.lowering`:
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Mode = Literal["microbatch", "step"]
-TIE = 0.01  # relative step-time difference under which the two modes count as equally fast
+TIE = 0.01  # extra exposed time, as a share of the step's compute, that counts as none
 
 
 @dataclass(frozen=True)
@@ -51,24 +53,23 @@ class ZeroReduction:
 
     mode: Mode
     reason: str  # "the plan's zero_reduce", "one microbatch", or the cost model's comparison
-    # Auto only: each mode's predicted step seconds and peak bytes (`Estimate.time/memory`).
+    # Auto only: each mode's predicted exposed communication seconds a step.
     seconds: dict[str, float] = field(default_factory=dict)
-    peak: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"gradients reduce-scattered per {self.mode}: {self.reason}"
 
 
-def decide(seconds: dict[str, float], peak: dict[str, float], *, hardware: str) -> ZeroReduction:
-    """The cost model's choice from each mode's predicted step time and peak (module doc)."""
+def decide(seconds: dict[str, float], *, compute: float, hardware: str) -> ZeroReduction:
+    """The cost model's choice from each mode's exposed communication seconds and the step's
+    compute seconds (module doc)."""
     each, once = seconds["microbatch"], seconds["step"]
-    shown = (f"priced on {hardware}: per microbatch {each * 1e3:.3g} ms and {peak['microbatch'] / 2**20:.4g} MiB "
-             f"peak, per step {once * 1e3:.3g} ms and {peak['step'] / 2**20:.4g} MiB")
-    if each <= once * (1 + TIE):
-        why = f"its extra reductions hide under the backwards and it holds less ({shown})"
-        return ZeroReduction("microbatch", why, dict(seconds), dict(peak))
-    return ZeroReduction("step", f"fewer bytes on the wire, {once / each:.0%} of the time ({shown})",
-                         dict(seconds), dict(peak))
+    shown = (f"exposed communication on {hardware}: per microbatch {each * 1e3:.3g} ms, per step "
+             f"{once * 1e3:.3g} ms, beside {compute * 1e3:.3g} ms of compute")
+    if each - once <= TIE * compute:
+        why = f"its extra reductions hide under the backwards, and the whole gradients do not live all step ({shown})"
+        return ZeroReduction("microbatch", why, dict(seconds))
+    return ZeroReduction("step", f"fewer bytes on the wire ({shown})", dict(seconds))
 
 
 def fixed(plan) -> ZeroReduction | None:
