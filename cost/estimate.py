@@ -10,6 +10,7 @@ pieces, each in its own module:
                                     the step's peak
     comm        fxpar.collectives   the collectives each rank issues (the runtime's own list)
                 cost.collectives    ring wire bytes and alpha-beta time per collective
+    time        cost.step_time      compute per share of the work, communication exposed
     constants   cost.hardware       rates, bandwidths, overheads (cost.calibrate measures the CPU)
 
 Memory: `total` is the step's predicted PEAK on the worst rank (`cost.memory.peak_bytes`), not
@@ -31,11 +32,11 @@ Time model, per rank:
   memory bandwidth (`cost.optimizer`);
 * comm: collectives of the forward phase may hide under `comm_overlap` x the forward's
   compute, and those of the backward phase under that share of the backward they are issued
-  in or after (one microbatch's, `_backward_windows`: gradients reduced once per step hide
-  under the last backward only, those reduced per microbatch each under theirs), so what is
-  exposed is, per window, the larger of its last call and the part that outlasts the hidden
-  share (all of it when `comm_overlap` is 0, as on the CPU); collectives around the
-  optimizer step are fully exposed;
+  in or after (one microbatch's, `cost.step_time.backward_windows`: gradients reduced once
+  per step hide under the last backward only, those reduced per microbatch each under
+  theirs), so what is exposed is, per window, the larger of its last call and the part that
+  outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
+  around the optimizer step are fully exposed;
 * bubble: with a pipeline, the schedule simulated with each stage's predicted times and one
   boundary transfer between dependent actions on different ranks (`fxpar.simulation.simulate`);
   the rank's idle time in it (the simulation itself is `Estimate.pipeline`). A schedule that
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 import sympy
 
 from fxpar.cost.activations import backward_workspace_bytes, rank_activation_bytes, recomputed_nodes, saved_in_flight
-from fxpar.cost.collectives import collective_time, wire_bytes
+from fxpar.cost.collectives import collective_time
 from fxpar.cost.hardware import Hardware
 from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.layout import shares
@@ -65,8 +66,8 @@ from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
+from fxpar.cost.step_time import comm_terms, piece_seconds
 from fxpar.compiled_program import CompiledProgram
-from fxpar.step_program import Compute, StepProgram
 from fxpar.symbols import BATCH
 from fxpar.simulation import Simulation, simulate
 
@@ -327,7 +328,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     pp_index = program.mesh.coord(rank).pp
     formulas = {f"memory.{k}": v for k, v in rank_memory_formulas(program, rank, optimizer=optimizer).items()}
 
-    timed = {id(p): _piece_seconds(p, plan, device, precision, narrow) for p in all_shares}
+    timed = {id(p): piece_seconds(p, plan, device, precision, narrow) for p in all_shares}
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
     backward = sum((timed[id(p)][1] for p in mine), sympy.Integer(0))
     # rng=exact: the whole value drawn (fp32, written once) for each microbatch.
@@ -364,27 +365,11 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         run = simulate(pipeline, f, b, weight_cost=w, comm_cost=hop)
         formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
 
-    formulas["time.comm_exposed"], comm = _comm_terms(program, rank, device, forward, backward)
+    formulas["time.comm_exposed"], comm = comm_terms(program, rank, device, forward, backward)
     formulas["time.total"] = sum(
         formulas[f"time.{k}"] for k in ("compute", "recompute", "optimizer", "comm_exposed", "bubble")
     )
     return formulas, comm, run
-
-
-def _piece_seconds(piece, plan, device: Hardware, precision: str, narrow):
-    """Forward, backward, weight-gradient and recompute seconds of one share of the work
-    (`cost.layout`) over this rank's share of the batch; `weight` is the part of `backward`
-    that is weight gradients of linears (W in a split schedule)."""
-    share = sympy.Rational(1, plan.dp)
-    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, narrow * piece.other_bytes, precision)
-    overhead = plan.microbatches * sympy.Float(device.op_overhead)
-    forward = kernels + piece.forward_ops * overhead
-    backward = 2 * kernels + piece.backward_nodes * overhead
-    weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
-    recompute = share * device.kernel_seconds(
-        piece.recompute_matmul_flops, piece.recompute_attention_flops, narrow * piece.recompute_bytes, precision,
-    ) + piece.recompute_ops * overhead
-    return forward, backward, weight, recompute
 
 
 def exposed_comm_seconds(program: CompiledProgram, device: Hardware) -> tuple[float, float]:
@@ -398,53 +383,13 @@ def exposed_comm_seconds(program: CompiledProgram, device: Hardware) -> tuple[fl
     worst = (0.0, 0.0)
     for rank in (mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)):
         mine = _holding(program, rank)[1]
-        timed = [_piece_seconds(p, plan, device, plan.compute_precision, narrow) for p in mine]
+        timed = [piece_seconds(p, plan, device, plan.compute_precision, narrow) for p in mine]
         forward = sum((t[0] for t in timed), sympy.Integer(0))
         backward = sum((t[1] for t in timed), sympy.Integer(0))
-        exposed, _ = _comm_terms(program, rank, device, forward, backward)
+        exposed, _ = comm_terms(program, rank, device, forward, backward)
         seconds = (float(sympy.sympify(exposed).subs(numbers)), float(sympy.sympify(forward + backward).subs(numbers)))
         worst = max(worst, seconds)
     return worst
-
-
-def _comm_terms(program, rank: int, device: Hardware, forward, backward):
-    """`rank`'s exposed communication seconds (a formula, given its forward and backward
-    seconds) and its table of calls per kind (module doc, "comm")."""
-    comm: dict[str, dict[str, float]] = {}
-    # Backward calls hide under the backward they are issued in or after (`_backward_windows`).
-    windows, backwards = _backward_windows(program.step_program(rank))
-    phase_calls: dict[tuple[str, int], list[sympy.Expr]] = {}
-    for call, window in zip(program.collectives(rank), windows):
-        payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
-        n = len(call.group)
-        entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
-        entry["count"] += 1
-        entry["payload_bytes"] += float(payload)
-        entry["wire_bytes"] += float(wire_bytes(call.kind, payload, n))
-        key = (call.phase, window if call.phase == "backward" else 0)
-        phase_calls.setdefault(key, []).append(collective_time(call.kind, payload, n, device.link(call.group)))
-    exposed = sympy.Integer(0)
-    for (phase, _), times in phase_calls.items():
-        window = {"forward": forward, "backward": backward / backwards, "step": 0}[phase]
-        if device.comm_overlap == 0 or phase == "step":
-            exposed += sum(times)
-        else:
-            exposed += sympy.Max(times[-1], sum(times) - device.comm_overlap * window)
-    return exposed, comm
-
-
-def _backward_windows(step: StepProgram) -> tuple[list[int], int]:
-    """For each call of `step` (in `StepProgram.calls()` order), the backward compute it can
-    hide under: the last B (or W) action at or before it, counted from 0; and how many there
-    are. A microbatch's calls hide under its own backward, so gradients reduced once per step
-    hide only under the last one, and those reduced per microbatch each under theirs
-    (`fxpar.zero_reduction`)."""
-    windows, seen = [], 0
-    for action in (*step.actions, *step.optimizer):
-        if isinstance(action, Compute) and action.kind in ("B", "W"):
-            seen += 1
-        windows += [max(seen - 1, 0)] * len(action.calls)
-    return windows, max(seen, 1)
 
 
 def _rounded(expr: sympy.Expr) -> sympy.Expr:

@@ -27,7 +27,9 @@ compute action (the previous action's sends, the receives due: `issue_order`), t
 local stage's buckets in the order they complete, partial and tied gradients, and the loss
 summed over the pipeline and over dp.
 
-What gathering the whole state issues, outside a step, is `fxpar.full_state_lowering`'s.
+The reductions' actions (buckets, partial gradients, the loss, ZeRO's gathers) are
+`fxpar.reduction_lowering`'s; what gathering the whole state issues, outside a step, is
+`fxpar.full_state_lowering`'s.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.distributed_ops import BY_NAME, COMMUNICATING, axis_of, distributed_op
 from fxpar.mesh import Axis, Mesh
-from fxpar.passes.data_parallel import Bucket, carries_loss
+from fxpar.passes.data_parallel import carries_loss
 from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.pipeline_program import issue_order, shared_parameters
 from fxpar.placement import local_numel
+from fxpar.reduction_lowering import (
+    backward_calls, bucket_actions, loss_actions, optimizer_actions, partial_gradient_actions, per_microbatch,
+)
 from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
 
 
@@ -89,7 +94,6 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[t
 
 
 GATHER_TAG = BY_NAME["gather_parameters"].tag("dp", "forward")
-SCATTER_TAG = BY_NAME["gather_parameters"].tag("dp", "backward")  # ZeRO-3's gradients
 REGATHER_TAG = BY_NAME["regather_parameters"].tag("dp", "backward")
 
 
@@ -150,87 +154,6 @@ def step_start_actions(mesh: Mesh, *, counted: bool) -> list[Action]:
                         tag=f"step agreement on {axis.value}", phase="forward")
             actions.append(Communicate(Purpose.STEP_AGREEMENT, (call,)))
     return actions
-
-
-def bucket_actions(
-    buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0, carry_loss: bool = True,
-    held: bool = False, microbatch: int | None = None,
-) -> list[Action]:
-    """What one data-parallel rank issues to reduce its gradients, by ZeRO stage (Rajbhandari
-    et al. 2020), buckets in launch order (`held`: only the held buckets, else the others):
-
-    * stage 0 (DDP): one all-reduce per gradient bucket. The step's loss rides along as one
-      extra element of the last bucket (`carry_loss`), so `runner.step` returns the
-      global-batch mean without a call of its own.
-    * stages 1 and 2: a reduce-scatter per bucket: each rank keeps the reduced shard of the
-      gradients its shard of the optimizer state needs (`optimizer_actions` gathers the
-      updated parameters back): 2P moved, like DDP.
-    * stage 3: nothing here: each layer's gather and its gradients' reduce-scatter are ops of
-      the graph (`passes.zero3`), whose calls each Compute lists.
-
-    Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs
-    (`Bucket.padded`). ZeRO-2 reducing per microbatch (`per_microbatch`) lists each
-    microbatch's reduce-scatters after its backward (`microbatch` names it in the tag).
-    """
-    n = mesh.dp
-    if n == 1:
-        return []
-    actions: list[Action] = []
-    mine = [b for b in buckets if b.held == held]
-
-    def add(purpose, kind, numel, dtype, tag, phase, index=0, op="sum") -> None:
-        call = Call(kind=kind, numel=numel, dtype=dtype, axis="dp", op=op, tag=tag, phase=phase)
-        actions.append(Communicate(purpose, (call,), stage=stage, index=index))
-
-    if zero == 0:
-        for b in mine:
-            last = b.index == len(buckets) - 1 and carry_loss
-            add(Purpose.GRADIENT_BUCKET, "all_reduce", b.numel + (1 if last else 0), b.reduced_dtype,
-                f"gradient bucket {b.index}" + (" + loss" if last else ""), "backward", b.index)
-        if not buckets and carry_loss:
-            actions += loss_actions(mesh, phase="backward")
-        return actions
-    if zero == 3:
-        return actions
-    of = f" of microbatch {microbatch}" if microbatch is not None else ""
-    for b in mine:
-        add(Purpose.GRADIENT_BUCKET, "reduce_scatter", b.padded(n), b.reduced_dtype,
-            f"gradient bucket {b.index}{of}", "backward", b.index)
-    return actions
-
-
-def optimizer_actions(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0) -> list[Action]:
-    """ZeRO-1/2, after the optimizer stepped its shard: each bucket's updated parameters
-    all-gathered over dp into the whole flat bucket."""
-    if zero not in (1, 2) or mesh.dp == 1:
-        return []
-    return [
-        Communicate(Purpose.UPDATED_PARAMETERS, (Call(
-            kind="all_gather", numel=b.padded(mesh.dp), dtype=b.dtype, axis="dp", op="none",
-            tag=f"updated parameters of bucket {b.index}", phase="step"),), stage=stage, index=b.index)
-        for b in buckets
-    ]
-
-
-def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[Action]:
-    """The step's loss summed (dp's divisor first) over dp, where no bucket carries it."""
-    if mesh.dp == 1:
-        return []
-    call = Call(kind="all_reduce", numel=1, dtype=torch.float32, axis="dp", tag="loss", phase=phase)
-    return [Communicate(Purpose.LOSS, (call,))]
-
-
-def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[Action]:
-    """The one all-reduce per step (and stage) that completes replicated parameters' partial
-    gradients over tp (`passes.tensor_parallel`, settle_parameters_feeding_shards)."""
-    names = meta.partial_gradient_parameters(gm.graph)
-    if mesh.tp == 1 or not names:
-        return []
-    nodes = meta.parameter_nodes(gm.graph)
-    numel = sum(local_numel(nodes[n].meta["val"].shape, meta.placements(nodes[n]), mesh.sizes) for n in names)
-    call = Call(kind="all_reduce", numel=numel, dtype=nodes[names[0]].meta["val"].dtype, axis="tp",
-                tag="tp partial parameter gradients", phase="step")
-    return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]
 
 
 def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
@@ -297,21 +220,6 @@ def _ride(actions: tuple[Action, ...], axis: Axis, *, count_may_ride: bool) -> t
         calls = (*later.calls[:k], rider, *later.calls[k + 1:])
         return (*actions[:i], *actions[i + 1:j], replace(later, calls=calls), *actions[j + 1:])
     return actions
-
-
-def per_microbatch(program) -> bool:
-    """Whether ZeRO-2/3 reduce-scatter each microbatch's gradients after its backward, not the
-    step's sum once (`program.zero_reduce`, resolved by `fxpar.zero_reduction`)."""
-    return program.plan.zero in (2, 3) and program.zero_reduce.mode == "microbatch"
-
-
-def backward_calls(calls: tuple[Call, ...], *, last: bool, program) -> tuple[Call, ...]:
-    """One microbatch's backward calls of a stage: under ZeRO-3 reducing once per step, the
-    layers' reduce-scatters only in the stage's last backward of the step (the earlier ones
-    accumulate the whole gradients: `runtime.parameter_gatherer`)."""
-    if last or program.plan.zero != 3 or per_microbatch(program):
-        return calls
-    return tuple(c for c in calls if c.tag != SCATTER_TAG)
 
 
 def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:

@@ -252,7 +252,7 @@ class Program:
         self, rank: int, *, backend: str = "nccl", receives_ahead: int | None = None
     ) -> tuple[Collective, ...]:
         """Every collective `rank` issues in one training step, in issue order, at the
-        example's sizes: its step program's calls (`step_program`; `lowering.bucket_actions`
+        example's sizes: its step program's calls (`step_program`; `reduction_lowering.bucket_actions`
         says what each ZeRO stage issues)."""
         program = self.step_program(rank, backend=backend, receives_ahead=receives_ahead)
         return program.collectives(self.example_sizes)

@@ -23,7 +23,7 @@ import ast
 from pathlib import Path
 
 LAYERS = ("core", "cost", "passes", "program", "runtime", "tools")
-PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.full_state_lowering",
+PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.reduction_lowering", "fxpar.full_state_lowering",
            "fxpar.compilation", "fxpar.rank_specialisation", "fxpar.pass_list", "fxpar.pipeline_program"}
 TOOLS = {
     "fxpar.payloads", "fxpar.picture_units", "fxpar.picture_transfers", "fxpar.picture_boxes",
