@@ -21,9 +21,10 @@ microbatch when that exposes at most `TIE` of the step's compute more than per s
 extra reductions hide under the backwards, as on GPUs, where NCCL runs beside the compute),
 since it never holds more memory; otherwise per step, the fewer bytes on the wire
 (always on the CPU, where gloo's thread and the compute share the cores and nothing hides:
-`cost.hardware.Hardware.comm_overlap`). A step of one microbatch reduces once either way.
+`cost.hardware.Hardware.comm_overlap`; measured there, per microbatch takes 1.25x per step's
+time at mb=4: benchmarks/RESULTS.md). A step of one microbatch reduces once either way.
 
-Where it shows: the step program lists the reductions where they happen (`fxpar.lowering`:
+Where it shows: the step program lists the reductions where they happen (`fxpar.reduction_lowering`:
 each microbatch's bucket reduce-scatters after its backward, or ZeRO-3's layer reduce-scatters
 only in the last backward), so the check, the estimate's bytes and the runtime follow it; the
 estimate's peak counts the whole gradients when they live all step (`cost.memory.peak_bytes`);

@@ -10,7 +10,9 @@ tensor parallelism (with sequence parallelism: its partial-gradient parameters a
 after their tp sum, `Bucket.held`) and pipelines (the tied embedding and head, likewise).
 Every step's collectives, the optimizer's gathers included, are the step program's. ZeRO-3
 (`passes.zero3`): each rank stores a flat piece of every parameter, gathered per layer by the
-graph, prefetched and gathered again for backward by default; the same compositions.
+graph, prefetched and gathered again for backward by default; the same compositions. With
+microbatches both ways of reducing run (`zero_reduce`: per microbatch, named in the plan, and
+per step, what auto picks on the CPU; `fxpar.zero_reduction`), interleaved stages included.
 """
 
 import sys
@@ -69,7 +71,8 @@ def test_zero_composed_on_four_ranks_matches_single_device(torchrun, reference):
              "dp=2 pp=2 zero=1 mb=4", "dp=2 pp=2 zero=2 mb=4 schedule=zb-h1", "dp=4 zero=3 prefetch=2",
              "dp=2 tp=2 zero=3 mb=2", "dp=2 tp=2 sp=true zero=3",
              "dp=2 pp=2 zero=3 mb=4 schedule=interleaved virtual_stages=2",
-             "dp=2 pp=2 zero=2 mb=4 zero_reduce=microbatch", "dp=2 pp=2 zero=3 mb=4 zero_reduce=microbatch",
+             "dp=2 pp=2 zero=2 mb=4 schedule=interleaved virtual_stages=2 zero_reduce=microbatch",
+             "dp=2 pp=2 zero=3 mb=4 zero_reduce=microbatch",
              "dp=2 tp=2 sp=true zero=2 mb=2 zero_reduce=microbatch"]
     for results in torchrun("train_worker.py", 4, *plans):
         for plan in plans:
