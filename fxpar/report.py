@@ -133,6 +133,8 @@ def _plan(program: CompiledProgram) -> str:
         ("parameters", f"{captured.parameter_count():,}"),
         ("inputs", ", ".join(f"{n} {tuple(s)}" for n, s in zip(captured.input_names, captured.example_shapes))),
     ]
+    if program.plan.zero in (2, 3) and program.plan.dp > 1:  # what ZeRO leaves the cost model to decide
+        facts.append(("ZeRO reductions", str(program.zero_reduce)))
     fields = [(k, v) for k, v in program.plan.to_dict().items()]
     return (_table(("", ""), facts) + "\n<p class=\"note\">Every field of the plan:</p>\n"
             + _table(("field", "value"), fields) + "\n" + _pre(program.mesh.describe(max_ranks=16)))

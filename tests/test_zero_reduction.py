@@ -5,9 +5,10 @@ only the shards accumulate) or per step (the whole gradients accumulate, one red
 named by the plan's `zero_reduce` or chosen by the cost model. The step program lists the
 reductions where they happen, so the check, the estimate's bytes and (tests/runtime/
 test_zero_equivalence.py) the runtime follow it; the estimate's peak counts the whole
-gradients only where they live all step.
+gradients only where they live all step; `fxpar explain` and the report state the choice.
 """
 
+import html
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import fxpar
 from fxpar.cost.hardware import NOMINAL_CPU
 from fxpar.errors import PlanError
 from fxpar.explain import explain
+from fxpar.report import write_report
 from fxpar.step_program import Communicate, Compute, Exchange, Purpose
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -76,7 +78,7 @@ def test_zero3_per_step_reduce_scatters_each_layer_once_in_the_last_backward(cap
     assert grown == pytest.approx(4 * parameters, rel=0.02)
 
 
-def test_auto_takes_per_step_where_nothing_hides_and_per_microbatch_where_it_does(captured):
+def test_auto_takes_per_step_where_nothing_hides_and_per_microbatch_where_it_does(captured, tmp_path):
     """On the CPU gloo hides nothing under compute (`comm_overlap` 0): the extra reductions
     cost their whole time, so per step. On an H100 NCCL overlaps them with the backwards of
     this small model: equally fast, and per microbatch holds less."""
@@ -92,6 +94,8 @@ def test_auto_takes_per_step_where_nothing_hides_and_per_microbatch_where_it_doe
     assert fxpar.compile(captured, "dp=2 zero=2").zero_reduce.reason == "one microbatch: reduced once either way"
     program = fxpar.compile(captured, "dp=2 zero=2 mb=2", hardware="cpu")
     assert f"ZeRO-2 {program.zero_reduce}" in explain(program, hardware="h100")
+    page = write_report(program, tmp_path / "plan.html").read_text()
+    assert f"<td>ZeRO reductions</td><td>{html.escape(str(program.zero_reduce))}</td>" in page
 
 
 def test_a_pipeline_reduces_a_microbatchs_buckets_after_sending_its_gradients_on(captured):
