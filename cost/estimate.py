@@ -311,7 +311,7 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     terms["total"] = peak_bytes(
         terms, terms["activations"], terms["workspace"],
         parameters=parameters, precision=plan.precision, zero=plan.zero, dp=plan.dp, microbatches=plan.microbatches,
-        reduce_per_microbatch=program.zero_reduce.mode == "microbatch", reduce_dtype=plan.reduce_dtype,
+        reduce_per_microbatch=program.zero_reduce.per_microbatch, reduce_dtype=plan.reduce_dtype,
         released=terms["activations"] / sympy.nsimplify(round(in_flight, 4)),
     )
     return terms

@@ -48,7 +48,7 @@ from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.pipeline_program import issue_order, shared_parameters
 from fxpar.placement import local_numel
 from fxpar.reduction_lowering import (
-    backward_calls, bucket_actions, loss_actions, optimizer_actions, partial_gradient_actions, per_microbatch,
+    backward_calls, bucket_actions, loss_actions, optimizer_actions, partial_gradient_actions,
 )
 from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
 
@@ -227,7 +227,7 @@ def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     actions = step_start_actions(mesh, counted=program.loss_reduction.sums)
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     microbatches = program.plan.microbatches
-    each = zero == 2 and per_microbatch(program)
+    each = zero == 2 and program.zero_reduce.per_microbatch
     for microbatch in range(microbatches):
         last = microbatch == microbatches - 1
         actions += [Compute("F", 0, microbatch, forward),
@@ -280,17 +280,19 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
         return ()
 
     last_backward = {s.index: max(i for i, a in enumerate(row) if a.stage == s.index and a.kind == "B") for s in local}
-    each = zero == 2 and per_microbatch(program)
+    each = zero == 2 and program.zero_reduce.per_microbatch
+    # The action that completes a stage's gradients for a microbatch: its W where weight
+    # gradients are deferred (zero bubble), else its B.
+    completing = {s.index: "W" if deferred_weights(s.graph_module) else "B" for s in local}
 
     def reductions(position: int) -> list[Action]:
         """ZeRO-2 reducing per microbatch: the buckets the action at `position` completes (and
         launches, in that order among the rank's stages), after the Exchange that sends its
         results on (the peers do not wait for them)."""
         action = row[position]
-        stage = stages[action.stage]
-        kind = "W" if deferred_weights(stage.graph_module) else "B"
-        if not each or action.kind != kind:
+        if not each or action.kind != completing[action.stage]:
             return []
+        stage = stages[action.stage]
         return bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False,
                               microbatch=action.microbatch)
 

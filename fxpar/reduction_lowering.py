@@ -45,7 +45,7 @@ def bucket_actions(
       the graph (`passes.zero3`), whose calls each Compute lists.
 
     Sharded payloads are padded to a multiple of the group size, as reduce-scatter needs
-    (`Bucket.padded`). ZeRO-2 reducing per microbatch (`per_microbatch`) lists each
+    (`Bucket.padded`). ZeRO-2 reducing per microbatch (`ZeroReduction.per_microbatch`) lists each
     microbatch's reduce-scatters after its backward (`microbatch` names it in the tag).
     """
     n = mesh.dp
@@ -109,16 +109,10 @@ def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) 
     return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]
 
 
-def per_microbatch(program) -> bool:
-    """Whether ZeRO-2/3 reduce-scatter each microbatch's gradients after its backward, not the
-    step's sum once (`program.zero_reduce`, resolved by `fxpar.zero_reduction`)."""
-    return program.plan.zero in (2, 3) and program.zero_reduce.mode == "microbatch"
-
-
 def backward_calls(calls: tuple[Call, ...], *, last: bool, program) -> tuple[Call, ...]:
     """One microbatch's backward calls of a stage: under ZeRO-3 reducing once per step, the
     layers' reduce-scatters only in the stage's last backward of the step (the earlier ones
     accumulate the whole gradients: `runtime.parameter_gatherer`)."""
-    if last or program.plan.zero != 3 or per_microbatch(program):
+    if last or program.plan.zero != 3 or program.zero_reduce.per_microbatch:
         return calls
     return tuple(c for c in calls if c.tag != SCATTER_TAG)

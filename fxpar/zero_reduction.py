@@ -57,6 +57,12 @@ class ZeroReduction:
     # Auto only: each mode's predicted exposed communication seconds a step.
     seconds: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def per_microbatch(self) -> bool:
+        """Whether each microbatch's gradients are reduce-scattered after its backward (only
+        ever with ZeRO-2/3 over dp > 1: `fixed` says "step" for everything else)."""
+        return self.mode == "microbatch"
+
     def __str__(self) -> str:
         return f"gradients reduce-scattered per {self.mode}: {self.reason}"
 

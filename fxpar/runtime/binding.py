@@ -167,7 +167,7 @@ def step_context(
     """The gradient buckets (with data parallelism), ZeRO's flat parameters (per module, per
     bucket; the master weights sharded to them) and the `StepContext` the executors read."""
     stages, plan, dp, buckets = program.stages, program.plan, groups[Axis.DP], []
-    per_microbatch = program.zero_reduce.mode == "microbatch"  # ZeRO-2/3 (`fxpar.zero_reduction`)
+    per_microbatch = program.zero_reduce.per_microbatch  # ZeRO-2/3 (`fxpar.zero_reduction`)
     # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
     for module in modules if dp.size > 1 and plan.zero < 3 else ():
         stage = meta.stage_of(module)
