@@ -121,7 +121,7 @@ def _run(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, 
     if primitive == "identity":
         return x.clone()
     binding = bound(axis)
-    if binding.size != size and primitive != "all_reduce":
+    if primitive != "all_reduce" and binding.size != size:
         raise BindError(f"an op was compiled for {size} ranks on axis {axis!r}, bound to {binding.size}")
     if primitive == "all_reduce":
         out = x if in_place else x.clone(memory_format=torch.contiguous_format)
@@ -198,6 +198,21 @@ for _op in OPS:
 # -- the eager lowering --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _EagerCall:
+    """What one eager call of a DistributedOp fixes besides its tensor: made once per (op,
+    in_place, axis, size, dim) by `_eager_function`, so a step's calls pass one argument to
+    autograd (each argument of `Function.apply` costs a Python pass) and format no tags."""
+
+    op: DistributedOp
+    axis: str
+    size: int
+    dim: int
+    in_place: bool  # the all-reduce (g's forward, f's backward) may overwrite its tensor
+    forward_tag: str
+    backward_tag: str
+
+
 class _Eager(torch.autograd.Function):
     """A DistributedOp as one autograd.Function: the same primitives as the registered op,
     without its trip through the dispatcher (see `lower_for_eager`). With `in_place`, the
@@ -205,29 +220,38 @@ class _Eager(torch.autograd.Function):
     Megatron does, instead of into a copy: `lower_for_eager` says when that is safe."""
 
     @staticmethod
-    def forward(ctx, x, op: DistributedOp, axis: str, size: int, dim: int, in_place: bool):
-        ctx.op, ctx.axis, ctx.size, ctx.dim, ctx.in_place = op, axis, size, dim, in_place
+    def forward(ctx, x, call: _EagerCall):
+        ctx.call = call
+        op = call.op
         if op.forward == "identity":
             return x.view_as(x)  # an autograd.Function may return a view: no copy
-        if in_place and op.forward == "all_reduce" and x.is_contiguous():
+        in_place = call.in_place and op.forward == "all_reduce" and x.is_contiguous()
+        if in_place:
             ctx.mark_dirty(x)
-            return _run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward", True)
-        return _run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward")
+        return _run(op.forward, x, call.axis, call.size, call.dim, op.reduce, call.forward_tag, "forward", in_place)
 
     @staticmethod
     def backward(ctx, grad):
-        op = ctx.op
-        if op.backward not in (None, "identity"):
-            in_place = ctx.in_place and op.backward == "all_reduce"
-            grad = grad.contiguous() if in_place else grad
-            grad = _run(op.backward, grad, ctx.axis, ctx.size, ctx.dim, "sum", op.tag(ctx.axis, "backward"),
-                        "backward", in_place)
-        return grad if op.backward is not None else None, None, None, None, None, None
+        call = ctx.call
+        primitive = call.op.backward
+        if primitive is None:
+            return None, None
+        if primitive != "identity":
+            in_place = call.in_place and primitive == "all_reduce"
+            grad = _run(primitive, grad.contiguous() if in_place else grad, call.axis, call.size, call.dim,
+                        "sum", call.backward_tag, "backward", in_place)
+        return grad, None
 
 
 def _eager_function(op: DistributedOp, *, in_place: bool):
+    calls: dict[tuple[str, int, int], _EagerCall] = {}  # by (axis, size, dim): a graph has few
+
     def run(x, axis, size=1, dim=0):
-        return _Eager.apply(x, op, axis, size, dim, in_place)
+        call = calls.get((axis, size, dim))
+        if call is None:
+            call = calls[axis, size, dim] = _EagerCall(
+                op, axis, size, dim, in_place, op.tag(axis, "forward"), op.tag(axis, "backward"))
+        return _Eager.apply(x, call)
 
     run.__name__ = run.__qualname__ = op.name + ("_in_place" if in_place else "")
     run.__module__ = __name__ + ".eager"

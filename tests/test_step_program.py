@@ -78,7 +78,7 @@ def test_an_edited_rank_is_seen_by_the_check_and_by_the_guard(data_parallel, edi
     guard.start(data_parallel.example_sizes)
     with pytest.raises(StepProgramError, match=r"rank 1 was about to issue all_reduce.*gradient bucket"):
         for call in original.collectives(data_parallel.example_sizes):
-            guard.admit(call)
+            guard.admit(*call.signature(), call.tag)
         guard.finish()
 
 
@@ -88,7 +88,7 @@ def test_the_guard_reports_a_listed_call_that_was_never_made(data_parallel):
     guard.start(data_parallel.example_sizes)
     *made, last = step.collectives(data_parallel.example_sizes)
     for call in made:
-        guard.admit(call)
+        guard.admit(*call.signature(), call.tag)
     with pytest.raises(StepProgramError, match=r"finished its step without issuing all_reduce"):
         guard.finish()
 

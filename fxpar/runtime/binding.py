@@ -32,6 +32,7 @@ from fxpar.mesh import Axis
 from fxpar.pipeline_program import receives_ahead
 from fxpar.random_streams import RandomStream
 from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.flat_reads import reading_flat
 from fxpar.runtime.gradient_buckets import GradientBuckets
 from fxpar.runtime.master_weights import MasterWeights
 from fxpar.runtime.parameter_gatherer import ParameterGatherer
@@ -193,7 +194,7 @@ def step_context(
     arrival = CountArrival()  # the graphs wait for the step's count where they read it
     for module in modules:
         await_count(module, arrival)
-    forwards = tuple(recomputing(m, meter) for m in modules)
+    forwards = tuple(reading_flat(recomputing(m, meter)) for m in modules)
     for forward, gatherer in zip(forwards, gatherers):  # ZeRO-3: regions take gathered weights as recipes
         read_gathered_through(forward, gatherer)
     context = StepContext(

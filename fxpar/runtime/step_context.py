@@ -8,8 +8,9 @@ which reads nothing of the Runner itself.
     step_program          what the rank does in a step, in order (`fxpar.step_program`)
     guard                 holds every collective of a step to that program (`step_guard`)
     modules               the rank's stage modules, in stage order (one without a pipeline)
-    forwards              what the executors call for each module: the module itself, or
-                          its checkpointing forward (`runtime.recompute`)
+    forwards              what the executors call for each module: its graph (with its
+                          checkpoint regions, `runtime.recompute`) reading the module's
+                          tensors by flat names (`runtime.flat_reads`)
     module_of_stage       stage index -> its position in `modules`
     buckets               one `GradientBuckets` per module under data parallelism, else none
     partial_gradients     per module, the replicated parameters whose gradient each tp rank
@@ -68,7 +69,7 @@ class StepContext:
     step_program: StepProgram
     guard: StepGuard
     modules: tuple[fx.GraphModule, ...]
-    forwards: tuple[Callable, ...]  # what runs each module's forward (`runtime.recompute`)
+    forwards: tuple[Callable, ...]  # what runs each module's forward (`runtime.flat_reads`)
     module_of_stage: Mapping[int, int]
     buckets: tuple[GradientBuckets, ...]
     partial_gradients: tuple[list[torch.nn.Parameter], ...]

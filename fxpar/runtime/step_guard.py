@@ -23,8 +23,9 @@ from fxpar.errors import StepProgramError
 from fxpar.step_program import Part, StepProgram
 
 
-def _key(call: Collective) -> tuple:
-    return (call.group, call.kind if call.kind in ("send", "recv") else "collective")
+def _key(group: tuple[int, ...], kind: str) -> tuple:
+    """Calls are held in order per group, and per direction for a pair's transfers."""
+    return (group, kind if kind in ("send", "recv") else "collective")
 
 
 class StepGuard:
@@ -44,7 +45,7 @@ class StepGuard:
         if size_key not in self._resolved:
             by_group: dict[tuple, list[Collective]] = {}
             for call in self.program.collectives(sizes, self.part):
-                by_group.setdefault(_key(call), []).append(call)
+                by_group.setdefault(_key(call.group, call.kind), []).append(call)
             self._resolved[size_key] = by_group
         self._expected = self._resolved[size_key]
         self._next = dict.fromkeys(self._expected, 0)
@@ -52,26 +53,30 @@ class StepGuard:
     def agreement_slots(self, group: tuple[int, ...]) -> int:
         """How many step-number slots the program's next collective on `group` carries at its
         end (`lowering.ride_agreements`; 0 for most calls)."""
-        key = (group, "collective")
+        key = _key(group, "all_reduce")
         expected, position = self._expected.get(key, ()), self._next.get(key, 0)
         return expected[position].agreement if position < len(expected) else 0
 
-    def admit(self, call: Collective) -> None:
-        """Let `call` through if it is the next one the program lists on its group."""
-        key = _key(call)
+    def admit(self, kind: str, group: tuple[int, ...], numel: int, dtype, op: str, tag: str = "") -> Collective:
+        """Let a call through if it is the next one the program lists on its group (its
+        `Collective.signature()` fields; `tag` names it in the error); returns the listed call,
+        which the communicator logs: equal to the call made in all that the ranks match on."""
+        key = _key(group, kind)
         expected = self._expected.get(key, ())
         position = self._next.get(key, 0)
         wanted = expected[position] if position < len(expected) else None
-        if wanted is None or wanted.signature() != call.signature():
+        if wanted is None or (wanted.kind, wanted.numel, wanted.dtype, wanted.op) != (kind, numel, dtype, op):
+            made = Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag)
             where = f"call #{position} of its {len(expected)} on that group"
             raise StepProgramError(
-                f"rank {self.program.rank} was about to issue {call}, but its step program's "
+                f"rank {self.program.rank} was about to issue {made}, but its step program's "
                 f"{where} is {wanted or 'nothing (no more calls there)'}. Its peers follow "
                 "their programs, so the call would pair with another or hang; nothing was sent. "
                 "Fix: an edited step program (Program.replace_step_program) must match the "
                 "model; otherwise this is an fxpar bug: please report it with the plan"
             )
         self._next[key] = position + 1
+        return wanted
 
     def finish(self) -> None:
         """At the end of a step: raise unless every listed call was made."""
