@@ -107,14 +107,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
     parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
     parser.add_argument("--bubble-steps", type=int, default=20,
-                        help="timeline-recording steps per side for the bubble")
+                        help="timeline-recording steps per side for the bubble (>= 1)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["small", "medium"], choices=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zb-h1"],
                         choices=list(TORCH_SCHEDULES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.bubble_steps < 1:
+        parser.error(f"--bubble-steps {args.bubble_steps}: the bubble needs at least one recorded step")
+    return args
 
 
 def global_batches(vocab_size: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import fxpar
 from fxpar.cli import COMMANDS, main
 
 REPO = Path(__file__).resolve().parents[1]

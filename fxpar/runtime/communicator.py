@@ -38,6 +38,8 @@ def _all_reduce(tensor: torch.Tensor, group: RankGroup, op: dist.ReduceOp) -> di
     the group, the tensor and the coalescing state in Python on each (about 3 us, 1% of a
     small GPT's step); the communicator's callers pass a real, dense tensor of a group this
     rank belongs to, never inside a coalescing block."""
+    if group.handle is None:  # a group of this rank alone has none: nothing may reduce on it
+        raise CollectiveError(f"an all-reduce on the {clipped(group.name)}, which has no process group")
     options = dist.AllreduceOptions()
     options.reduceOp = op
     return group.handle.allreduce([tensor], options)

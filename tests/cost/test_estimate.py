@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar import PlanError, meta
+from fxpar import meta
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.estimate import graph_compute, mfu
 from fxpar.cost.hardware import PROFILES

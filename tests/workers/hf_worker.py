@@ -18,7 +18,7 @@ import torch
 import fxpar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import BUILDERS, STEPS, OPTIMIZER, batches  # noqa: E402
+from hf_models import BUILDERS, OPTIMIZER, batches  # noqa: E402
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
