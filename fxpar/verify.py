@@ -221,7 +221,7 @@ def _rank_main(rank: int, world: int, port: int, program: Program, example_input
     torch.set_num_threads(1)  # the ranks share this machine's cores (and a forked OpenMP pool)
     try:
         runner = program.bind(timeout=timeout, seed=SEED)
-        recorders = [NodeRecorder.install(m, names) for m in runner.modules]
+        recorders = [NodeRecorder.install(m, names) for m in runner.executed_modules]
         args, kwargs = _as_call(example_inputs)
         if kwargs:
             loss = runner.step(runner.local_batch(kwargs))

@@ -97,6 +97,13 @@ class Runner(WholeState):
         return self.modules[0]
 
     @property
+    def executed_modules(self) -> tuple[torch.nn.Module, ...]:
+        """What a step calls for each of `modules`: its graph (node names kept) reading the
+        same parameters by flat names (`runtime.flat_reads`). Instrument these, not `modules`,
+        to observe a step's values."""
+        return self._context.forwards
+
+    @property
     def receives_ahead(self) -> int:
         """How many actions ahead the pipeline executor posts receives: the backend's choice
         (`pipeline_program.receives_ahead`); the tests set it to run NCCL's order on gloo."""
