@@ -25,6 +25,7 @@ ZeRO's flat buffers, master weights), the Parameter object never does.
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 import torch.fx as fx
@@ -39,7 +40,7 @@ def reading_flat(module: fx.GraphModule) -> fx.GraphModule:
         if node.op == "call_module":
             attributes[node.target] = module.get_submodule(node.target)
         elif node.op == "get_attr":
-            value = _attribute(module, node.target)
+            value = operator.attrgetter(node.target)(module)  # as `runtime.recompute` reads it
             if isinstance(value, torch.Tensor):
                 if node.target not in flat:
                     flat[node.target] = _unique("fxpar_" + node.target.replace(".", "_"), attributes)
@@ -51,11 +52,6 @@ def reading_flat(module: fx.GraphModule) -> fx.GraphModule:
         forward._buffers.pop(name, None)
         forward.__dict__[name] = attributes[name]
     return forward
-
-
-def _attribute(module: torch.nn.Module, target: str) -> object:
-    owner, _, name = target.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, name)
 
 
 def _unique(name: str, taken: dict[str, object]) -> str:

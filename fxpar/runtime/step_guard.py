@@ -65,7 +65,7 @@ class StepGuard:
         expected = self._expected.get(key, ())
         position = self._next.get(key, 0)
         wanted = expected[position] if position < len(expected) else None
-        if wanted is None or (wanted.kind, wanted.numel, wanted.dtype, wanted.op) != (kind, numel, dtype, op):
+        if wanted is None or wanted.signature() != (kind, group, numel, dtype, op):
             made = Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag)
             where = f"call #{position} of its {len(expected)} on that group"
             raise StepProgramError(
