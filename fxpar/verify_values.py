@@ -73,8 +73,12 @@ class NodeRecorder(torch.nn.Module):
         if value.requires_grad:
             value.register_hook(partial(self._gradient, name, microbatch))
 
-    def _gradient(self, name: str, microbatch: int, grad: torch.Tensor) -> None:
-        self.grads.setdefault(name, {})[microbatch] = grad.detach().clone()
+    def _gradient(self, name: str, microbatch: int, grad: torch.Tensor | None) -> None:
+        # None: no gradient flows to the value through autograd. ZeRO-3's parameter pieces get
+        # theirs from the gatherer instead (`runtime.parameter_gatherer`); parameter gradients
+        # are compared after the step, from `.grad` (`fxpar.verify`).
+        if grad is not None:
+            self.grads.setdefault(name, {})[microbatch] = grad.detach().clone()
 
 
 @dataclass(frozen=True)

@@ -55,4 +55,5 @@ class ModuleExecutor:
                 context.count_arrival.settle()  # the steps agreed before gradients move
                 with context.random.at(action.microbatch):  # a recompute draws as its forward did
                     state.losses.pop(action.microbatch).backward()
+                context.land_gradients()
         return state.result()

@@ -8,10 +8,21 @@ every `gather_parameters` and `regather_parameters` node of the module at its ow
               is not in flight), then issue the next `prefetch` layers' (in forward order)
     backward  regather_parameters of layer k (the first of layer k's backward): the same, in
               backward order, into what the forward's saved tensors are re-made from
-              gather_parameters of layer k: one reduce-scatter of the layer's gradients; the
-              layer's re-gathered values are dropped. Reducing once per step
+              gather_parameters of layer k: issue one reduce-scatter of the layer's
+              gradients, and drop the layer's re-gathered values. Reducing once per step
               (`fxpar.zero_reduction`), the step's earlier backwards only add the layer's
               whole gradients into one buffer, and its last reduce-scatters their sum
+    after a backward   `land()`: wait for the reduce-scatters still in flight and hand each
+              piece its summed gradient (into `.grad`, or added to it)
+
+The reduce-scatter is not waited for where it is issued: the backward of the layers below runs
+while it is on the wire, as FSDP2's reduce-scatter stream does. At most one stays in flight
+(issuing a layer's lands the layer's before it), so only one layer's whole gradients outlive
+their layer's backward, and the executors `land()` the last after each backward, before anything
+reads a gradient (the tied and tensor-parallel sums, the optimizer). The pieces' gradients are
+therefore set by the gatherer, not by autograd (the gather's backward returns none for them):
+the same values, summed in the same order, with `.grad` a view of the reduce-scatter's output
+as autograd left it.
 
 Which calls go out when is what `lowering.prefetched` wrote into the step program, so the
 step guard admits them.
@@ -44,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpar.parameter_gathers import OP, REGATHER, laid_out, laid_out_gradients, scattered, whole_values
+from fxpar.parameter_gathers import OP, REGATHER, laid_out, laid_out_gradients, whole_values
 from fxpar.runtime.communicator import Communicator, PendingCollective
 from fxpar.runtime.process_groups import RankGroup
 
@@ -84,6 +95,7 @@ class ParameterGatherer:
         self.backward_order = [index[tuple(n.args[1])] for n in reversed(regathers)]
         # storage pointer -> the gathered value living there (while it lives)
         self._by_storage: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._reducing: list[_Reducing] = []  # the layers' reduce-scatters in flight, oldest first
         for k, node in enumerate(gathers):
             node.target = self._gather_function(k)
         for node in regathers:
@@ -94,6 +106,7 @@ class ParameterGatherer:
         """Expect a step of `microbatches` backwards: reducing once per step, each layer's
         reduce-scatter goes out in the last of them (`fxpar.zero_reduction`)."""
         self.microbatches = microbatches
+        self._reducing.clear()  # what a failed step left in flight
         for layer in self.layers:
             layer.accumulated, layer.backwards = None, 0
 
@@ -143,13 +156,28 @@ class ParameterGatherer:
                     layer.accumulated = stacked  # reduced with the step's last backward
                     return None, None, *(None for _ in ctx.widths)
                 layer.accumulated, layer.backwards = None, 0
-                flat = scattered(stacked, ctx.axis, ctx.size)
-                return None, None, *(p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes))
+                gatherer._reduce(k, stacked, ctx.widths, tag=OP.tag(ctx.axis, "backward"))
+                return None, None, *(None for _ in ctx.widths)
 
         def gather_parameters(shards, axis, size, dtype=None):
             return list(Gather.apply(axis, size, *shards))
 
         return gather_parameters
+
+    def _reduce(self, k: int, stacked: torch.Tensor, widths: list[int], *, tag: str) -> None:
+        """Issue layer k's reduce-scatter of its whole gradients `stacked`, landing the one in
+        flight before it (module doc)."""
+        pieces = stacked.new_empty(stacked.shape[1])
+        pending = self.communicator.reduce_scatter(pieces, stacked.reshape(-1), self.group, tag=tag)
+        self._reducing.append(_Reducing(pending, stacked, pieces.split(widths), self.layers[k].shards))
+        while len(self._reducing) > 1:
+            self._reducing.pop(0).land()
+
+    def land(self) -> None:
+        """Wait for the reduce-scatters in flight and give the pieces their gradients: call
+        after each backward, before a gradient is read."""
+        while self._reducing:
+            self._reducing.pop(0).land()
 
     def _regather_function(self, k: int):
         gatherer = self
@@ -232,6 +260,24 @@ class ParameterGatherer:
         if value is not None:
             return value
         return self._unpack(taken.recipe).detach().requires_grad_(taken.requires_grad)
+
+
+@dataclass(frozen=True)
+class _Reducing:
+    """A layer's gradients on the wire: its reduce-scatter, and where the sums go."""
+
+    pending: PendingCollective
+    stacked: torch.Tensor  # the whole gradients sent, alive until the call completes
+    sums: tuple[torch.Tensor, ...]  # this rank's piece of each summed gradient, flat
+    shards: list[torch.nn.Parameter]  # the pieces they are the gradients of
+
+    def land(self) -> None:
+        self.pending.wait()
+        for shard, summed in zip(self.shards, self.sums):
+            if shard.grad is None:
+                shard.grad = summed.view(shard.shape)
+            else:  # a later microbatch's, reduced on its own: autograd's accumulation
+                shard.grad.add_(summed.view(shard.shape))
 
 
 @dataclass(frozen=True)

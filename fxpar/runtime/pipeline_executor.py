@@ -148,6 +148,8 @@ class PipelineExecutor:
                         sends = self._backward(action, received, step)
                     else:
                         self.weights.run((action.stage, action.microbatch))
+                    if action.kind != "F":
+                        context.land_gradients()
                 if context.record_timeline:
                     self.timeline.append((str(action), start, time.perf_counter()))
         for send in step.sends:

@@ -89,6 +89,12 @@ class StepContext:
     # The step's count of valid targets, in flight during the forward (`runtime.valid_targets`).
     count_arrival: CountArrival = field(default_factory=CountArrival)
 
+    def land_gradients(self) -> None:
+        """After a backward: ZeRO-3's reduce-scatters still in flight complete and give the
+        parameters' pieces their gradients (`ParameterGatherer.land`); nothing otherwise."""
+        for gatherer in self.gatherers:
+            gatherer.land()
+
     def saving(self, module: int):
         """The context a forward of module `module` runs in (ZeRO-3 packs what autograd saves of
         gathered parameters as recipes, and the meter counts the rest; nothing otherwise)."""

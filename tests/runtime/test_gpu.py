@@ -32,11 +32,17 @@ def test_world_size_one_on_nccl(torchrun):
     _close(result["dp=1"], train_single_device())
 
 
+# Gloo with CUDA tensors: the plans' collectives (all-reduce; ZeRO's reduce-scatter and
+# all-gather) on device memory, two ranks on one GPU (NCCL refuses two ranks on one device).
+SHARED_GPU_PLANS = ("dp=2", "dp=2 zero=1", "dp=2 zero=2", "dp=2 zero=3")
+
+
 def test_two_gloo_ranks_share_one_gpu(torchrun):
     ranks = torchrun(
-        "train_worker.py", 2, "dp=2",
+        "train_worker.py", 2, *SHARED_GPU_PLANS,
         env={"FXPAR_TEST_DEVICE": "cuda:0", "FXPAR_TEST_BACKEND": "gloo"},
     )
     reference = train_single_device()
     for results in ranks:
-        _close(results["dp=2"], reference)
+        for plan in SHARED_GPU_PLANS:
+            _close(results[plan], reference)
