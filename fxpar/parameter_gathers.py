@@ -11,8 +11,9 @@ cut in dp equal pieces; Rajbhandari et al. 2020, Sec. 5.3, P_os+g+p). The ZeRO-3
 Forward: the shards are laid side by side in one flat buffer (FSDP2's copy-in) and
 all-gathered in one call; each parameter's padded flat value is copied out of every rank's
 block. Backward: the reverse, one reduce-scatter of the layer's gradients laid out the same
-way, which leaves each rank the summed gradient of its own shards, where autograd
-accumulates them. So each layer costs one all-gather in forward and one reduce-scatter in
+way, which leaves each rank the summed gradient of its own shards (as registered here,
+autograd accumulates them; the runtime's eager form leaves the call in flight under the
+backward of the layers below and sets them itself: `runtime.parameter_gatherer`). So each layer costs one all-gather in forward and one reduce-scatter in
 backward, per microbatch, and both are in the graph, where `lowering.graph_calls` reads
 them: the step program lists them like any tensor-parallel op's calls. (With several
 microbatches the reduce-scatter may instead go out once per step, in the last backward, on

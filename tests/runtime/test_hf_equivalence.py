@@ -15,7 +15,10 @@ the pad row of a vocabulary-parallel embedding gets an exactly zero gradient is 
 tests/passes/test_tp_real_models.py on an untied Llama: BERT ties its pad row to the MLM head,
 which gives it a gradient on one device too.)
 
-The jobs share two torchrun launches (each ~one capture per model) to keep CI short.
+Under ZeRO (stages 1-3, alone and with microbatches, activation checkpointing, tp and pp) the
+same holds: the pieces each rank keeps, gathers and reduce-scatters are invisible in the result.
+
+The jobs share four torchrun launches (each ~one capture per model) to keep CI short.
 """
 
 import sys
@@ -40,6 +43,21 @@ TENSOR = [f"{m} sdpa tp=2" for m in MODELS] + [
     f"{m} sdpa tp=2 tp_rules=model" for m in MODELS_WITH_TP_PLAN
 ] + [
     f"{m} eager {plan}" for m in ("gpt2", "llama") for plan in ("dp=2 mb=2", "tp=2", "pp=2 mb=2")
+]
+
+# ZeRO on every model, GPT-2's and BERT's tied embeddings among them, each stage alone and
+# composed with microbatches, checkpointing, tp and pp: the pieces each rank keeps, the
+# gathers and the reduce-scatters must leave the training one device does.
+ZERO = [f"{m} sdpa dp=2 zero=3 mb=2" for m in MODELS] + [
+    "gpt2 sdpa dp=2 zero=1", "qwen2 sdpa dp=2 zero=1 mb=2", "llama sdpa dp=2 zero=2",
+    "bert sdpa dp=2 zero=2 mb=2 zero_reduce=microbatch", "gpt2 sdpa dp=2 zero=3 checkpoint=full",
+    "llama sdpa dp=2 zero=3 checkpoint=selective mb=2 zero_reduce=microbatch", "gpt_neox sdpa dp=2 zero=3 reshard_after_forward=false",
+    "mistral sdpa dp=2 zero=3 mb=2 zero_reduce=step",
+]
+ZERO_ON_FOUR_RANKS = [
+    "gpt_neox sdpa dp=2 tp=2 zero=1", "gpt2 sdpa dp=2 tp=2 zero=2 mb=2", "llama sdpa dp=2 tp=2 zero=3",
+    "bert sdpa dp=2 pp=2 mb=2 zero=1", "gpt2 sdpa dp=2 pp=2 mb=4 zero=2 schedule=1f1b",
+    "qwen2 sdpa dp=2 pp=2 mb=2 zero=3", "mistral sdpa dp=4 zero=3",
 ]
 
 
@@ -86,8 +104,8 @@ def assert_equivalent(result: dict, reference: dict, job: str) -> None:
     assert Counter(result["comm"]) == Counter(result["predicted"]), f"{job}: collectives"
 
 
-def check_jobs(torchrun, references, jobs: list[str]) -> None:
-    ranks = torchrun("hf_worker.py", 2, *jobs, timeout=900)
+def check_jobs(torchrun, references, jobs: list[str], world: int = 2) -> None:
+    ranks = torchrun("hf_worker.py", world, *jobs, timeout=900)
     for job in jobs:
         name, attention, _ = job.split(" ", 2)
         for results in ranks:
@@ -100,3 +118,11 @@ def test_data_parallel_and_pipeline_match_single_device(torchrun, references):
 
 def test_tensor_parallel_and_eager_attention_match_single_device(torchrun, references):
     check_jobs(torchrun, references, TENSOR)
+
+
+def test_zero_stages_match_single_device(torchrun, references):
+    check_jobs(torchrun, references, ZERO)
+
+
+def test_zero_composed_with_tensor_and_pipeline_parallelism_matches_single_device(torchrun, references):
+    check_jobs(torchrun, references, ZERO_ON_FOUR_RANKS, world=4)
