@@ -32,6 +32,12 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
 # that is float noise in practice, and a tiny eps turns that noise into full-size updates of
 # arbitrary sign, so two correct implementations would drift apart for no real reason.
 OPTIMIZER = dict(lr=1e-2, eps=1e-6, weight_decay=0.1)
+LR_DECAY = 0.5  # a scheduled run's learning rate, each step's half the last's (StepLR)
+
+
+def lr_scheduler(optimizer):
+    """The schedule of a scheduled run (`LR_DECAY`), stepped after each optimizer step."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=LR_DECAY)
 
 
 def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
@@ -51,10 +57,12 @@ def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def train_single_device(name: str = "gpt") -> dict:
-    """Losses per step, gradients of step 1 and the final state of plain one-device training."""
+def train_single_device(name: str = "gpt", *, scheduled: bool = False) -> dict:
+    """Losses per step, gradients of step 1 and the final state of plain one-device training
+    (`scheduled`: under `lr_scheduler`)."""
     model = build_model(name)
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    scheduler = lr_scheduler(optimizer) if scheduled else None
     losses, first_grads = [], None
     for tokens, labels in global_batches():
         loss = model(tokens, labels)
@@ -64,6 +72,8 @@ def train_single_device(name: str = "gpt") -> dict:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments}
@@ -93,14 +103,15 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
 
 
 def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches: int = 1,
-                             reduce_dtype: torch.dtype = torch.float32) -> dict:
+                             reduce_dtype: torch.dtype = torch.float32, scheduled: bool = False) -> dict:
     """`train_single_device_bf16`'s arithmetic as `ranks` data-parallel ranks do it: each
     rank's contiguous share of the batch, cut in `microbatches`; each microbatch's bf16
     gradients (its mean loss / (ranks x microbatches), a power of two here) summed over the
     ranks in `reduce_dtype` (fp32: each rank's bf16 gradient cast up, then added), the sums
     accumulated over the microbatches in `reduce_dtype`, the fp32 masters stepped by AdamW.
-    Also returns the first step's fp32 gradients ("grads")."""
+    Also returns the first step's fp32 gradients ("grads"). `scheduled`: under `lr_scheduler`."""
     model, masters, optimizer = _bf16_model(name)
+    scheduler = lr_scheduler(optimizer) if scheduled else None
     losses, first_grads = [], None
     with _bf16_compute():
         for tokens, labels in global_batches():
@@ -123,6 +134,8 @@ def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches:
             if first_grads is None:
                 first_grads = {n: m.grad.clone() for (n, _), m in zip(model.named_parameters(), masters)}
             _step_masters(optimizer, masters, model)
+            if scheduler is not None:
+                scheduler.step()
     return _bf16_result(model, masters, optimizer, losses=losses, grads=first_grads)
 
 

@@ -6,6 +6,7 @@ FXPAR_TEST_MODEL picks the model of tiny_training.MODELS (default gpt). FXPAR_TE
 and FXPAR_TEST_BACKEND, when set, choose bind()'s device and backend (the GPU tier runs NCCL on
 one GPU, or several gloo ranks sharing one GPU). FXPAR_TEST_RECEIVES_AHEAD sets
 `Runner.receives_ahead` (0 runs a pipeline in NCCL's transfer order on gloo).
+FXPAR_TEST_SCHEDULED=1 steps `tiny_training.lr_scheduler` after each optimizer step.
 """
 
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from tiny_training import OPTIMIZER, build_model, global_batches
+from tiny_training import OPTIMIZER, build_model, global_batches, lr_scheduler
 
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
@@ -33,6 +34,7 @@ for plan in plans:
     if "FXPAR_TEST_RECEIVES_AHEAD" in os.environ:  # e.g. NCCL's pipeline order, run on gloo
         runner.receives_ahead = int(os.environ["FXPAR_TEST_RECEIVES_AHEAD"])
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    scheduler = lr_scheduler(optimizer) if os.environ.get("FXPAR_TEST_SCHEDULED") == "1" else None
     # One step at another batch and sequence length than the example: sizes are symbolic.
     small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
     resized_loss = runner.step(*[t.to(runner.device) for t in runner.local_batch(*small)])
@@ -49,6 +51,8 @@ for plan in plans:
             first_grads = runner.full_gradients()
             memory = runner.memory_stats()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     results[plan] = {
         "losses": losses,
         "resized": (resized_loss, [t.clone() for t in small]),
