@@ -242,12 +242,13 @@ def _check_optimizer(optimizer, manifest: dict, path: Path) -> None:
 
 
 def _restore_options(optimizer, saved_groups: list[dict]) -> None:
-    """The saved options (lr, betas, ...) back into the optimizer's groups, typed as they are."""
+    """The saved options (lr, betas, ...) back into the optimizer's groups, typed as they are,
+    as `torch.optim.Optimizer.load_state_dict` restores its groups: a key the group lacks comes
+    back too (a scheduler's `initial_lr`, which one made after the load to resume reads)."""
     inner = inner_optimizer(optimizer)
     for group, saved in zip(inner.param_groups, saved_groups):
         for key, value in saved.items():
-            if key in group:
-                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
 
 def _more(keys: list[str]) -> str:

@@ -66,3 +66,17 @@ def test_a_scheduler_drives_the_sharded_and_mixed_precision_optimizers(torchrun)
             else:
                 assert result["losses"] == pytest.approx(scheduled["losses"], rel=BF16_LOSS_RELATIVE), plan
                 assert update_distance(result["state"]) <= BF16_UPDATE_RELATIVE, plan
+
+
+def test_a_loaded_checkpoint_gives_back_the_schedulers_initial_lr():
+    """`runner.load(path, optimizer=...)` restores the saved groups' options as torch's
+    `load_state_dict` does, keys the fresh optimizer lacks included: a scheduler made after the
+    load to resume (`last_epoch=k`) reads `initial_lr`, which only the saved groups hold."""
+    from fxpar.runtime.checkpoint import _restore_options
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    _restore_options(optimizer, [{"lr": 2.5e-3, "initial_lr": 1e-2, "betas": [0.8, 0.95]}])
+    (group,) = optimizer.param_groups
+    assert (group["lr"], group["initial_lr"], group["betas"]) == (2.5e-3, 1e-2, (0.8, 0.95))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=LR_DECAY, last_epoch=1)
+    assert scheduler.base_lrs == [1e-2]
