@@ -139,11 +139,11 @@ def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalT
 
 
 def _master_spans(state: RankState, module: int, name: str) -> list[tuple[torch.Tensor, tuple]]:
-    """(master shard, `_shard_spans` span) of each part of this rank's ZeRO-1/2 master shards
+    """(master shard, `shard_spans` span) of each part of this rank's ZeRO-1/2 master shards
     that falls in parameter `name` of module `module`."""
     buckets = state.buckets[module]
     return [(state.masters.shard_of(module, index), span) for index in range(len(buckets.states))
-            for span in _shard_spans(buckets, index) if span[0] == name]
+            for span in shard_spans(buckets, index) if span[0] == name]
 
 
 def _fill_masters(state: RankState, module: int, name: str, working: torch.Tensor, master: torch.Tensor | None,
@@ -222,7 +222,7 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
     for buckets, index, shard in optimizer.shards:
         module = state.modules[next(i for i, b in enumerate(state.buckets) if b is buckets)]
         stage = meta.stage_of(module)
-        spans = list(_shard_spans(buckets, index))
+        spans = list(shard_spans(buckets, index))
         if loading:
             keys = {k: e for name, *_ in spans for k, e in by_parameter.get(name, {}).items()}
             inner.state[shard] = {k: _fresh(e, like=shard, group=group) for k, e in keys.items() if len(e.size)}
@@ -265,7 +265,7 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
     return tensors, finish
 
 
-def _shard_spans(buckets, index):
+def shard_spans(buckets, index):
     """(name, parameter, first element in the parameter, start and stop in the shard) of each
     parameter this rank's shard of bucket `index` overlaps (`Bucket.shard`, the flat layout
     of `sharded_optimizer.flatten_parameters`)."""

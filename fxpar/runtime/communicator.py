@@ -161,16 +161,16 @@ class Communicator:
         return PendingCollective(work, call, group, self.timeout)
 
     def all_reduce_now(
-        self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str
+        self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str, log: bool = True
     ) -> None:
-        """All-reduce `tensor` in place (sum or max) and wait for it. Where the step program says
-        this call carries the step agreement (`lowering.ride_agreements`), the ranks' step
-        numbers ride at its end and are checked before `tensor` gets the sum
-        (`runtime.step_numbers`)."""
+        """All-reduce `tensor` in place (sum or max) and wait for it; `log=False` outside a
+        step. Where the step program says this call carries the step agreement
+        (`lowering.ride_agreements`), the ranks' step numbers ride at its end and are checked
+        before `tensor` gets the sum (`runtime.step_numbers`)."""
         slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
         payload = tensor if not slots else torch.cat((
             tensor.reshape(-1), step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
-        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, slots=slots)
+        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, slots=slots, log=log)
         work = _all_reduce(payload, group, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         PendingCollective(work, call, group, self.timeout).wait()
         if slots:

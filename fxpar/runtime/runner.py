@@ -39,6 +39,7 @@ from fxpar.runtime.binding import (
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
+from fxpar.runtime.gradient_norm import clip_grad_norm_
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
@@ -311,6 +312,15 @@ class Runner(WholeState):
                          if self._masters else optimizer_class(parameters, **options))
         self._optimizers.append(optimizer)
         return optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model: the norm of all its gradients
+        as one device has them (each element once, however this rank holds it), every rank's
+        gradients scaled by the same coefficient; returns that norm. Call it after `step()`,
+        before `optimizer.step()`, on every rank (`runtime.gradient_norm`)."""
+        self._require_open("clip_grad_norm_")
+        return clip_grad_norm_(self._rank_state(), self.communicator, max_norm, norm_type,
+                               sharded=bool(self._flat_parameters))
 
     def memory_stats(self) -> dict[str, int | None]:
         """Bytes this rank holds: `params`, `grads`, `optimizer` (the state of the optimizers

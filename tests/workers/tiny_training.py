@@ -7,6 +7,7 @@ so both draw the same initial weights and the same global batches.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from pathlib import Path
 
@@ -57,26 +58,31 @@ def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def train_single_device(name: str = "gpt", *, scheduled: bool = False) -> dict:
+def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: float | None = None) -> dict:
     """Losses per step, gradients of step 1 and the final state of plain one-device training
-    (`scheduled`: under `lr_scheduler`)."""
+    (`scheduled`: under `lr_scheduler`; `clip`: the gradients clipped to that global 2-norm before
+    each step; "norms" has each step's inf-norm and 2-norm before clipping)."""
     model = build_model(name)
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
     scheduler = lr_scheduler(optimizer) if scheduled else None
-    losses, first_grads = [], None
+    losses, first_grads, norms = [], None, []
     for tokens, labels in global_batches():
         loss = model(tokens, labels)
         loss.backward()
         losses.append(loss.item())
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if clip is not None:  # the inf-norm first: a bound of inf leaves the gradients as they are
+            norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf, math.inf)),
+                          float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))))
         optimizer.step()
         optimizer.zero_grad()
         if scheduler is not None:
             scheduler.step()
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
-    return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments}
+    return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments,
+            "norms": norms}
 
 
 def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:

@@ -6,9 +6,11 @@ FXPAR_TEST_MODEL picks the model of tiny_training.MODELS (default gpt). FXPAR_TE
 and FXPAR_TEST_BACKEND, when set, choose bind()'s device and backend (the GPU tier runs NCCL on
 one GPU, or several gloo ranks sharing one GPU). FXPAR_TEST_RECEIVES_AHEAD sets
 `Runner.receives_ahead` (0 runs a pipeline in NCCL's transfer order on gloo).
-FXPAR_TEST_SCHEDULED=1 steps `tiny_training.lr_scheduler` after each optimizer step.
+FXPAR_TEST_SCHEDULED=1 steps `tiny_training.lr_scheduler` after each optimizer step;
+FXPAR_TEST_CLIP=x clips the gradients to global norm x before it (`runner.clip_grad_norm_`).
 """
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -39,12 +41,15 @@ for plan in plans:
     small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
     resized_loss = runner.step(*[t.to(runner.device) for t in runner.local_batch(*small)])
     optimizer.zero_grad()
-    losses, first_grads, step_logs, memory = [], None, [], None
+    clip = float(os.environ["FXPAR_TEST_CLIP"]) if "FXPAR_TEST_CLIP" in os.environ else None
+    losses, first_grads, step_logs, memory, norms = [], None, [], None, []
     runner.record_timeline = True  # what the pipeline executor ran (the last step's is kept)
     for tokens, labels in global_batches():
         runner.reset_comm_stats()
         local = [t.to(runner.device) for t in runner.local_batch(tokens, labels)]
         losses.append(runner.step(*local))
+        if clip is not None:  # the inf-norm first: a bound of inf leaves the gradients as they are
+            norms.append((float(runner.clip_grad_norm_(math.inf, math.inf)), float(runner.clip_grad_norm_(clip))))
         optimizer.step()  # (ZeRO gathers the updated parameters: part of the step's calls)
         step_logs.append((runner.comm_log(), runner.comm_stats()))
         if first_grads is None:  # the step's gradients, still there until zero_grad
@@ -55,6 +60,7 @@ for plan in plans:
             scheduler.step()
     results[plan] = {
         "losses": losses,
+        "norms": norms,
         "resized": (resized_loss, [t.clone() for t in small]),
         "grads": first_grads,
         "state": runner.full_state_dict(),

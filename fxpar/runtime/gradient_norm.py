@@ -1,0 +1,92 @@
+"""Clipping gradients by their global norm, as `torch.nn.utils.clip_grad_norm_` does on one device.
+
+One device's norm runs over every element of every parameter's gradient, once. A rank holds
+its gradients in pieces and in copies:
+
+    pieces   a tensor-parallel shard, ZeRO-3's flat piece, ZeRO-1/2's shard of a flat
+             bucket, the parameters of this rank's pipeline stages
+    copies   a gradient replicated over dp (plain data parallelism) or over tp (a layer norm's
+             weight), a tied weight held by two pipeline stages
+
+Each rank adds up |g|^p over the elements it is the counted holder of: every piece, and of a
+copy the first (dp index 0, tp index 0, the first stage holding the tensor, the holder that
+writes it to a checkpoint: `runtime.checkpoint_state`). One all-reduce over the world sums
+those (the maximum for the inf-norm), the p-th root is the norm, and every rank multiplies
+the gradients its optimizer reads (ZeRO-1/2's reduced shards, else the parameters' `.grad`,
+copies included) by torch's coefficient, max_norm / (norm + 1e-6) capped at 1 (a non-finite
+norm scales them by NaN, as torch's default does). The sums run in fp32 (torch sums in the
+gradients' dtype: a bf16-mixed rank's norm is the more exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fxpar import meta
+from fxpar.placement import Replicate
+from fxpar.runtime.checkpoint_state import RankState, shard_spans
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.whole_state import graph_parameters
+
+
+def clip_grad_norm_(state: RankState, communicator: Communicator, max_norm: float, norm_type: float = 2.0, *,
+                    sharded: bool) -> torch.Tensor:
+    """Scale this rank's gradients so that the whole model's have norm at most `max_norm`, and
+    return that norm before scaling (module doc); `sharded`: the optimizer reads ZeRO-1/2's
+    reduced bucket shards. Every rank must call it."""
+    norm_type = float(norm_type)
+    counted, scaled = _sharded_gradients(state) if sharded else _parameter_gradients(state)
+    infinite = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=state.device)
+    for gradient in counted:
+        magnitude = gradient.detach().float().abs()
+        total = torch.maximum(total, magnitude.max()) if infinite else total + magnitude.pow(norm_type).sum()
+    world = dist.get_world_size()
+    if world > 1:
+        group = RankGroup(axis=None, ranks=tuple(range(world)), handle=dist.group.WORLD, rank=state.rank)
+        communicator.all_reduce_now(total, group, tag="gradient norm", op="max" if infinite else "sum",
+                                    phase="step", log=False)
+    norm = total if infinite else total.pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for gradient in scaled:
+        gradient.mul_(coefficient.to(gradient.dtype))
+    return norm
+
+
+def _parameter_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the `.grad`s this rank counts, every `.grad` it holds)."""
+    writers, coord = state.writer_stage(), state.coord
+    counted, held = [], []
+    for module in state.modules:
+        trained, stage = meta.trained_parameters(module), meta.stage_of(module)
+        for name, parameter in graph_parameters(module).items():
+            if name not in trained or parameter.grad is None:
+                continue
+            held.append(parameter.grad)
+            placements = state.placements(module, name)
+            first_copy = all(not isinstance(placements[axis], Replicate) or coord[axis] == 0 for axis in ("dp", "tp"))
+            if first_copy and writers.get(name, stage) == stage:
+                counted.append(parameter.grad)
+    return counted, held
+
+
+def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """ZeRO-1/2: (the parts of this rank's reduced shards it counts, the shards). A shard is
+    this dp rank's alone; the parameters it crosses may still be copies over tp or pipeline
+    stages, counted once as above."""
+    writers, coord = state.writer_stage(), state.coord
+    counted, held = [], []
+    for module, buckets in zip(state.modules, state.buckets):
+        stage = meta.stage_of(module)
+        for index in range(len(buckets.states)):
+            shard = buckets.shard_gradient(index)
+            held.append(shard)
+            for name, _, _, start, stop in shard_spans(buckets, index):
+                copy = isinstance(state.placements(module, name).tp, Replicate) and coord["tp"] != 0
+                if not copy and writers.get(name, stage) == stage:
+                    counted.append(shard[start:stop])
+    return counted, held
