@@ -9,8 +9,8 @@ its gradients in pieces and in copies:
              weight), a tied weight held by two pipeline stages
 
 Each rank adds up |g|^p over the elements it is the counted holder of: every piece, and of a
-copy the first (dp index 0, tp index 0, the first stage holding the tensor, the holder that
-writes it to a checkpoint: `runtime.checkpoint_state`). One all-reduce over the world sums
+copy the first (dp index 0, tp index 0; of a tied weight the first stage holding it, the one
+that writes it to a checkpoint, `RankState.writer_stage`). One all-reduce over the world sums
 those (the maximum for the inf-norm), the p-th root is the norm, and every rank multiplies
 the gradients its optimizer reads (ZeRO-1/2's reduced shards, else the parameters' `.grad`,
 copies included) by torch's coefficient, max_norm / (norm + 1e-6) capped at 1 (a non-finite
