@@ -14,8 +14,9 @@ block. Backward: the reverse, one reduce-scatter of the layer's gradients laid o
 way, which leaves each rank the summed gradient of its own shards (as registered here,
 autograd accumulates them; the runtime's eager form leaves the call in flight under the
 backward of the layers below and sets them itself: `runtime.parameter_gatherer`). So each
-layer costs one all-gather in forward and one reduce-scatter in backward, per microbatch, and both are in the graph, where `lowering.graph_calls` reads
-them: the step program lists them like any tensor-parallel op's calls. (With several
+layer costs one all-gather in forward and one reduce-scatter in backward, per microbatch,
+and both are in the graph, where `lowering.graph_calls` reads them: the step program lists
+them like any tensor-parallel op's calls. (With several
 microbatches the reduce-scatter may instead go out once per step, in the last backward, on
 the sum of the step's whole gradients: `fxpar.zero_reduction`.)
 
