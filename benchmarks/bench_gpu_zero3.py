@@ -84,10 +84,11 @@ def eager_step(model, optimizer, batches, device: torch.device):
     return step
 
 
-def fxpar_side(model, batches, args, device: torch.device):
-    """Compile and bind fxpar's side; measure its peak and model state against the estimate
-    before any other side allocates on the device."""
-    program = fxpar.compile(model, "dp=1 zero=3 precision=bf16-mixed", example_inputs=batches[0])
+def fxpar_side(model, example, batches, args, device: torch.device):
+    """Compile (on the CPU, where `model` and the `example` batch are) and bind fxpar's side;
+    measure its peak and model state against the estimate before any other side allocates on
+    the device."""
+    program = fxpar.compile(model, "dp=1 zero=3 precision=bf16-mixed", example_inputs=example)
     predicted = program.estimate(args.hardware).memory
     runner = program.bind(timeout=600, device=device)
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
@@ -131,9 +132,11 @@ def main() -> int:
                for _ in range(count)]
     on_device = [tuple(t.to(device) for t in b) for b in batches]
 
-    eager_model = copy.deepcopy(model).to(device)
-    fsdp_model = copy.deepcopy(model).to(device)
-    runner, fx_step, memory = fxpar_side(model, on_device, args, device)
+    # Copied before fxpar binds the model's own tensors, moved to the device after its peak.
+    eager_model, fsdp_model = copy.deepcopy(model), copy.deepcopy(model)
+    runner, fx_step, memory = fxpar_side(model, batches[0], on_device, args, device)
+    eager_model.to(device)
+    fsdp_model.to(device)
     eager_optimizer = torch.optim.AdamW(eager_model.parameters(), **OPTIMIZER)
     mesh = init_device_mesh(device.type, (1,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
