@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up length")
     parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--grad-clip", type=float, default=1.0,
+                        help="clip the gradients to this global norm before each step (0: no clipping)")
     parser.add_argument("--seed", type=int, default=1337,
                         help="model init, data order and dropout's masks (rank 0's seed is the job's)")
     parser.add_argument("--dropout", type=float, default=0.0,
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             runner.record_timeline = args.timeline and step == args.steps - 1
             t0 = time.perf_counter()
             loss = runner.step(xs.to(runner.device), ys.to(runner.device))
+            if args.grad_clip:  # the whole model's norm, however the plan holds its gradients
+                runner.clip_grad_norm_(args.grad_clip)
             opt.step()
             opt.zero_grad()
             if runner.device.type == "cuda":
