@@ -109,15 +109,14 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
 
 
 def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches: int = 1,
-                             reduce_dtype: torch.dtype = torch.float32, scheduled: bool = False) -> dict:
+                             reduce_dtype: torch.dtype = torch.float32) -> dict:
     """`train_single_device_bf16`'s arithmetic as `ranks` data-parallel ranks do it: each
     rank's contiguous share of the batch, cut in `microbatches`; each microbatch's bf16
     gradients (its mean loss / (ranks x microbatches), a power of two here) summed over the
     ranks in `reduce_dtype` (fp32: each rank's bf16 gradient cast up, then added), the sums
     accumulated over the microbatches in `reduce_dtype`, the fp32 masters stepped by AdamW.
-    Also returns the first step's fp32 gradients ("grads"). `scheduled`: under `lr_scheduler`."""
+    Also returns the first step's fp32 gradients ("grads")."""
     model, masters, optimizer = _bf16_model(name)
-    scheduler = lr_scheduler(optimizer) if scheduled else None
     losses, first_grads = [], None
     with _bf16_compute():
         for tokens, labels in global_batches():
@@ -140,8 +139,6 @@ def train_data_parallel_bf16(name: str = "gpt", *, ranks: int = 2, microbatches:
             if first_grads is None:
                 first_grads = {n: m.grad.clone() for (n, _), m in zip(model.named_parameters(), masters)}
             _step_masters(optimizer, masters, model)
-            if scheduler is not None:
-                scheduler.step()
     return _bf16_result(model, masters, optimizer, losses=losses, grads=first_grads)
 
 
