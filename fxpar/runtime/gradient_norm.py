@@ -29,7 +29,7 @@ from fxpar import meta
 from fxpar.placement import Replicate
 from fxpar.runtime.checkpoint_state import RankState, shard_spans
 from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.process_groups import world_group
 from fxpar.runtime.whole_state import graph_parameters
 
 
@@ -45,11 +45,9 @@ def clip_grad_norm_(state: RankState, communicator: Communicator, max_norm: floa
     for gradient in counted:
         magnitude = gradient.detach().float().abs()
         total = torch.maximum(total, magnitude.max()) if infinite else total + magnitude.pow(norm_type).sum()
-    world = dist.get_world_size()
-    if world > 1:
-        group = RankGroup(axis=None, ranks=tuple(range(world)), handle=dist.group.WORLD, rank=state.rank)
-        communicator.all_reduce_now(total, group, tag="gradient norm", op="max" if infinite else "sum",
-                                    phase="step", log=False)
+    if dist.get_world_size() > 1:
+        communicator.all_reduce_now(total, world_group(state.rank), tag="gradient norm",
+                                    op="max" if infinite else "sum", phase="step", log=False)
     norm = total if infinite else total.pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for gradient in scaled:
@@ -59,17 +57,15 @@ def clip_grad_norm_(state: RankState, communicator: Communicator, max_norm: floa
 
 def _parameter_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the `.grad`s this rank counts, every `.grad` it holds)."""
-    writers, coord = state.writer_stage(), state.coord
+    writers = state.writer_stage()
     counted, held = [], []
     for module in state.modules:
-        trained, stage = meta.trained_parameters(module), meta.stage_of(module)
+        trained = meta.trained_parameters(module)
         for name, parameter in graph_parameters(module).items():
             if name not in trained or parameter.grad is None:
                 continue
             held.append(parameter.grad)
-            placements = state.placements(module, name)
-            first_copy = all(not isinstance(placements[axis], Replicate) or coord[axis] == 0 for axis in ("dp", "tp"))
-            if first_copy and writers.get(name, stage) == stage:
+            if _first_copy(state, module, name, ("dp", "tp"), writers):
                 counted.append(parameter.grad)
     return counted, held
 
@@ -78,15 +74,22 @@ def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch
     """ZeRO-1/2: (the parts of this rank's reduced shards it counts, the shards). A shard is
     this dp rank's alone; the parameters it crosses may still be copies over tp or pipeline
     stages, counted once as above."""
-    writers, coord = state.writer_stage(), state.coord
+    writers = state.writer_stage()
     counted, held = [], []
     for module, buckets in zip(state.modules, state.buckets):
-        stage = meta.stage_of(module)
         for index in range(len(buckets.states)):
             shard = buckets.shard_gradient(index)
             held.append(shard)
             for name, _, _, start, stop in shard_spans(buckets, index):
-                copy = isinstance(state.placements(module, name).tp, Replicate) and coord["tp"] != 0
-                if not copy and writers.get(name, stage) == stage:
+                if _first_copy(state, module, name, ("tp",), writers):
                     counted.append(shard[start:stop])
     return counted, held
+
+
+def _first_copy(state: RankState, module, name: str, axes: tuple[str, ...], writers: dict[str, int]) -> bool:
+    """Whether this rank's gradient of `name` is the one counted: index 0 on each of `axes` the
+    parameter is replicated on, and the first stage holding it (`RankState.writer_stage`)."""
+    placements, coord, stage = state.placements(module, name), state.coord, meta.stage_of(module)
+    replica = any(isinstance(placements[axis], Replicate) and coord[axis] != 0 for axis in axes)
+    return not replica and writers.get(name, stage) == stage
+

@@ -45,6 +45,12 @@ class RankGroup:
         return f"{axis} group {list(self.ranks)}"
 
 
+def world_group(rank: int) -> RankGroup:
+    """Every rank of the job, seen from `rank`: for the calls outside any step that all ranks
+    make together (the seed agreement, the gradient norm)."""
+    return RankGroup(axis=None, ranks=tuple(range(dist.get_world_size())), handle=dist.group.WORLD, rank=rank)
+
+
 def init_process_groups(
     mesh: Mesh, *, rank: int, backend: str, timeout: timedelta, device_id=None,
     extra: tuple[tuple[int, ...], ...] = (),

@@ -15,11 +15,10 @@ One scalar collective over the whole world, at bind, outside any step (so in no 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from fxpar.errors import BindError
 from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.process_groups import world_group
 
 _SEED_RANGE = 2**63  # torch.initial_seed() is a uint64; the collective carries an int64
 
@@ -37,7 +36,7 @@ def agree_seed(seed: int | None, *, rank: int, world_size: int, communicator: Co
     own = torch.initial_seed() % _SEED_RANGE if seed is None else seed
     if world_size == 1:
         return own
-    world = RankGroup(axis=None, ranks=tuple(range(world_size)), handle=dist.group.WORLD, rank=rank)
+    world = world_group(rank)
     if seed is None:
         value = torch.tensor([own], dtype=torch.int64, device=device)
         communicator.broadcast(value, world, tag="the job's random seed", log=False)
