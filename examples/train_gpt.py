@@ -205,8 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if runner.device.type == "cpu":  # share the cores instead of oversubscribing them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // runner.world_size))
+        # nanoGPT's configure_optimizers: matrices decay, biases and LayerNorm weights do not.
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
         opt = runner.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
-                               betas=(0.9, 0.95))
+                               betas=(0.9, 0.95), param_groups=groups)
         if runner.is_main:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"plan {args.plan!r} on {runner.world_size} rank(s), {runner.device}; "

@@ -217,17 +217,20 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
     """ZeRO-1/2: each flat shard's state, cut where the shard crosses its parameters."""
     inner = optimizer.optimizer
     tensors: dict[str, GlobalTensor] = {}
-    scalars: list[tuple[torch.Tensor, dict[str, list[tuple[str, torch.Tensor]]]]] = []
+    scalars: list[tuple[int, dict[str, list[tuple[str, torch.Tensor]]]]] = []
     group = inner.param_groups[0]
-    for buckets, index, shard in optimizer.shards:
+    for position, (buckets, index, shard) in enumerate(optimizer.shards):
         module = state.modules[next(i for i, b in enumerate(state.buckets) if b is buckets)]
         stage = meta.stage_of(module)
         spans = list(shard_spans(buckets, index))
-        if loading:
+        if loading:  # fresh tensors shaped as the shard, its runs' state views of them
             keys = {k: e for name, *_ in spans for k, e in by_parameter.get(name, {}).items()}
-            inner.state[shard] = {k: _fresh(e, like=shard, group=group) for k, e in keys.items() if len(e.size)}
+            shard_state = {k: _fresh(e, like=shard, group=group) for k, e in keys.items() if len(e.size)}
+            optimizer.load_shard_state(position, shard_state)
             loaded_scalars: dict[str, list[tuple[str, torch.Tensor]]] = {}
-            scalars.append((shard, loaded_scalars))
+            scalars.append((position, loaded_scalars))
+        else:
+            shard_state = optimizer.shard_state(position)
         for name, parameter, param_start, shard_start, shard_stop in spans:
             if writers.get(name, stage) != stage:
                 continue
@@ -238,7 +241,7 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
                         value = _fresh(entry, like=shard, group=group)
                         loaded_scalars.setdefault(key, []).append((name, value))
                         tensors[f"{OPTIMIZER_PREFIX}{name}.{key}"] = _whole(value)
-            for key, value in inner.state.get(shard, {}).items():
+            for key, value in shard_state.items():
                 if not isinstance(value, torch.Tensor):
                     raise _not_a_tensor(inner, name, key, value)
                 full_key = f"{OPTIMIZER_PREFIX}{name}.{key}"
@@ -250,7 +253,7 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
                 tensors[full_key] = GlobalTensor(state.shapes[name], value.dtype, pieces)
 
     def finish() -> None:  # one scalar per shard: every parameter's copy must agree
-        for shard, by_key in scalars:
+        for position, by_key in scalars:
             for key, values in by_key.items():
                 first_name, first = values[0]
                 for name, value in values[1:]:
@@ -260,7 +263,7 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
                             f"{OPTIMIZER_PREFIX}{first_name}.{key} is {first.item()}; under ZeRO they share one "
                             "flat shard and must have been stepped together. Fix: load it with zero=0"
                         )
-                inner.state[shard][key] = first
+                optimizer.load_shard_state(position, {key: first})
 
     return tensors, finish
 

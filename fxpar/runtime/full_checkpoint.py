@@ -2,7 +2,7 @@
 
     runner.save_full("model.safetensors", optimizer=opt)   # every rank calls it; rank 0 writes
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))      # one device
-    optimizer = torch.optim.AdamW(model.parameters(), ...)
+    optimizer = torch.optim.AdamW(model.parameters(), ...)   # or the groups runner.optimizer had
     optimizer.load_state_dict(load_full_optimizer_state("model.optimizer.safetensors", model))
 
 The tensors are gathered by `runner.full_state_dict()` and `runner.full_optimizer_state_dict()`,
@@ -51,8 +51,9 @@ def write_full(path: str | Path, state: dict[str, torch.Tensor], optimizer_state
 
 def load_full_optimizer_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     """The optimizer state `save_full` wrote, as `torch.optim.Optimizer.load_state_dict` takes
-    it for an optimizer over `model.parameters()` (one group): torch matches parameters by
-    position, so the names are put in `model.named_parameters()`'s order here."""
+    it for an optimizer over `model`'s parameters in the groups `runner.optimizer` had (one
+    group of `model.parameters()` without `param_groups`): torch matches parameters by position,
+    numbered on across the groups, so each group's names are numbered in the order saved."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -60,23 +61,25 @@ def load_full_optimizer_state(path: str | Path, model: torch.nn.Module) -> dict[
         raise CheckpointError(f"no optimizer state at {path}. Fix: runner.save_full(..., optimizer=opt) writes it")
     with safe_open(str(path), framework="pt") as file:
         groups = json.loads((file.metadata() or {}).get("param_groups", "null"))
-        if not isinstance(groups, list) or len(groups) != 1:
-            raise CheckpointError(f"{path} has no single param group in its header: not written by runner.save_full")
+        if not isinstance(groups, list) or not groups or not all(isinstance(g.get("params"), list) for g in groups):
+            raise CheckpointError(f"{path} has no parameter groups in its header: not written by runner.save_full")
         by_name: dict[str, dict[str, torch.Tensor]] = {}
         for key in file.keys():
             name, _, state_key = key.removeprefix("state.").rpartition(".")
             by_name.setdefault(name, {})[state_key] = file.get_tensor(key)
-    names = [name for name, _ in model.named_parameters()]
-    unknown = sorted(set(by_name) - set(names))
+    names = dict(model.named_parameters(remove_duplicate=False))
+    listed = [name for group in groups for name in group["params"]]
+    unknown = sorted({*by_name, *listed} - set(names))
     if unknown:
         raise CheckpointError(f"{path} holds optimizer state of {unknown[0]!r}, which the model has no parameter "
                               f"named ({len(unknown)} such). Fix: load it with the model it was saved from")
-    (group,) = groups
-    if isinstance(group.get("betas"), list):  # torch.optim keeps it as a tuple
-        group["betas"] = tuple(group["betas"])
-    group["params"] = list(range(len(names)))
-    state = {index: by_name[name] for index, name in enumerate(names) if name in by_name}
-    return {"state": state, "param_groups": [group]}
+    number = iter(range(len(listed)))
+    for group in groups:
+        if isinstance(group.get("betas"), list):  # torch.optim keeps it as a tuple
+            group["betas"] = tuple(group["betas"])
+        group["params"] = [next(number) for _ in group["params"]]
+    state = {index: by_name[name] for index, name in enumerate(listed) if name in by_name}
+    return {"state": state, "param_groups": groups}
 
 
 def _atomically(path: Path, write) -> None:

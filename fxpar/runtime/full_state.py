@@ -33,6 +33,7 @@ from fxpar import meta
 from fxpar.mesh import Axis
 from fxpar.placement import FlatShard, R, global_tensor, local_shape
 from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.parameter_groups import ParameterGroups
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.wrapped_optimizer import inner_optimizer
@@ -84,30 +85,33 @@ def gather_full_tensors(
     return ordered | {k: v for k, v in merged.items() if k not in ordered}
 
 
-def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather) -> dict[str, Any]:
+def full_optimizer_state(optimizer, *, groups: ParameterGroups, modules, buckets, module_of_stage,
+                         gather) -> dict[str, Any]:
     """`{"state": {name: {"exp_avg": whole tensor, ...}}, "param_groups": [{...options,
-    "params": [names]}]}`: an optimizer's state as `torch.optim` keeps it on one device, keyed
-    by the trained parameters' names (every rank calls it).
+    "params": [names]}, ...]}`: an optimizer's state as `torch.optim` keeps it on one device
+    over `groups` (`runtime.parameter_groups`), keyed by the parameters' names (every rank
+    calls it).
 
     Each per-element state tensor, shaped as its parameter (or, under ZeRO-1/2, as this
     rank's shard of a flat bucket), travels as a gradient does: `gather(local, shards)` runs the
     gradients' state program (`Program.state_program(r, gradients=True)`) once per state key.
     A scalar (Adam's `step`) is this rank's, the same for every parameter stepped together;
-    a parameter without state yet gets zeros."""
+    a trained parameter without state yet gets zeros."""
     from fxpar.runtime.master_weights import MixedPrecisionOptimizer
     from fxpar.runtime.sharded_optimizer import ShardedOptimizer
 
     inner = inner_optimizer(optimizer)
-    shard_of = {id(s): (b, i) for b, i, s in optimizer.shards} if isinstance(optimizer, ShardedOptimizer) else {}
+    sharded = isinstance(optimizer, ShardedOptimizer)
     # bf16-mixed: the state is the fp32 masters'.
     stepped = optimizer.master_of if isinstance(optimizer, MixedPrecisionOptimizer) else lambda p: p
-    states = list(inner.state.items())
-    keys = sorted({k for _, state in states for k, v in state.items() if v.dim() > 0})
-    scalars = {k: v.detach().cpu().clone() for _, state in states for k, v in state.items() if v.dim() == 0}
+    states = list(inner.state.values())
+    keys = sorted({k for state in states for k, v in state.items() if v.dim() > 0})
+    scalars = {k: v.detach().cpu().clone() for state in states for k, v in state.items() if v.dim() == 0}
+    shard_states = [optimizer.shard_state(i) for i in range(len(optimizer.shards))] if sharded else []
     whole: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
-        if shard_of:
-            by_bucket = {(id(shard_of[id(t)][0]), shard_of[id(t)][1]): state[key] for t, state in states}
+        if sharded:
+            by_bucket = {(id(b), i): state[key] for (b, i, _), state in zip(optimizer.shards, shard_states)}
 
             def shards(action, by_bucket=by_bucket):
                 owner = buckets[module_of_stage[action.stage]]
@@ -128,8 +132,8 @@ def full_optimizer_state(optimizer, *, modules, buckets, module_of_stage, gather
             whole.setdefault(name, {})[key] = tensor
     for state in whole.values():
         state.update({k: v.clone() for k, v in scalars.items()})
-    group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
-    return {"state": whole, "param_groups": [group | {"params": list(whole)}]}
+    options = [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups]
+    return {"state": whole, "param_groups": [o | {"params": list(names)} for o, names in zip(options, groups.names)]}
 
 
 def _receive_stage(action, whole, merged, pp: RankGroup, communicator: Communicator) -> None:

@@ -119,15 +119,18 @@ class MasterWeights:
 
 
 class MixedPrecisionOptimizer(WrappedOptimizer):
-    """`optimizer_class` over the fp32 masters of `parameters` (one device's fp32 optimizer
-    step, on the masters), writing the rounded result into the bf16 working copies. A
-    parameter without a master steps itself. Use it as the optimizer: `step`, `zero_grad`;
+    """`optimizer_class` over the fp32 masters of the parameters of `param_groups` (torch.optim's
+    groups; one device's fp32 optimizer step, on the masters), writing the rounded result into
+    the bf16 working copies. A parameter without a master steps itself. Use it as the optimizer: `step`, `zero_grad`;
     `optimizer` is the inner one."""
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any], *,
-                 parameters: list[torch.nn.Parameter], masters: MasterWeights):
-        self._pairs = [(p, m if (m := masters.master_of(p)) is not None else p) for p in parameters]
-        self.optimizer = optimizer_class([master for _, master in self._pairs], **options)
+                 param_groups: list[dict[str, Any]], masters: MasterWeights):
+        self._pairs = [(p, m if (m := masters.master_of(p)) is not None else p)
+                       for group in param_groups for p in group["params"]]
+        stepped = dict(self._pairs)  # a working parameter -> what is stepped for it
+        self.optimizer = optimizer_class(
+            [{**group, "params": [stepped[p] for p in group["params"]]} for group in param_groups], **options)
 
     def master_of(self, parameter: torch.Tensor) -> torch.Tensor:
         """The tensor the inner optimizer steps for `parameter` (its master, or itself)."""

@@ -43,6 +43,7 @@ from fxpar.runtime.gradient_norm import clip_grad_norm_
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
+from fxpar.runtime.parameter_groups import ParameterGroups
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
@@ -87,6 +88,7 @@ class Runner(WholeState):
         self._executor: ModuleExecutor | PipelineExecutor | None = None
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
         self._optimizers: list = []  # what `optimizer` made, for `memory_stats`
+        self._groups: dict[int, ParameterGroups] = {}  # id of an optimizer it made -> its groups
         self._saved = SavedTensorMeter()  # bytes held for backward, for `memory_stats`
         self._measured: set[tuple] = set()  # the input sizes the meter has measured a step at
         self.record_memory = False  # measure every step, not only the first at each size
@@ -294,23 +296,31 @@ class Runner(WholeState):
         self._random.load_state(state)
 
     def optimizer(
-        self, optimizer_class: type[torch.optim.Optimizer], *, elementwise: bool = False, **options: Any
+        self, optimizer_class: type[torch.optim.Optimizer], *, param_groups: list[dict] | None = None,
+        elementwise: bool = False, **options: Any,
     ):
         """`optimizer_class` over this rank's parameters (each tied group once); under ZeRO-1/2
         over this rank's shards of them (`runtime.sharded_optimizer`: it must be elementwise,
-        which `elementwise=True` vouches for a class fxpar does not know)."""
+        which `elementwise=True` vouches for a class fxpar does not know). `options` are the
+        defaults; `param_groups`, as torch.optim takes them but naming the compiled model's
+        Parameters or their names, gives groups their own (`runtime.parameter_groups`)."""
         self._require_open("optimizer")
+        captured = self.program.captured
+        groups = (ParameterGroups.whole(captured.parameters, captured.aliases) if param_groups is None
+                  else ParameterGroups.resolve(param_groups, captured.parameters, captured.aliases))
         if self._flat_parameters:
-            optimizer = ShardedOptimizer(optimizer_class, options, context=self._context,
+            optimizer = ShardedOptimizer(optimizer_class, options, context=self._context, groups=groups,
                                          flats=self._flat_parameters, elementwise=elementwise,
                                          masters=self._masters)
         else:
             if self.program.plan.zero == 3 and self._dp.size > 1:  # it steps flat pieces
                 require_elementwise(optimizer_class, zero=3, elementwise=elementwise)
-            parameters = [p for _, p in parameters_of(self.modules)]
-            optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, parameters=parameters)
-                         if self._masters else optimizer_class(parameters, **options))
+            stepped = groups.torch_groups((group, p) for name, p in parameters_of(self.modules)
+                                          if (group := groups.group_of(name)) is not None)
+            optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, param_groups=stepped)
+                         if self._masters else optimizer_class(stepped, **options))
         self._optimizers.append(optimizer)
+        self._groups[id(optimizer)] = groups
         return optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -14,6 +14,12 @@ Under bf16-mixed the inner optimizer steps this rank's fp32 master shards instea
 (`runtime.master_weights`), and each master is rounded into its bf16 shard before the gather,
 so parameters travel in bf16.
 
+With optimizer parameter groups (`runtime.parameter_groups`) a shard whose parameters are in
+several groups is cut into runs of one group (`group_runs`), each a tensor of the inner
+optimizer in its group; one group keeps the shard whole. Each run has its own 0-dim state
+(Adam's `step`, 4 bytes), which the estimate, made before any group is known, counts once
+per shard. The state of a shard (`shard_state`) is its runs' end to end.
+
 `step()` steps the inner optimizer on the shards (8P/N bytes of Adam state instead of 8P), then
 runs the step program's optimizer part: each bucket's updated parameters all-gathered over dp
 in place, into the flat buffer the parameters view. What the step program lists is what runs:
@@ -29,11 +35,14 @@ shard: it is refused, naming it; `elementwise=True` vouches for another.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.runtime.checkpoint_state import shard_spans
+from fxpar.runtime.parameter_groups import ParameterGroups
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.wrapped_optimizer import WrappedOptimizer
 from fxpar.step_program import Purpose
@@ -81,11 +90,36 @@ def flatten_parameters(buckets: GradientBuckets) -> list[torch.Tensor]:
     return flats
 
 
+@dataclass(frozen=True)
+class ShardRun:
+    """Elements [start, stop) of a rank's shard whose parameters are all in one optimizer
+    group: one tensor of the inner optimizer, a view of the shard."""
+
+    start: int
+    stop: int
+    group: int
+    tensor: torch.Tensor
+
+
+def group_runs(buckets: GradientBuckets, index: int, shard: torch.Tensor, groups: ParameterGroups) -> list[ShardRun]:
+    """`shard` (this rank's of bucket `index`) cut where the group of its parameters changes;
+    the padding after the last parameter rides with the last run. One group: the shard whole."""
+    runs: list[tuple[int, int]] = []  # (start, group)
+    for name, _, _, start, _ in shard_spans(buckets, index):
+        group = groups.group_of(name)
+        if not runs or runs[-1][1] != group:
+            runs.append((start, group))
+    if not runs:  # the shard is all padding
+        runs = [(0, groups.group_of(buckets.states[index].bucket.parameters[-1]))]
+    stops = [start for start, _ in runs[1:]] + [shard.numel()]
+    return [ShardRun(start, stop, group, shard[start:stop]) for (start, group), stop in zip(runs, stops)]
+
+
 class ShardedOptimizer(WrappedOptimizer):
     """`optimizer_class` over this rank's shards of the flat parameter buckets (module doc).
 
     Use it as the optimizer itself: `opt.step()`, `opt.zero_grad()`; `opt.optimizer` is the
-    inner one, over the shards."""
+    inner one, over the shards' runs."""
 
     def __init__(
         self,
@@ -94,6 +128,7 @@ class ShardedOptimizer(WrappedOptimizer):
         *,
         context: StepContext,
         flats: list[list[torch.Tensor]],
+        groups: ParameterGroups,
         elementwise: bool = False,
         masters: MasterWeights | None = None,
     ):
@@ -101,35 +136,60 @@ class ShardedOptimizer(WrappedOptimizer):
         self.context = context
         self._flats = flats  # per module, per bucket
         self._shards: list[tuple[GradientBuckets, int, torch.Tensor]] = []
+        self._runs: list[list[ShardRun]] = []  # per shard
         self._working: list[torch.Tensor | None] = []  # bf16-mixed: each stepped master's bf16 shard
         for module, (buckets, module_flats) in enumerate(zip(context.buckets, flats)):
             dp = buckets.group
             for index, (state, flat) in enumerate(zip(buckets.states, module_flats)):
                 shard = flat[state.bucket.shard(dp.size, dp.index)]
                 master = masters.shard_of(module, index) if masters else None
-                self._shards.append((buckets, index, shard if master is None else master))
+                stepped = shard if master is None else master
+                self._shards.append((buckets, index, stepped))
+                self._runs.append(group_runs(buckets, index, stepped, groups))
                 self._working.append(None if master is None else shard)
-        self.optimizer = optimizer_class([shard for _, _, shard in self._shards], **options)
+        self.optimizer = optimizer_class(
+            groups.torch_groups((run.group, run.tensor) for runs in self._runs for run in runs), **options)
         self._guard = StepGuard(context.step_program, "optimizer")
 
     @property
     def shards(self) -> list[tuple[GradientBuckets, int, torch.Tensor]]:
         """(buckets, bucket index, this rank's shard of its flat parameters: what the inner
-        optimizer steps, its fp32 master under bf16-mixed) per bucket."""
+        optimizer steps, in runs of one group, its fp32 master under bf16-mixed) per bucket."""
         return list(self._shards)
+
+    def shard_state(self, position: int) -> dict[str, torch.Tensor]:
+        """The inner optimizer's state of `shards[position]`, shaped as the shard: its runs'
+        states end to end (a 0-dim state, Adam's `step`, the first run's: they step together)."""
+        runs = self._runs[position]
+        states = [self.optimizer.state.get(run.tensor, {}) for run in runs]
+        if len(runs) == 1:
+            return dict(states[0])
+        return {key: torch.cat([s[key] for s in states]) if value.dim() else value
+                for key, value in states[0].items()}
+
+    def load_shard_state(self, position: int, values: dict[str, torch.Tensor]) -> None:
+        """Set state entries of `shards[position]` from tensors shaped as the shard: each run's
+        state a view of its part (what is read into `values` later reaches the runs), a 0-dim
+        value copied to every run (each run's counter steps on its own)."""
+        for run in self._runs[position]:
+            state = self.optimizer.state.setdefault(run.tensor, {})
+            for key, value in values.items():
+                state[key] = value[run.start : run.stop] if value.dim() else value.clone()
 
     def step(self, closure: Callable | None = None):
         """Step this rank's shards on their reduced gradients, then gather every bucket's
         updated parameters (the step program's optimizer part)."""
-        for buckets, index, shard in self._shards:
-            gradient = buckets.shard_gradient(index)
-            shard.grad = gradient.to(shard.dtype)  # bf16-mixed's fp32 master, a bf16 reduction
+        for (buckets, index, shard), runs in zip(self._shards, self._runs):
+            gradient = buckets.shard_gradient(index).to(shard.dtype)  # bf16-mixed's fp32 master, a bf16 reduction
+            for run in runs:
+                run.tensor.grad = gradient[run.start : run.stop]
         loss = self.optimizer.step(closure)
         with torch.no_grad():
-            for (_, _, master), working in zip(self._shards, self._working):
+            for (_, _, master), working, runs in zip(self._shards, self._working, self._runs):
                 if working is not None:  # the master rounded into the bf16 flat bucket
                     working.copy_(master)
-                    master.grad = None
+                    for run in runs:
+                        run.tensor.grad = None
         self._guard.start({})
         communicator = self.context.communicator
         with communicator.held_to(self._guard):

@@ -22,6 +22,7 @@ from fxpar.runtime import checkpoint
 from fxpar.runtime.checkpoint_state import RankState
 from fxpar.runtime.full_checkpoint import write_full
 from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
+from fxpar.runtime.parameter_groups import ParameterGroups
 
 
 class WholeState:
@@ -61,10 +62,13 @@ class WholeState:
 
     def full_optimizer_state_dict(self, optimizer) -> dict[str, Any]:
         """The optimizer's state as `torch.optim` keeps it on one device, keyed by parameter
-        name, on the CPU, on every rank (`runtime.full_state.full_optimizer_state`)."""
+        name, its groups as `runner.optimizer` was given them, on the CPU, on every rank
+        (`runtime.full_state.full_optimizer_state`)."""
         self._require_open("full_optimizer_state_dict")
+        captured = self.program.captured
+        groups = self._groups.get(id(optimizer)) or ParameterGroups.whole(captured.parameters, captured.aliases)
         return full_optimizer_state(
-            optimizer, modules=self.modules, buckets=self._context.buckets,
+            optimizer, groups=groups, modules=self.modules, buckets=self._context.buckets,
             module_of_stage=self._context.module_of_stage,
             gather=lambda local, shards: gather_full_tensors(
                 self.program.state_program(self.rank, gradients=True), local, groups=self.groups,

@@ -11,6 +11,8 @@ Jobs run in order, each binding its own program (closed after):
                               right), runner.load(OUT_DIR/NAME), train the next M steps
     errors|PLAN|NAME          loading OUT_DIR/NAME into another model, and a missing path: the messages
 
+FXPAR_TEST_GROUPS=1 gives every optimizer `tiny_training.parameter_groups` of its model.
+
 Each rank saves `rank{r}.pt`: per job, what the test compares (losses, the full state and
 optimizer state when saved, right after a load and after the job, what load returned, the
 error messages).
@@ -25,7 +27,7 @@ import torch
 
 import fxpar
 from fxpar.runtime.checkpoint import latest_checkpoint
-from tiny_training import CONFIG, GPT, OPTIMIZER, build_model, global_batches
+from tiny_training import CONFIG, GPT, OPTIMIZER, build_model, global_batches, parameter_groups
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
@@ -37,7 +39,8 @@ def bind(plan: str, model: torch.nn.Module):
     program = fxpar.compile(model, plan, example_inputs=batches[0])
     program.check()
     runner = program.bind(timeout=60)
-    return runner, runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    groups = parameter_groups(model) if os.environ.get("FXPAR_TEST_GROUPS") == "1" else None
+    return runner, runner.optimizer(torch.optim.AdamW, param_groups=groups, **OPTIMIZER)
 
 
 def train(runner, optimizer, steps) -> list[float]:

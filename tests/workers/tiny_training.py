@@ -41,6 +41,15 @@ def lr_scheduler(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=LR_DECAY)
 
 
+def parameter_groups(model: torch.nn.Module) -> list[dict]:
+    """nanoGPT's groups (matrices decayed, biases and norm weights not), the second also at a
+    tenth of the learning rate so that its options change the training well beyond any
+    tolerance here (test_parameter_groups)."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0,
+             "lr": OPTIMIZER["lr"] / 10}]
+
+
 def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return MODELS[name]()
@@ -58,12 +67,14 @@ def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: float | None = None) -> dict:
+def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: float | None = None,
+                        grouped: bool = False) -> dict:
     """Losses per step, gradients of step 1 and the final state of plain one-device training
     (`scheduled`: under `lr_scheduler`; `clip`: the gradients clipped to that global 2-norm before
-    each step; "norms" has each step's inf-norm and 2-norm before clipping)."""
+    each step, "norms" has each step's inf-norm and 2-norm before clipping; `grouped`: AdamW over
+    `parameter_groups`, "optimizer_state_dict" its state dict)."""
     model = build_model(name)
-    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    optimizer = torch.optim.AdamW(parameter_groups(model) if grouped else model.parameters(), **OPTIMIZER)
     scheduler = lr_scheduler(optimizer) if scheduled else None
     losses, first_grads, norms = [], None, []
     for tokens, labels in global_batches():
@@ -82,7 +93,7 @@ def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: flo
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
     return {"losses": losses, "grads": first_grads, "state": model.state_dict(), "optimizer": moments,
-            "norms": norms}
+            "norms": norms, "optimizer_state_dict": optimizer.state_dict()}
 
 
 def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:

@@ -8,6 +8,8 @@ one GPU, or several gloo ranks sharing one GPU). FXPAR_TEST_RECEIVES_AHEAD sets
 `Runner.receives_ahead` (0 runs a pipeline in NCCL's transfer order on gloo).
 FXPAR_TEST_SCHEDULED=1 steps `tiny_training.lr_scheduler` after each optimizer step;
 FXPAR_TEST_CLIP=x clips the gradients to global norm x before it (`runner.clip_grad_norm_`).
+FXPAR_TEST_GROUPS=1 gives the optimizer `tiny_training.parameter_groups` of the compiled model,
+=names the same groups by parameter name.
 """
 
 import math
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from tiny_training import OPTIMIZER, build_model, global_batches, lr_scheduler
+from tiny_training import OPTIMIZER, build_model, global_batches, lr_scheduler, parameter_groups
 
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
@@ -26,7 +28,8 @@ results = {}
 for plan in plans:
     tokens, labels = global_batches()[0]
     model = os.environ.get("FXPAR_TEST_MODEL", "gpt")
-    program = fxpar.compile(build_model(model), plan, example_inputs=(tokens, labels))
+    compiled = build_model(model)
+    program = fxpar.compile(compiled, plan, example_inputs=(tokens, labels))
     program.check()
     runner = program.bind(
         timeout=60,
@@ -35,7 +38,11 @@ for plan in plans:
     )
     if "FXPAR_TEST_RECEIVES_AHEAD" in os.environ:  # e.g. NCCL's pipeline order, run on gloo
         runner.receives_ahead = int(os.environ["FXPAR_TEST_RECEIVES_AHEAD"])
-    optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
+    groups = parameter_groups(compiled) if os.environ.get("FXPAR_TEST_GROUPS") else None
+    if os.environ.get("FXPAR_TEST_GROUPS") == "names":
+        name_of = {id(p): n for n, p in compiled.named_parameters()}
+        groups = [g | {"params": [name_of[id(p)] for p in g["params"]]} for g in groups]
+    optimizer = runner.optimizer(torch.optim.AdamW, param_groups=groups, **OPTIMIZER)
     scheduler = lr_scheduler(optimizer) if os.environ.get("FXPAR_TEST_SCHEDULED") == "1" else None
     # One step at another batch and sequence length than the example: sizes are symbolic.
     small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
@@ -78,6 +85,7 @@ for plan in plans:
         [str(a) for a in program.schedule.actions[program.mesh.coord(runner.rank).pp]],
         "buckets": program.buckets if program.stages is None else [s.buckets for s in program.stages],
         # What the rank computes and steps in (bf16-mixed: bf16 working parameters, fp32 masters).
+        "stepped_tensors": sum(len(g["params"]) for g in optimizer.param_groups),
         "dtypes": {
             "parameters": sorted({str(p.dtype) for m in runner.modules for p in m.parameters()}),
             "stepped": sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]}),
