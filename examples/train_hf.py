@@ -117,6 +117,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def decayed_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The parameters Hugging Face's Trainer applies weight decay to: all but biases and
+    normalisation weights (`Trainer.get_decay_parameter_names`, its patterns)."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    return get_parameter_names(model, [torch.nn.LayerNorm], patterns)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ensure_distributed_env()
@@ -140,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if runner.device.type == "cpu":  # share the cores instead of oversubscribing them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // runner.world_size))
-        opt = runner.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        decay = set(decayed_parameter_names(model))  # the rest (biases, norms) steps without decay
+        groups = [{"params": [n for n, _ in model.named_parameters() if n in decay]},
+                  {"params": [n for n, _ in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+        opt = runner.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95),
+                               param_groups=groups)
         if runner.is_main:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"{type(model).__name__} ({n_params / 1e6:.2f}M parameters), plan "
