@@ -54,15 +54,18 @@ def distance(state: dict, reference: dict, keys=None) -> float:
     return float(difference.norm() / torch.cat([reference[k].float().flatten() for k in keys]).norm())
 
 
-def assert_loads_as_one_devices_state(result: dict, reference: dict, model_name: str, folder: Path) -> None:
-    """The full optimizer state, through a safetensors file, is one device's grouped AdamW's."""
-    path = folder / f"{abs(hash(str(result['losses'])))}.safetensors"
+def assert_trains_as_one_device(plan: str, result: dict, reference: dict, model_name: str, folder: Path) -> None:
+    """Losses and parameters of one device's grouped training, and its optimizer's state dict
+    from the full optimizer state through a safetensors file."""
+    assert result["losses"] == pytest.approx(reference["losses"], rel=RELATIVE), plan
+    assert distance(result["state"], reference["state"]) <= RELATIVE, plan
+    path = folder / f"{plan.replace(' ', '_')}.safetensors"
     write_full(path, result["state"], result["optimizer"])
     model = build_model(model_name)
     optimizer = torch.optim.AdamW(parameter_groups(model), **OPTIMIZER)
     optimizer.load_state_dict(load_full_optimizer_state(optimizer_path(path), model))
     found, expected = optimizer.state_dict(), reference["optimizer_state_dict"]
-    assert found["param_groups"] == expected["param_groups"]
+    assert found["param_groups"] == expected["param_groups"], plan
     assert set(found["state"]) == set(expected["state"])
     moments = [(i, k) for i, s in expected["state"].items() for k, v in s.items() if v.dim() > 0]
     assert distance({m: found["state"][m[0]][m[1]] for m in moments},
@@ -92,10 +95,7 @@ def test_groups_train_as_one_device_on_two_ranks(torchrun, references, tmp_path)
     assert update_distance(ungrouped["state"]) > 3 * BF16_UPDATE_RELATIVE
     for results in ranks:
         for plan in TWO_RANKS:
-            result = results[plan]
-            assert result["losses"] == pytest.approx(reference["losses"], rel=RELATIVE), plan
-            assert distance(result["state"], reference["state"]) <= RELATIVE, plan
-            assert_loads_as_one_devices_state(result, reference, "llama", tmp_path)
+            assert_trains_as_one_device(plan, results[plan], reference, "llama", tmp_path)
         for plan in BF16:
             assert update_distance(results[plan]["state"]) <= BF16_UPDATE_RELATIVE, plan
             assert [len(g["params"]) for g in results[plan]["optimizer"]["param_groups"]] == [
@@ -111,10 +111,7 @@ def test_groups_by_name_with_tensor_and_pipeline_parallelism(torchrun, reference
     reference = references["gpt"]
     for results in ranks:
         for plan in FOUR_RANKS:
-            result = results[plan]
-            assert result["losses"] == pytest.approx(reference["losses"], rel=RELATIVE), plan
-            assert distance(result["state"], reference["state"]) <= RELATIVE, plan
-            assert_loads_as_one_devices_state(result, reference, "gpt", tmp_path)
+            assert_trains_as_one_device(plan, results[plan], reference, "gpt", tmp_path)
 
 
 @pytest.mark.multirank
