@@ -193,7 +193,7 @@ def test_an_optimizer_that_reads_whole_tensors_is_refused_under_zero():
 
     context = SimpleNamespace(buckets=[SimpleNamespace(zero=1)])
     with pytest.raises(PlanError, match="zero=1 .* LBFGS is not known to .* elementwise=True"):
-        ShardedOptimizer(torch.optim.LBFGS, {}, context=context, flats=[])
+        ShardedOptimizer(torch.optim.LBFGS, {}, context=context, flats=[], groups=None)
 
 
 def test_a_broken_send_and_a_dropped_graph_call_are_named_with_ranks_and_modules():

@@ -49,7 +49,8 @@ from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
 from fxpar.runtime.saved_tensors import SavedTensorMeter
-from fxpar.runtime.sharded_optimizer import ShardedOptimizer, require_elementwise
+from fxpar.runtime.optimizer_reads import require_elementwise_for_pieces
+from fxpar.runtime.sharded_optimizer import ShardedOptimizer
 from fxpar.runtime.step_context import StepContext
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.step_loss import StepLoss
@@ -300,8 +301,9 @@ class Runner(WholeState):
         elementwise: bool = False, **options: Any,
     ):
         """`optimizer_class` over this rank's parameters (each tied group once); under ZeRO-1/2
-        over this rank's shards of them (`runtime.sharded_optimizer`: it must be elementwise,
-        which `elementwise=True` vouches for a class fxpar does not know). `options` are the
+        over this rank's shards of them (`runtime.sharded_optimizer`). Where it would step a
+        piece of a parameter (ZeRO, tp shards) it must be elementwise, which `elementwise=True`
+        vouches for a class fxpar does not know (`runtime.optimizer_reads`). `options` are the
         defaults; `param_groups`, as torch.optim takes them but naming the compiled model's
         Parameters or their names, gives groups their own (`runtime.parameter_groups`)."""
         self._require_open("optimizer")
@@ -313,8 +315,8 @@ class Runner(WholeState):
                                          flats=self._flat_parameters, elementwise=elementwise,
                                          masters=self._masters)
         else:
-            if self.program.plan.zero == 3 and self._dp.size > 1:  # it steps flat pieces
-                require_elementwise(optimizer_class, zero=3, elementwise=elementwise)
+            require_elementwise_for_pieces(optimizer_class, self.modules, lambda n: groups.group_of(n) is not None,
+                                           plan=self.program.plan, elementwise=elementwise)
             stepped = groups.torch_groups((group, p) for name, p in parameters_of(self.modules)
                                           if (group := groups.group_of(name)) is not None)
             optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, param_groups=stepped)

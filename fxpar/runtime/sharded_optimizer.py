@@ -26,10 +26,8 @@ in place, into the flat buffer the parameters view. What the step program lists 
 the calls are held to it by a step guard.
 
 The inner optimizer must be elementwise, so that stepping a slice of a flat buffer is
-stepping each parameter: SGD (with momentum or Nesterov), Adam, AdamW, Adamax, NAdam, RAdam,
-Adagrad, Adadelta, RMSprop, Rprop and ASGD are. One that reads whole tensors (LBFGS, LAMB's
-per-tensor trust ratio, Adafactor's factored moments) would compute something else on a
-shard: it is refused, naming it; `elementwise=True` vouches for another.
+stepping each parameter (`runtime.optimizer_reads`: one that reads whole tensors is refused,
+naming it; `elementwise=True` vouches for another).
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxpar.errors import PlanError
 from fxpar.runtime.checkpoint_state import shard_spans
+from fxpar.runtime.optimizer_reads import require_elementwise
 from fxpar.runtime.parameter_groups import ParameterGroups
 from fxpar.runtime.step_guard import StepGuard
 from fxpar.runtime.wrapped_optimizer import WrappedOptimizer
@@ -51,28 +49,6 @@ if TYPE_CHECKING:
     from fxpar.runtime.gradient_buckets import GradientBuckets
     from fxpar.runtime.master_weights import MasterWeights
     from fxpar.runtime.step_context import StepContext
-
-ELEMENTWISE = {
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
-    torch.optim.Rprop, torch.optim.ASGD,
-}
-
-
-def require_elementwise(optimizer_class: type, *, zero: int, elementwise: bool) -> None:
-    """Refuse an optimizer not known to treat every element alone (module doc), naming it."""
-    if optimizer_class in ELEMENTWISE or elementwise:
-        return
-    raise PlanError(
-        f"plan zero={zero} steps each rank's shard of flat parameter buffers, so the optimizer "
-        f"must treat every element alone; {optimizer_class.__name__} is not known to (it may read "
-        "whole tensors: a trust ratio, factored moments, a line search). Fix: use an elementwise "
-        "optimizer (SGD, Adam, AdamW, ...), zero=0, or runner.optimizer(cls, elementwise=True, ...) "
-        "if it is elementwise",
-        field="zero",
-        value=zero,
-    )
-
 
 def flatten_parameters(buckets: GradientBuckets) -> list[torch.Tensor]:
     """Make each bucket's parameters views into one flat padded buffer per bucket (values
@@ -132,7 +108,9 @@ class ShardedOptimizer(WrappedOptimizer):
         elementwise: bool = False,
         masters: MasterWeights | None = None,
     ):
-        require_elementwise(optimizer_class, zero=context.buckets[0].zero, elementwise=elementwise)
+        zero = context.buckets[0].zero
+        require_elementwise(optimizer_class, elementwise=elementwise, field="zero", value=zero, whole="zero=0",
+                            steps="each rank's shard of flat parameter buffers")
         self.context = context
         self._flats = flats  # per module, per bucket
         self._shards: list[tuple[GradientBuckets, int, torch.Tensor]] = []
