@@ -139,11 +139,11 @@ def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalT
 
 
 def _master_spans(state: RankState, module: int, name: str) -> list[tuple[torch.Tensor, tuple]]:
-    """(master shard, `shard_spans` span) of each part of this rank's ZeRO-1/2 master shards
-    that falls in parameter `name` of module `module`."""
+    """(master shard, `GradientBuckets.shard_spans` span) of each part of this rank's ZeRO-1/2
+    master shards that falls in parameter `name` of module `module`."""
     buckets = state.buckets[module]
     return [(state.masters.shard_of(module, index), span) for index in range(len(buckets.states))
-            for span in shard_spans(buckets, index) if span[0] == name]
+            for span in buckets.shard_spans(index) if span[0] == name]
 
 
 def _fill_masters(state: RankState, module: int, name: str, working: torch.Tensor, master: torch.Tensor | None,
@@ -222,7 +222,7 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
     for position, (buckets, index, shard) in enumerate(optimizer.shards):
         module = state.modules[next(i for i, b in enumerate(state.buckets) if b is buckets)]
         stage = meta.stage_of(module)
-        spans = list(shard_spans(buckets, index))
+        spans = list(buckets.shard_spans(index))
         if loading:  # fresh tensors shaped as the shard, its runs' state views of them
             keys = {k: e for name, *_ in spans for k, e in by_parameter.get(name, {}).items()}
             shard_state = {k: _fresh(e, like=shard, group=group) for k, e in keys.items() if len(e.size)}
@@ -266,20 +266,6 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
                 optimizer.load_shard_state(position, {key: first})
 
     return tensors, finish
-
-
-def shard_spans(buckets, index):
-    """(name, parameter, first element in the parameter, start and stop in the shard) of each
-    parameter this rank's shard of bucket `index` overlaps (`Bucket.shard`, the flat layout
-    of `sharded_optimizer.flatten_parameters`)."""
-    bucket_state = buckets.states[index]
-    shard = bucket_state.bucket.shard(buckets.group.size, buckets.group.index)
-    offset = 0
-    for name, parameter in zip(bucket_state.bucket.parameters, bucket_state.parameters):
-        start, stop = max(shard.start, offset), min(shard.stop, offset + parameter.numel())
-        if start < stop:
-            yield name, parameter, start - offset, start - shard.start, stop - shard.start
-        offset += parameter.numel()
 
 
 def rng_tensors(state: RankState, *, loading: bool) -> tuple[dict[str, GlobalTensor], Callable[[], None]]:

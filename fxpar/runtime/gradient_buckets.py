@@ -278,6 +278,19 @@ class GradientBuckets:
                 param.grad = None
             state.buffer, state.views = None, []
 
+    def shard_spans(self, index: int):
+        """ZeRO-1/2: (name, parameter, first element in the parameter, start and stop in the
+        shard) of each parameter this rank's shard of bucket `index` overlaps (`Bucket.shard`,
+        the flat layout of `sharded_optimizer.flatten_parameters`)."""
+        state = self.states[index]
+        shard = state.bucket.shard(self.group.size, self.group.index)
+        offset = 0
+        for name, parameter in zip(state.bucket.parameters, state.parameters):
+            start, stop = max(shard.start, offset), min(shard.stop, offset + parameter.numel())
+            if start < stop:
+                yield name, parameter, start - offset, start - shard.start, stop - shard.start
+            offset += parameter.numel()
+
     def shard_gradient(self, index: int) -> torch.Tensor:
         """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`)."""
         return self.states[index].reduced

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from fxpar import meta
 from fxpar.placement import Replicate
-from fxpar.runtime.checkpoint_state import RankState, shard_spans
+from fxpar.runtime.checkpoint_state import RankState
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import world_group
 from fxpar.runtime.whole_state import graph_parameters
@@ -80,7 +80,7 @@ def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch
         for index in range(len(buckets.states)):
             shard = buckets.shard_gradient(index)
             held.append(shard)
-            for name, _, _, start, stop in shard_spans(buckets, index):
+            for name, _, _, start, stop in buckets.shard_spans(index):
                 if _first_copy(state, module, name, ("tp",), writers):
                     counted.append(shard[start:stop])
     return counted, held

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fxpar.runtime.checkpoint_state import shard_spans
 from fxpar.runtime.optimizer_reads import require_elementwise
 from fxpar.runtime.parameter_groups import ParameterGroups
 from fxpar.runtime.step_guard import StepGuard
@@ -81,7 +80,7 @@ def group_runs(buckets: GradientBuckets, index: int, shard: torch.Tensor, groups
     """`shard` (this rank's of bucket `index`) cut where the group of its parameters changes;
     the padding after the last parameter rides with the last run. One group: the shard whole."""
     runs: list[tuple[int, int]] = []  # (start, group)
-    for name, _, _, start, _ in shard_spans(buckets, index):
+    for name, _, _, start, _ in buckets.shard_spans(index):
         group = groups.group_of(name)
         if not runs or runs[-1][1] != group:
             runs.append((start, group))
