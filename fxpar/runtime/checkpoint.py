@@ -11,7 +11,9 @@ is gathered and a load under another plan (other dp, tp, pp, zero degrees, anoth
 reads, for each piece it holds now, the overlapping parts of what was written (`dcp_io`). The
 folder holds DCP's files and `fxpar.json`: what was saved (plan, world size, optimizer class and
 options, `step`, the caller's JSON `extra`, e.g. the data position; rank 0's, the same on every
-rank when the loop is).
+rank when the loop is). `optimizer=` may be a list of optimizers over disjoint parameters
+(Muon for the matrices, AdamW for the rest): their states share the keys' space, and a load
+takes the same list.
 
 A save writes into `<path>.partial` and renames it to `<path>` once DCP's metadata and the
 manifest are on disk (`dcp_io.CommittingWriter`): a crash mid-save leaves `<path>` as it was,
@@ -88,8 +90,12 @@ def save(state: RankState, path: str | Path, *, optimizer=None, step: int | None
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise CheckpointError(f"runner.save(step={step!r}): step must be an int or None")
     tensors, _ = model_tensors(state, writing=True)
-    if optimizer is not None:
-        tensors |= optimizer_tensors(optimizer, state)[0]
+    for each in _listed(optimizer):
+        held = optimizer_tensors(each, state)[0]
+        if clash := sorted(held.keys() & tensors.keys()):
+            raise CheckpointError(f"two of the optimizers given hold {clash[0]!r}: each parameter is stepped by "
+                                  "one optimizer. Fix: pass optimizers over disjoint parameters")
+        tensors |= held
     tensors |= rng_tensors(state, loading=False)[0]
     staging = path.with_name(path.name + PARTIAL_SUFFIX)
     staging.mkdir(parents=True, exist_ok=True)
@@ -105,11 +111,13 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
     stored = stored_tensors(read_checkpoint_metadata(path))
     check_same_model(state, stored, path, manifest)
     tensors, finish_model = model_tensors(state, writing=False)
-    finish = lambda: None  # noqa: E731
-    if optimizer is not None:
-        _check_optimizer(optimizer, manifest, path)
-        optimizer_state, finish = optimizer_tensors(optimizer, state, stored=stored)
+    saved_optimizers = _saved_optimizers(optimizer, manifest, path)
+    finishes = []
+    for each, saved in zip(_listed(optimizer), saved_optimizers):
+        _check_optimizer(each, saved, path)
+        optimizer_state, finish = optimizer_tensors(each, state, stored=stored)
         tensors |= optimizer_state
+        finishes.append(finish)
     same_plan = manifest["plan"] == str(state.program.plan) and manifest["world_size"] == state.program.world_size
     rng, restore_rng = rng_tensors(state, loading=True)
     rng_restored = same_plan and all(key in stored and tuple(stored[key].size) == t.shape for key, t in rng.items())
@@ -117,9 +125,9 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
         tensors |= rng
     dcp.load(tensors, storage_reader=SafeReader(path), planner=PiecesLoadPlanner())
     finish_model()
-    finish()
-    if optimizer is not None:
-        _restore_options(optimizer, manifest["optimizer"]["param_groups"])
+    for each, saved, finish in zip(_listed(optimizer), saved_optimizers, finishes):
+        finish()
+        _restore_options(each, saved["param_groups"])
     if rng_restored:
         restore_rng()
     return Resumed(step=manifest["step"], extra=manifest["extra"], plan=manifest["plan"],
@@ -206,7 +214,18 @@ def check_same_model(state: RankState, stored: dict, path: Path, manifest: dict)
                                       f"{tuple(expected[name].shape)}")
 
 
-def _optimizer_manifest(optimizer) -> dict | None:
+def _listed(optimizer) -> list:
+    """`runner.save`/`load`'s `optimizer=`: none, one, or a list of optimizers over disjoint
+    parameters (Muon for the matrices, AdamW for the rest), as a list."""
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
+def _optimizer_manifest(optimizer) -> dict | list | None:
+    """The class and group options of `optimizer` (of each, for a list), as JSON."""
+    if isinstance(optimizer, (list, tuple)):
+        return [_optimizer_manifest(each) for each in optimizer]
     if optimizer is None:
         return None
     inner = inner_optimizer(optimizer)
@@ -227,12 +246,26 @@ def _json_option(value):
     return _SKIP
 
 
-def _check_optimizer(optimizer, manifest: dict, path: Path) -> None:
+def _saved_optimizers(optimizer, manifest: dict, path: Path) -> list[dict]:
+    """The manifest's entry of each optimizer `load` was given, in order: one for one, a list
+    of as many for a list."""
+    if optimizer is None:
+        return []
     saved = manifest.get("optimizer")
-    inner = inner_optimizer(optimizer)
     if saved is None:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved without optimizer=). "
                               "Fix: load without optimizer=, or save with it")
+    given = _listed(optimizer)
+    saved_list = saved if isinstance(saved, list) else [saved]
+    if isinstance(optimizer, (list, tuple)) != isinstance(saved, list) or len(saved_list) != len(given):
+        raise CheckpointError(f"checkpoint {path} holds the state of {len(saved_list)} optimizer(s) "
+                              f"({', '.join(s['class'] for s in saved_list)}); load was given {len(given)}. "
+                              "Fix: pass the optimizers it was saved with, in the same order")
+    return saved_list
+
+
+def _check_optimizer(optimizer, saved: dict, path: Path) -> None:
+    inner = inner_optimizer(optimizer)
     if saved["class"] != type(inner).__name__:
         raise CheckpointError(f"checkpoint {path} holds {saved['class']} state; this optimizer is "
                               f"{type(inner).__name__}. Fix: make the optimizer the checkpoint was saved with")

@@ -96,7 +96,8 @@ def full_optimizer_state(optimizer, *, groups: ParameterGroups, modules, buckets
     rank's shard of a flat bucket), travels as a gradient does: `gather(local, shards)` runs the
     gradients' state program (`Program.state_program(r, gradients=True)`) once per state key.
     A scalar (Adam's `step`) is this rank's, the same for every parameter stepped together;
-    a trained parameter without state yet gets zeros."""
+    a parameter of the groups without state yet gets zeros, one outside them (another
+    optimizer's) nothing."""
     from fxpar.runtime.master_weights import MixedPrecisionOptimizer
     from fxpar.runtime.sharded_optimizer import ShardedOptimizer
 
@@ -130,6 +131,7 @@ def full_optimizer_state(optimizer, *, groups: ParameterGroups, modules, buckets
                 })
         for name, tensor in gather(local, shards).items():
             whole.setdefault(name, {})[key] = tensor
+    whole = {name: state for name, state in whole.items() if groups.group_of(name) is not None}
     for state in whole.values():
         state.update({k: v.clone() for k, v in scalars.items()})
     options = [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups]

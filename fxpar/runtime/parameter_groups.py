@@ -18,12 +18,17 @@ here, and every optimizer `runner.optimizer` builds asks `group_of(name)`:
 
 Every rank builds every group, empty or not, in the order given, so the groups a scheduler
 sets, a checkpoint saves and the full optimizer state lists are the same on every rank and
-under every plan. Each trained parameter is in exactly one group; a frozen one may be in one.
+under every plan. A parameter is in one group at most. As torch.optim's, the groups step
+exactly the parameters they name, so another optimizer may step the rest (torch's Muon for
+the hidden matrices and AdamW for the others, as its documentation advises; a checkpoint takes
+the list of them). Under ZeRO-1/2 one optimizer steps every trained parameter: its step
+gathers the whole flat buckets (`ShardedOptimizer` says so if its groups leave one out).
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,12 +75,6 @@ class ParameterGroups:
                 resolved.append(name)
             names.append(tuple(resolved))
             options.append({k: v for k, v in group.items() if k != "params"})
-        missing = [n for n, p in parameters.items() if p.requires_grad and n not in group_of]
-        if missing:
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise _error(f"puts trained parameter {missing[0]!r}{more} in no group, so nothing would step "
-                         "it. Fix: add it to a group (a frozen parameter, requires_grad=False, may be left out)",
-                         missing[0])
         return cls(tuple(names), tuple(options), dict(aliases))
 
     def group_of(self, name: str) -> int | None:
@@ -90,6 +89,16 @@ class ParameterGroups:
         for group, tensor in tensors:
             params[group].append(tensor)
         return [{"params": p, **o} for p, o in zip(params, self.options)]
+
+
+def warn_unstepped(names: list[str]) -> list[str]:
+    """Warn that the trained parameters `names` are in no group of the runner's optimizers (so
+    no step changes them, as on one device); returns the empty list left to warn of."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    warnings.warn(f"fxpar: trained parameter {names[0]!r}{more} is in no group of the runner's optimizers, so "
+                  "no optimizer step changes it. Fix: add it to a group, or set requires_grad=False before "
+                  "fxpar.compile", stacklevel=3)
+    return []
 
 
 def _name_of(item, index: int, by_id: Mapping[int, str], parameters: Mapping[str, torch.nn.Parameter],

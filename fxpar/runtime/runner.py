@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
 from fxpar.errors import BindError, PlanError
 from fxpar.mesh import Axis
@@ -43,7 +44,7 @@ from fxpar.runtime.gradient_norm import clip_grad_norm_
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
 from fxpar.runtime.module_executor import ModuleExecutor
-from fxpar.runtime.parameter_groups import ParameterGroups
+from fxpar.runtime.parameter_groups import ParameterGroups, warn_unstepped
 from fxpar.runtime.pipeline_executor import PipelineExecutor
 from fxpar.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
@@ -90,6 +91,7 @@ class Runner(WholeState):
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
         self._optimizers: list = []  # what `optimizer` made, for `memory_stats`
         self._groups: dict[int, ParameterGroups] = {}  # id of an optimizer it made -> its groups
+        self._unstepped: list[str] = []  # trained parameters none of them steps, till a step warns
         self._saved = SavedTensorMeter()  # bytes held for backward, for `memory_stats`
         self._measured: set[tuple] = set()  # the input sizes the meter has measured a step at
         self.record_memory = False  # measure every step, not only the first at each size
@@ -247,6 +249,8 @@ class Runner(WholeState):
         steps (`runtime.step_agreement`).
         """
         self._require_open("step")
+        if self._unstepped:  # once per set of optimizers
+            self._unstepped = warn_unstepped(self._unstepped)
         self._context.steps += 1  # every call counts, a failing one too (runtime.step_agreement)
         inputs = self.program.captured.arrange(local_batch, keywords)
         if self.program.plan.sequence_parallel:  # an uneven shard would abort inside gloo
@@ -323,6 +327,8 @@ class Runner(WholeState):
                          if self._masters else optimizer_class(stepped, **options))
         self._optimizers.append(optimizer)
         self._groups[id(optimizer)] = groups
+        self._unstepped = [n for m in self.modules for n in sorted(meta.trained_parameters(m))
+                           if all(g.group_of(n) is None for g in self._groups.values())]
         return optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxpar.errors import PlanError
 from fxpar.runtime.optimizer_reads import require_elementwise
 from fxpar.runtime.parameter_groups import ParameterGroups
 from fxpar.runtime.step_guard import StepGuard
@@ -110,6 +111,17 @@ class ShardedOptimizer(WrappedOptimizer):
         zero = context.buckets[0].zero
         require_elementwise(optimizer_class, elementwise=elementwise, field="zero", value=zero, whole="zero=0",
                             steps="each rank's shard of flat parameter buffers")
+        left_out = [n for b in context.buckets for s in b.states for n in s.bucket.parameters if groups.group_of(n) is None]
+        if left_out:
+            more = f" (and {len(left_out) - 1} more)" if len(left_out) > 1 else ""
+            raise PlanError(
+                f"plan zero={zero} shards the optimizer over flat buffers of all the trained parameters, so one "
+                f"optimizer steps them all and gathers them after its step; its param_groups leave out "
+                f"{left_out[0]!r}{more}. Fix: one optimizer whose groups name every trained parameter (options "
+                "per group), or zero=0 or 3 for several optimizers",
+                field="zero",
+                value=zero,
+            )
         self.context = context
         self._flats = flats  # per module, per bucket
         self._shards: list[tuple[GradientBuckets, int, torch.Tensor]] = []

@@ -80,7 +80,8 @@ class WholeState:
     # -- checkpoints (`runtime.checkpoint`, `runtime.full_checkpoint`) ----------------------
 
     def save(self, path, *, optimizer=None, step: int | None = None, extra: Any = None) -> None:
-        """Write this rank's shards of the parameters (and `optimizer`'s state), its generator
+        """Write this rank's shards of the parameters (and `optimizer`'s state, or a list of
+        optimizers' over disjoint parameters), its generator
         states, `step` and the JSON value `extra` (the data position) to checkpoint folder
         `path` with torch.distributed.checkpoint, nothing gathered; every rank calls it."""
         self._require_open("save")
@@ -97,6 +98,10 @@ class WholeState:
         `optimizer` its whole state beside it (`runtime.full_checkpoint`); gathered by the
         state programs, written by rank 0; every rank calls it."""
         self._require_open("save_full")
+        if isinstance(optimizer, (list, tuple)):
+            raise TypeError("runner.save_full writes one optimizer's state beside the model, as one device's "
+                            "load_state_dict takes it. Fix: runner.full_optimizer_state_dict(each) for several, "
+                            "or runner.save(path, optimizer=[...]), which takes a list")
         state = self.full_state_dict()
         optimizer_state = self.full_optimizer_state_dict(optimizer) if optimizer is not None else None
         if self.is_main:

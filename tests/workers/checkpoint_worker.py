@@ -11,7 +11,9 @@ Jobs run in order, each binding its own program (closed after):
                               right), runner.load(OUT_DIR/NAME), train the next M steps
     errors|PLAN|NAME          loading OUT_DIR/NAME into another model, and a missing path: the messages
 
-FXPAR_TEST_GROUPS=1 gives every optimizer `tiny_training.parameter_groups` of its model.
+FXPAR_TEST_GROUPS=1 gives every optimizer `tiny_training.parameter_groups` of its model;
+FXPAR_TEST_OPTIMIZERS=muon trains with Muon and AdamW (`tiny_training.muon_and_adamw`), saved
+and loaded as a list, and writes no safetensors file (save_full takes one optimizer).
 
 Each rank saves `rank{r}.pt`: per job, what the test compares (losses, the full state and
 optimizer state when saved, right after a load and after the job, what load returned, the
@@ -27,7 +29,10 @@ import torch
 
 import fxpar
 from fxpar.runtime.checkpoint import latest_checkpoint
-from tiny_training import CONFIG, GPT, OPTIMIZER, build_model, global_batches, parameter_groups
+from tiny_training import (
+    CONFIG, GPT, MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, muon_and_adamw,
+    parameter_groups,
+)
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
@@ -39,6 +44,10 @@ def bind(plan: str, model: torch.nn.Module):
     program = fxpar.compile(model, plan, example_inputs=batches[0])
     program.check()
     runner = program.bind(timeout=60)
+    if os.environ.get("FXPAR_TEST_OPTIMIZERS") == "muon":
+        matrices, rest = muon_and_adamw(model)
+        return runner, Optimizers([runner.optimizer(torch.optim.Muon, param_groups=[{"params": matrices}], **MUON),
+                                   runner.optimizer(torch.optim.AdamW, param_groups=[{"params": rest}], **OPTIMIZER)])
     groups = parameter_groups(model) if os.environ.get("FXPAR_TEST_GROUPS") == "1" else None
     return runner, runner.optimizer(torch.optim.AdamW, param_groups=groups, **OPTIMIZER)
 
@@ -63,9 +72,10 @@ for job in jobs:
         losses = train(runner, optimizer, batches[:k])
         generator_state = torch.get_rng_state()
         runner.save(path, optimizer=optimizer, step=k, extra={"next_batch": k, "plan": plan})
-        runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
+        if not isinstance(optimizer, Optimizers):
+            runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
         results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir), "rng": generator_state,
-                        "saved": runner.full_state_dict(), "saved_optimizer": runner.full_optimizer_state_dict(optimizer)}
+                        "saved": runner.full_state_dict(), "saved_optimizer": full_optimizer_state(runner, optimizer)}
         torch.manual_seed(1000 + runner.rank)  # what a load under the same plan must undo
         if more:
             results[job]["losses_after"] = train(runner, optimizer, batches[k : k + int(more)])
@@ -74,11 +84,11 @@ for job in jobs:
         runner, optimizer = bind(plan, build_model(model_name, seed=7))
         resumed = runner.load(path, optimizer=optimizer)
         generator_state = torch.get_rng_state()
-        loaded, loaded_optimizer = runner.full_state_dict(), runner.full_optimizer_state_dict(optimizer)
+        loaded, loaded_optimizer = runner.full_state_dict(), full_optimizer_state(runner, optimizer)
         start = resumed.extra["next_batch"]
         losses = train(runner, optimizer, batches[start : start + int(count[0])])
         results[job] = {"losses": losses, "resumed": resumed, "rng": generator_state, "state": runner.full_state_dict(),
-                        "optimizer": runner.full_optimizer_state_dict(optimizer), "loaded": loaded,
+                        "optimizer": full_optimizer_state(runner, optimizer), "loaded": loaded,
                         "loaded_optimizer": loaded_optimizer}
     elif kind == "errors":  # the checkpoint into other models: their messages
         other_models = {

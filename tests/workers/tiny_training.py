@@ -50,6 +50,47 @@ def parameter_groups(model: torch.nn.Module) -> list[dict]:
              "lr": OPTIMIZER["lr"] / 10}]
 
 
+MUON = dict(lr=2e-2)  # torch.optim.Muon's defaults otherwise: momentum 0.95, Nesterov, weight decay 0.1
+
+
+def muon_and_adamw(model: torch.nn.Module) -> tuple[list, list]:
+    """torch.optim.Muon's advice: Muon for the hidden matrices; AdamW for the embeddings (the
+    GPT's head is its tied embedding) and every vector."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings]
+    return matrices, [p for p in model.parameters() if p.dim() != 2 or id(p) in embeddings]
+
+
+class Optimizers(list):
+    """Several optimizers over disjoint parameters, stepped as one."""
+
+    def step(self) -> None:
+        for optimizer in self:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self:
+            optimizer.zero_grad()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self for p, s in optimizer.state.items()}
+
+    def state_dict(self) -> list[dict]:
+        return [optimizer.state_dict() for optimizer in self]
+
+
+def full_optimizer_state(runner, optimizer):
+    """`runner.full_optimizer_state_dict` of the optimizer, or a list of each one's."""
+    if isinstance(optimizer, Optimizers):
+        return [runner.full_optimizer_state_dict(each) for each in optimizer]
+    return runner.full_optimizer_state_dict(optimizer)
+
+
 def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return MODELS[name]()
@@ -68,19 +109,28 @@ def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: float | None = None,
-                        grouped: bool = False) -> dict:
+                        grouped: bool = False, muon: bool = False, split: int = 1) -> dict:
     """Losses per step, gradients of step 1 and the final state of plain one-device training
     (`scheduled`: under `lr_scheduler`; `clip`: the gradients clipped to that global 2-norm before
     each step, "norms" has each step's inf-norm and 2-norm before clipping; `grouped`: AdamW over
-    `parameter_groups`, "optimizer_state_dict" its state dict)."""
+    `parameter_groups`, "optimizer_state_dict" its state dict; `muon`: Muon and AdamW over
+    `muon_and_adamw`'s parameters; `split`: each step's gradient summed over that many equal
+    parts of the batch, each part's mean loss / split)."""
     model = build_model(name)
-    optimizer = torch.optim.AdamW(parameter_groups(model) if grouped else model.parameters(), **OPTIMIZER)
+    if muon:
+        matrices, rest = muon_and_adamw(model)
+        optimizer = Optimizers([torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **OPTIMIZER)])
+    else:
+        optimizer = torch.optim.AdamW(parameter_groups(model) if grouped else model.parameters(), **OPTIMIZER)
     scheduler = lr_scheduler(optimizer) if scheduled else None
     losses, first_grads, norms = [], None, []
     for tokens, labels in global_batches():
-        loss = model(tokens, labels)
-        loss.backward()
-        losses.append(loss.item())
+        loss = 0.0
+        for part, targets in zip(tokens.tensor_split(split), labels.tensor_split(split)):
+            part_loss = model(part, targets) / split
+            part_loss.backward()
+            loss += part_loss.item()
+        losses.append(loss)
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         if clip is not None:  # the inf-norm first: a bound of inf leaves the gradients as they are

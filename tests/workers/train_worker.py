@@ -9,7 +9,8 @@ one GPU, or several gloo ranks sharing one GPU). FXPAR_TEST_RECEIVES_AHEAD sets
 FXPAR_TEST_SCHEDULED=1 steps `tiny_training.lr_scheduler` after each optimizer step;
 FXPAR_TEST_CLIP=x clips the gradients to global norm x before it (`runner.clip_grad_norm_`).
 FXPAR_TEST_GROUPS=1 gives the optimizer `tiny_training.parameter_groups` of the compiled model,
-=names the same groups by parameter name.
+=names the same groups by parameter name; FXPAR_TEST_OPTIMIZERS=muon trains with Muon and AdamW
+over `tiny_training.muon_and_adamw`'s parameters.
 """
 
 import math
@@ -20,7 +21,10 @@ from pathlib import Path
 import torch
 
 import fxpar
-from tiny_training import OPTIMIZER, build_model, global_batches, lr_scheduler, parameter_groups
+from tiny_training import (
+    MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, lr_scheduler, muon_and_adamw,
+    parameter_groups,
+)
 
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
@@ -43,6 +47,10 @@ for plan in plans:
         name_of = {id(p): n for n, p in compiled.named_parameters()}
         groups = [g | {"params": [name_of[id(p)] for p in g["params"]]} for g in groups]
     optimizer = runner.optimizer(torch.optim.AdamW, param_groups=groups, **OPTIMIZER)
+    if os.environ.get("FXPAR_TEST_OPTIMIZERS") == "muon":
+        matrices, rest = muon_and_adamw(compiled)
+        optimizer = Optimizers([runner.optimizer(torch.optim.Muon, param_groups=[{"params": matrices}], **MUON),
+                                runner.optimizer(torch.optim.AdamW, param_groups=[{"params": rest}], **OPTIMIZER)])
     scheduler = lr_scheduler(optimizer) if os.environ.get("FXPAR_TEST_SCHEDULED") == "1" else None
     # One step at another batch and sequence length than the example: sizes are symbolic.
     small = [t[: program.plan.dp * program.plan.microbatches, :8] for t in (tokens, labels)]
@@ -71,7 +79,7 @@ for plan in plans:
         "resized": (resized_loss, [t.clone() for t in small]),
         "grads": first_grads,
         "state": runner.full_state_dict(),
-        "optimizer": runner.full_optimizer_state_dict(optimizer),
+        "optimizer": full_optimizer_state(runner, optimizer),
         "comm": step_logs,
         "predicted": program.collectives(runner.rank, backend=runner.backend,
                                          receives_ahead=runner.receives_ahead),
