@@ -30,7 +30,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,10 @@ class ParameterGroups:
     names: tuple[tuple[str, ...], ...]  # per group, its parameters' canonical names, in the order given
     options: tuple[dict[str, Any], ...]  # per group, its own options (the defaults fill the rest)
     aliases: Mapping[str, str]  # tied alias -> canonical name
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)  # canonical name -> group
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {n: i for i, names in enumerate(self.names) for n in names})
 
     @classmethod
     def whole(cls, parameters: Mapping[str, torch.nn.Parameter], aliases: Mapping[str, str]) -> ParameterGroups:
@@ -79,8 +83,7 @@ class ParameterGroups:
 
     def group_of(self, name: str) -> int | None:
         """The group of parameter `name` (a canonical name or a tied alias), None if in none."""
-        name = self.aliases.get(name, name)
-        return next((i for i, names in enumerate(self.names) if name in names), None)
+        return self._index.get(self.aliases.get(name, name))
 
     def torch_groups(self, tensors: Iterable[tuple[int, torch.Tensor]]) -> list[dict[str, Any]]:
         """torch.optim's groups of `tensors` ((group, tensor) pairs): every group, in order,

@@ -108,6 +108,17 @@ def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def backward_in_parts(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, parts: int) -> float:
+    """Backward of each of `parts` equal parts of the batch, its mean loss / parts (the
+    gradients accumulate); returns the batch's loss, the sum."""
+    loss = 0.0
+    for part, targets in zip(tokens.tensor_split(parts), labels.tensor_split(parts)):
+        part_loss = model(part, targets) / parts
+        part_loss.backward()
+        loss += part_loss.item()
+    return loss
+
+
 def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: float | None = None,
                         grouped: bool = False, muon: bool = False, split: int = 1) -> dict:
     """Losses per step, gradients of step 1 and the final state of plain one-device training
@@ -125,12 +136,7 @@ def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: flo
     scheduler = lr_scheduler(optimizer) if scheduled else None
     losses, first_grads, norms = [], None, []
     for tokens, labels in global_batches():
-        loss = 0.0
-        for part, targets in zip(tokens.tensor_split(split), labels.tensor_split(split)):
-            part_loss = model(part, targets) / split
-            part_loss.backward()
-            loss += part_loss.item()
-        losses.append(loss)
+        losses.append(backward_in_parts(model, tokens, labels, split))
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         if clip is not None:  # the inf-norm first: a bound of inf leaves the gradients as they are
@@ -157,12 +163,7 @@ def train_single_device_bf16(name: str = "gpt", microbatches: int = 1) -> dict:
     losses = []
     with _bf16_compute():
         for tokens, labels in global_batches():
-            step_loss = 0.0
-            for chunk, targets in zip(tokens.tensor_split(microbatches), labels.tensor_split(microbatches)):
-                loss = model(chunk, targets) / microbatches
-                loss.backward()
-                step_loss += loss.item()
-            losses.append(step_loss)
+            losses.append(backward_in_parts(model, tokens, labels, microbatches))
             for master, parameter in zip(masters, model.parameters()):
                 master.grad, parameter.grad = parameter.grad.float(), None
             _step_masters(optimizer, masters, model)
