@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up length")
     parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                        help="muon: torch.optim.Muon for the hidden matrices, AdamW for the rest "
+                             "(Muon reads whole matrices: plans without tp or ZeRO)")
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate")
     parser.add_argument("--grad-clip", type=float, default=1.0,
                         help="clip the gradients to this global norm before each step (0: no clipping)")
     parser.add_argument("--seed", type=int, default=1337,
@@ -89,6 +93,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job runs through.
     parser.add_argument("--kill-rank-at", default=None, metavar="R:S", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def make_optimizers(args: argparse.Namespace, runner, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """AdamW with nanoGPT's groups (matrices decay, biases and LayerNorm weights do not), or with
+    `--optimizer muon` torch.optim.Muon for the hidden matrices and that AdamW for the
+    embeddings (the head is tied to one) and vectors, as Muon's documentation advises. Each
+    group's `initial_lr` is its peak rate, which the schedule scales."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    hidden = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings]
+    decayed = [p for p in model.parameters() if p.dim() >= 2 and (args.optimizer == "adamw" or id(p) in embeddings)]
+    groups = [{"params": decayed}, {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizers = [runner.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                   param_groups=groups)]
+    if args.optimizer == "muon":
+        optimizers.insert(0, runner.optimizer(torch.optim.Muon, lr=args.muon_lr, weight_decay=args.weight_decay,
+                                              param_groups=[{"params": hidden}]))
+    for group in (g for o in optimizers for g in o.param_groups):
+        group["initial_lr"] = group["lr"]
+    return optimizers
 
 
 def generator_position(generator: torch.Generator) -> str:
@@ -205,11 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if runner.device.type == "cpu":  # share the cores instead of oversubscribing them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // runner.world_size))
-        # nanoGPT's configure_optimizers: matrices decay, biases and LayerNorm weights do not.
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-        opt = runner.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
-                               betas=(0.9, 0.95), param_groups=groups)
+        try:
+            optimizers = make_optimizers(args, runner, model)
+        except fxpar.PlanError as error:
+            sys.exit(f"--optimizer {args.optimizer} under plan {args.plan!r}: {error}")
+        opt = optimizers[0] if len(optimizers) == 1 else optimizers  # what a checkpoint holds
         if runner.is_main:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"plan {args.plan!r} on {runner.world_size} rank(s), {runner.device}; "
@@ -224,10 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         bar = tqdm(range(start, args.steps), disable=not runner.is_main, desc="train", unit="step")
         for step in bar:
             crash_if_asked(args, runner.rank, step)
-            lr = learning_rate(step, max_lr=args.lr, warmup_steps=args.warmup_steps,
-                               total_steps=args.steps)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            scale = learning_rate(step, max_lr=1.0, warmup_steps=args.warmup_steps, total_steps=args.steps)
+            for group in (g for o in optimizers for g in o.param_groups):
+                group["lr"] = group["initial_lr"] * scale
             x, y = dataset.get_batch("train", args.batch, args.seq, generator)  # (B, T) each
             xs, ys = runner.local_batch(x, y)  # (B / dp, T) each: this rank's rows
 
@@ -236,8 +258,9 @@ def main(argv: list[str] | None = None) -> None:
             loss = runner.step(xs.to(runner.device), ys.to(runner.device))
             if args.grad_clip:  # the whole model's norm, however the plan holds its gradients
                 runner.clip_grad_norm_(args.grad_clip)
-            opt.step()
-            opt.zero_grad()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)  # time the kernels, not their launch
             step_seconds.append(time.perf_counter() - t0)
@@ -245,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(loss)
             smooth_loss = loss if smooth_loss is None else 0.9 * smooth_loss + 0.1 * loss
             bar.set_postfix(loss=f"{smooth_loss:.3f}",
-                            tok_s=f"{tokens_per_step / step_seconds[-1]:,.0f}", lr=f"{lr:.1e}")
+                            tok_s=f"{tokens_per_step / step_seconds[-1]:,.0f}", lr=f"{args.lr * scale:.1e}")
             if args.save_every and (step + 1) % args.save_every == 0:
                 runner.save(args.checkpoint_dir / f"step-{step + 1:08d}", optimizer=opt, step=step + 1,
                             extra={"data_generator": generator_position(generator)})
@@ -261,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
                 torch.save(state, args.save)
                 print(f"saved {len(state)} tensors to {args.save}", flush=True)
         if args.save_full is not None:
-            runner.save_full(args.save_full, optimizer=opt)  # gathered on every rank, rank 0 writes
+            # gathered on every rank, rank 0 writes; one optimizer's state (save_full takes one)
+            runner.save_full(args.save_full, optimizer=optimizers[0] if len(optimizers) == 1 else None)
             if runner.is_main:
                 print(f"saved the full model to {args.save_full}", flush=True)
         if runner.is_main and losses:
