@@ -121,8 +121,8 @@ class MasterWeights:
 class MixedPrecisionOptimizer(WrappedOptimizer):
     """`optimizer_class` over the fp32 masters of the parameters of `param_groups` (torch.optim's
     groups; one device's fp32 optimizer step, on the masters), writing the rounded result into
-    the bf16 working copies. A parameter without a master steps itself. Use it as the optimizer: `step`, `zero_grad`;
-    `optimizer` is the inner one."""
+    the bf16 working copies. A parameter without a master steps itself. Use it as the
+    optimizer: `step`, `zero_grad`; `optimizer` is the inner one."""
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any], *,
                  param_groups: list[dict[str, Any]], masters: MasterWeights):

@@ -59,9 +59,9 @@ def require_elementwise_for_pieces(optimizer_class: type, modules: Iterable[torc
         return
     for module in modules:
         for name, node in meta.parameter_nodes(module.graph).items():
-            placements = meta.placements(node)
             if not stepped(name):
                 continue
+            placements = meta.placements(node)
             if isinstance(placements["dp"], FlatShard):
                 require_elementwise(optimizer_class, elementwise=elementwise, field="zero", value=plan.zero,
                                     whole="zero=0", steps=f"this rank's flat piece of {name} ({placements})")

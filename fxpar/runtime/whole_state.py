@@ -80,10 +80,10 @@ class WholeState:
     # -- checkpoints (`runtime.checkpoint`, `runtime.full_checkpoint`) ----------------------
 
     def save(self, path, *, optimizer=None, step: int | None = None, extra: Any = None) -> None:
-        """Write this rank's shards of the parameters (and `optimizer`'s state, or a list of
-        optimizers' over disjoint parameters), its generator
-        states, `step` and the JSON value `extra` (the data position) to checkpoint folder
-        `path` with torch.distributed.checkpoint, nothing gathered; every rank calls it."""
+        """Write this rank's shards of the parameters (and `optimizer`'s state, or each one's
+        of a list over disjoint parameters), its generator states, `step` and the JSON value
+        `extra` (the data position) to checkpoint folder `path` with
+        torch.distributed.checkpoint, nothing gathered; every rank calls it."""
         self._require_open("save")
         checkpoint.save(self._rank_state(), path, optimizer=optimizer, step=step, extra=extra)
 
