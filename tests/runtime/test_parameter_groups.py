@@ -255,3 +255,28 @@ def test_a_load_is_given_the_optimizers_the_checkpoint_holds(tmp_path):
     with pytest.raises(fxpar.CheckpointError, match=r"2 optimizer\(s\) \(Muon, AdamW\); load was given 1"):
         _saved_optimizers(adamw, manifest, tmp_path)
     assert _saved_optimizers([adamw, adamw], manifest, tmp_path) == manifest["optimizer"]
+
+
+def test_a_shard_is_cut_where_the_group_of_its_parameters_changes():
+    """`group_runs` over the shard [4, 14) of a bucket laid out as w [0, 6), b [6, 8), v [8, 12)
+    and 2 elements of padding, with w and v in group 0 and b in group 1: one run per change of
+    group, the padding riding with the last; one group keeps the shard whole; a shard of
+    padding alone is one run in the group of the bucket's last parameter."""
+    from types import SimpleNamespace
+
+    from fxpar.runtime.sharded_optimizer import group_runs
+
+    def buckets(spans, parameters=("w", "b", "v")):
+        return SimpleNamespace(shard_spans=lambda index: iter(spans),
+                               states=[SimpleNamespace(bucket=SimpleNamespace(parameters=list(parameters)))])
+
+    groups = ParameterGroups((("w", "v"), ("b",)), ({}, {"weight_decay": 0.0}), {})
+    shard = torch.arange(10.0)
+    spans = [("w", None, 4, 0, 2), ("b", None, 0, 2, 4), ("v", None, 0, 4, 8)]
+    runs = group_runs(buckets(spans), 0, shard, groups)
+    assert [(r.start, r.stop, r.group) for r in runs] == [(0, 2, 0), (2, 4, 1), (4, 10, 0)]
+    assert all(r.tensor.data_ptr() == shard[r.start:].data_ptr() for r in runs)  # views of the shard
+    one = ParameterGroups((("w", "b", "v"),), ({},), {})
+    assert [(r.start, r.stop) for r in group_runs(buckets(spans), 0, shard, one)] == [(0, 10)]
+    padding = group_runs(buckets([]), 0, shard, groups)
+    assert [(r.start, r.stop, r.group) for r in padding] == [(0, 10, 0)]
