@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write the consolidated state dict here (rank 0) at the end")
     parser.add_argument("--save-full", type=Path, default=None,
                         help="write the whole model as one safetensors file here at the end "
-                             "(and the optimizer state beside it, NAME.optimizer.safetensors)")
+                             "(and the optimizer state beside it, NAME.optimizer.safetensors; "
+                             "with --optimizer muon NAME.optimizer.0/1.safetensors)")
     parser.add_argument("--timeline", action="store_true",
                         help="with a pipeline: print the last step's Gantt chart (rank 0)")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"),
@@ -284,8 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.save(state, args.save)
                 print(f"saved {len(state)} tensors to {args.save}", flush=True)
         if args.save_full is not None:
-            # gathered on every rank, rank 0 writes; one optimizer's state (save_full takes one)
-            runner.save_full(args.save_full, optimizer=optimizers[0] if len(optimizers) == 1 else None)
+            runner.save_full(args.save_full, optimizer=opt)  # gathered on every rank, rank 0 writes
             if runner.is_main:
                 print(f"saved the full model to {args.save_full}", flush=True)
         if runner.is_main and losses:

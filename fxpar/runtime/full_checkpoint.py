@@ -1,6 +1,7 @@
 """The whole model in one safetensors file, and the whole optimizer state beside it.
 
     runner.save_full("model.safetensors", optimizer=opt)   # every rank calls it; rank 0 writes
+                                                           # (a list: model.optimizer.<i>.safetensors)
     model.load_state_dict(safetensors.torch.load_file("model.safetensors"))      # one device
     optimizer = torch.optim.AdamW(model.parameters(), ...)   # or the groups runner.optimizer had
     optimizer.load_state_dict(load_full_optimizer_state("model.optimizer.safetensors", model))
@@ -26,27 +27,32 @@ from fxpar.errors import CheckpointError
 OPTIMIZER_SUFFIX = ".optimizer.safetensors"
 
 
-def optimizer_path(path: str | Path) -> Path:
+def optimizer_path(path: str | Path, index: int | None = None) -> Path:
     """Where `save_full(path, optimizer=...)` writes the optimizer: `model.safetensors` ->
-    `model.optimizer.safetensors`."""
+    `model.optimizer.safetensors`; of a list of optimizers, the `index`th's to
+    `model.optimizer.<index>.safetensors`."""
     path = Path(path)
     stem = path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.name
-    return path.with_name(stem + OPTIMIZER_SUFFIX)
+    return path.with_name(stem + (OPTIMIZER_SUFFIX if index is None else f".optimizer.{index}.safetensors"))
 
 
-def write_full(path: str | Path, state: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None) -> None:
-    """Write the gathered `state` (and `optimizer_state`, as `full_optimizer_state_dict` gives it)."""
+def write_full(path: str | Path, state: dict[str, torch.Tensor],
+               optimizer_state: dict[str, Any] | list[dict[str, Any]] | None) -> None:
+    """Write the gathered `state` (and `optimizer_state` as `full_optimizer_state_dict` gives
+    it, or a list of such, one file each)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomically(path, lambda p: save_file({k: v.contiguous() for k, v in state.items()}, p,
                                           metadata={"format": "pt"}))
-    if optimizer_state is not None:
+    listed = isinstance(optimizer_state, list)
+    for index, each in enumerate(optimizer_state if listed else [] if optimizer_state is None else [optimizer_state]):
         tensors = {f"state.{name}.{key}": value.contiguous()
-                   for name, entries in optimizer_state["state"].items() for key, value in entries.items()}
-        groups = json.dumps(optimizer_state["param_groups"], default=_plain)
-        _atomically(optimizer_path(path), lambda p: save_file(tensors, p, metadata={"format": "pt", "param_groups": groups}))
+                   for name, entries in each["state"].items() for key, value in entries.items()}
+        groups = json.dumps(each["param_groups"], default=_plain)
+        _atomically(optimizer_path(path, index if listed else None),
+                    lambda p: save_file(tensors, p, metadata={"format": "pt", "param_groups": groups}))
 
 
 def load_full_optimizer_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -95,15 +95,15 @@ class WholeState:
 
     def save_full(self, path, *, optimizer=None) -> None:
         """The whole model as one safetensors file (`model.load_state_dict` takes it), and with
-        `optimizer` its whole state beside it (`runtime.full_checkpoint`); gathered by the
-        state programs, written by rank 0; every rank calls it."""
+        `optimizer` its whole state beside it (with a list, each one's in a file of its own:
+        `runtime.full_checkpoint`); gathered by the state programs, written by rank 0; every
+        rank calls it."""
         self._require_open("save_full")
-        if isinstance(optimizer, (list, tuple)):
-            raise TypeError("runner.save_full writes one optimizer's state beside the model, as one device's "
-                            "load_state_dict takes it. Fix: runner.full_optimizer_state_dict(each) for several, "
-                            "or runner.save(path, optimizer=[...]), which takes a list")
         state = self.full_state_dict()
-        optimizer_state = self.full_optimizer_state_dict(optimizer) if optimizer is not None else None
+        if isinstance(optimizer, (list, tuple)):  # several over disjoint parameters: a file each
+            optimizer_state = [self.full_optimizer_state_dict(each) for each in optimizer]
+        else:
+            optimizer_state = self.full_optimizer_state_dict(optimizer) if optimizer is not None else None
         if self.is_main:
             write_full(path, state, optimizer_state)
 

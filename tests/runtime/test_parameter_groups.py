@@ -212,7 +212,8 @@ def test_muon_for_the_matrices_and_adamw_for_the_rest(torchrun):
 @pytest.mark.multirank
 def test_a_list_of_optimizers_checkpoints_under_one_plan_and_resumes_under_another(torchrun):
     """Muon's and AdamW's states are saved as a list under dp=2 and loaded under pp=2: right
-    after the load both full states equal what was saved, to the bit."""
+    after the load both full states equal what was saved, to the bit; `save_full` wrote each
+    one's in a file of its own, which one device's Muon and AdamW load."""
     jobs = ("save|dp=2|m|3", "load|pp=2 mb=2|m|2")
     for results in torchrun("checkpoint_worker.py", 2, *jobs, env={"FXPAR_TEST_OPTIMIZERS": "muon"}):
         saved, loaded = results[jobs[0]]["saved_optimizer"], results[jobs[1]]["loaded_optimizer"]
@@ -225,6 +226,14 @@ def test_a_list_of_optimizers_checkpoints_under_one_plan_and_resumes_under_anoth
         assert torch.equal(torch.cat([v.flatten() for v in results[jobs[0]]["saved"].values()]),
                            torch.cat([v.flatten() for v in results[jobs[1]]["loaded"].values()]))
         assert len(results[jobs[1]]["losses"]) == 2
+        model = build_model("gpt")
+        for index, (stepped, kind) in enumerate(zip(muon_and_adamw(model), (torch.optim.Muon, torch.optim.AdamW))):
+            optimizer = kind(stepped)
+            optimizer.load_state_dict(load_full_optimizer_state(
+                optimizer_path(results["folder"] / "m.safetensors", index), model))
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            assert all(torch.equal(optimizer.state[p][k], saved[index]["state"][name_of[id(p)]][k])
+                       for p in stepped for k in saved[index]["state"][name_of[id(p)]])
 
 
 def test_zero_1_and_2_refuse_groups_that_leave_a_trained_parameter_out():

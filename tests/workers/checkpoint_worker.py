@@ -13,7 +13,7 @@ Jobs run in order, each binding its own program (closed after):
 
 FXPAR_TEST_GROUPS=1 gives every optimizer `tiny_training.parameter_groups` of its model;
 FXPAR_TEST_OPTIMIZERS=muon trains with Muon and AdamW (`tiny_training.muon_and_adamw`), saved
-and loaded as a list, and writes no safetensors file (save_full takes one optimizer).
+and loaded as a list (save_full writes a file of each one's state).
 
 Each rank saves `rank{r}.pt`: per job, what the test compares (losses, the full state and
 optimizer state when saved, right after a load and after the job, what load returned, the
@@ -72,8 +72,7 @@ for job in jobs:
         losses = train(runner, optimizer, batches[:k])
         generator_state = torch.get_rng_state()
         runner.save(path, optimizer=optimizer, step=k, extra={"next_batch": k, "plan": plan})
-        if not isinstance(optimizer, Optimizers):
-            runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
+        runner.save_full(out_dir / f"{name}.safetensors", optimizer=optimizer)
         results[job] = {"losses": losses, "latest": latest_checkpoint(out_dir), "rng": generator_state,
                         "saved": runner.full_state_dict(), "saved_optimizer": full_optimizer_state(runner, optimizer)}
         torch.manual_seed(1000 + runner.rank)  # what a load under the same plan must undo
