@@ -46,8 +46,10 @@ def write_full(path: str | Path, state: dict[str, torch.Tensor],
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomically(path, lambda p: save_file({k: v.contiguous() for k, v in state.items()}, p,
                                           metadata={"format": "pt"}))
+    if optimizer_state is None:
+        return
     listed = isinstance(optimizer_state, list)
-    for index, each in enumerate(optimizer_state if listed else [] if optimizer_state is None else [optimizer_state]):
+    for index, each in enumerate(optimizer_state if listed else [optimizer_state]):
         tensors = {f"state.{name}.{key}": value.contiguous()
                    for name, entries in each["state"].items() for key, value in entries.items()}
         groups = json.dumps(each["param_groups"], default=_plain)
