@@ -18,7 +18,16 @@ Sec. 4.2.2 for the sequence-parallel pair):
     Shard(d)    Shard(e)    no                  via Replicate
     Partial     Replicate   yes                 via Replicate
 
-A fused dim (`Shard(d, parts)` with parts > 1) has no row: its pieces are not contiguous.
+A fused dim (`Shard(d, parts)` with parts > 1: each rank holds its slice of each of `parts`
+blocks, as a fused gate|up or q|k|v projection's output) is not contiguous on any rank, so no
+collective moves it as it is. Viewed apart first, it is: `unflatten(d, [parts, -1])` makes it
+`Shard(d + 1)` of the blocks, which the rows above move, and `flatten(d, d + 1)` joins the
+whole blocks again (row `Unfuse`, inserted by `passes.tensor_parallel`):
+
+    Shard(d, parts)   Replicate    any               unflatten, the row for Shard(d + 1), flatten
+    Shard(d, parts)   Shard(e)     no                via Replicate
+
+Nothing moves a value onto a fused dim: only a fused projection's weights start there.
 """
 
 from __future__ import annotations
@@ -44,6 +53,19 @@ class Via:
     placement: Placement
 
 
+@dataclass(frozen=True)
+class Unfuse:
+    """View the fused dim `dim` as (`parts`, -1), move the blocks (now `Shard(dim + 1)`) to
+    Replicate, and view them back as one dim (module doc)."""
+
+    dim: int
+    parts: int
+
+    @property
+    def blocks(self) -> Shard:
+        return Shard(self.dim + 1)
+
+
 TABLE: dict[tuple[type, type, bool], Conversion | Via] = {
     (Partial, Replicate, False): Conversion(BY_NAME["all_reduce"]),
     (Partial, Shard, False): Conversion(BY_NAME["reduce_scatter"], "want"),
@@ -56,11 +78,14 @@ TABLE: dict[tuple[type, type, bool], Conversion | Via] = {
 }
 
 
-def redistribution(have: Placement, want: Placement, into_sharded_math: bool) -> Conversion | Via | None:
+def redistribution(have: Placement, want: Placement, into_sharded_math: bool) -> Conversion | Via | Unfuse | None:
     """The table's row for this move, or None when there is none (the caller says why)."""
-    fused = any(isinstance(p, Shard) and p.parts != 1 for p in (have, want))
-    if fused or (have == want and not into_sharded_math):
+    if have == want and not into_sharded_math:
         return None
+    if isinstance(want, Shard) and want.parts != 1:
+        return None
+    if isinstance(have, Shard) and have.parts != 1:
+        return Unfuse(have.dim, have.parts) if isinstance(want, Replicate) else Via(R)
     return TABLE.get((type(have), type(want), into_sharded_math))
 
 

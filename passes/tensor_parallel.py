@@ -44,7 +44,7 @@ from fxpar import meta
 from fxpar.distributed_ops import DistributedOp
 from fxpar.errors import PlanError
 from fxpar.placement import Placement, Placements, R, Replicate, Shard, local_shape
-from fxpar.redistribution import Via, conversion_dim, converted_placement, redistribution
+from fxpar.redistribution import Unfuse, Via, conversion_dim, converted_placement, redistribution
 import fxpar.vocab_parallel_ops  # noqa: F401  (registers torch.ops.fxpar.vocab_parallel_embedding)
 from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.tp_projections import packet, projection_of
@@ -53,6 +53,7 @@ from fxpar.passes.tp_propagation import rule_for
 from fxpar.passes.tp_vocab_loss import vocab_parallel_cross_entropy
 
 AXIS = "tp"  # the mesh axis the inserted ops name
+aten = torch.ops.aten
 
 
 def _order(graph: fx.Graph):
@@ -205,6 +206,10 @@ class _Walk:
         if isinstance(row, Via):
             step = self.convert(source, row.placement, before=before)
             node = self.convert(step, wanted, before=before, into_sharded_math=into_sharded_math)
+        elif isinstance(row, Unfuse):
+            blocks = self._view(aten.unflatten.int, source, (row.dim, [row.parts, -1]), row.blocks, before=before)
+            whole = self.convert(blocks, R, before=before, into_sharded_math=into_sharded_math)
+            node = self._view(aten.flatten.using_ints, whole, (row.dim, row.dim + 1), R, before=before)
         else:
             node = self._insert(row.op, source, conversion_dim(row, have, wanted), before=before)
             self.set(node, converted_placement(row, have, wanted))
@@ -218,6 +223,16 @@ class _Walk:
         node.meta["val"] = source.meta["val"]  # the global value is the same; its layout moved
         node.meta[meta.MODULE_PATH] = meta.module_path(before)
         node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
+        return node
+
+    def _view(self, target, source: fx.Node, args: tuple, placement: Placement, *, before: fx.Node) -> fx.Node:
+        """`target(source, *args)`, a view that regroups a fused dim, inserted before `before`."""
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, (source, *args))
+        node.meta["val"] = target(source.meta["val"], *args)
+        node.meta[meta.MODULE_PATH] = meta.module_path(before)
+        node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
+        self.set(node, placement)
         return node
 
     # -- rewrites of the op itself -------------------------------------------------------------
@@ -251,7 +266,10 @@ class _Walk:
         node.args = tuple(args)
 
     def _local_split(self, node: fx.Node, decision: Decision) -> None:
-        """A fused projection's split sizes for the local shard: split(qkv, C) -> split(qkv, C/t)."""
+        """A fused projection's split sizes for the local shard: split(qkv, C) -> split(qkv, C/t).
+        chunk(gate_up, 2) names a count of blocks, not a size: it stays."""
+        if packet(node) is aten.chunk:
+            return
         args = list(node.args)
         sizes = args[1]
         args[1] = [self._local(s) for s in sizes] if isinstance(sizes, (list, tuple)) else self._local(sizes)

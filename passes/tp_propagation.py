@@ -24,7 +24,8 @@ from fxpar.passes.tp_decision import (
 )
 from fxpar.passes.tp_projections import projection_of
 from fxpar.passes.tp_view_rules import (
-    concatenate, expand, getitem, repeat_interleave, slicing, split, transpose, unsqueeze, view,
+    concatenate, expand, getitem, repeat_interleave, slicing, split, stack, transpose, unsqueeze,
+    view,
 )
 from fxpar.placement import P, Partial, R, Replicate, Shard
 
@@ -229,7 +230,7 @@ RULES: dict[object, Callable[[fx.Node, Context], Decision]] = {
     aten.slice: slicing, aten.select: slicing, aten.narrow: slicing,
     aten.split: split, aten.split_with_sizes: split, aten.chunk: split, aten.unbind: split,
     operator.getitem: getitem,
-    aten.cat: concatenate, aten.repeat_interleave: repeat_interleave,
+    aten.cat: concatenate, aten.stack: stack, aten.repeat_interleave: repeat_interleave,
     aten.layer_norm: reduction, aten.softmax: reduction, aten._softmax: reduction,
     aten.log_softmax: reduction, aten._log_softmax: reduction, aten.mean: reduction,
     aten.sum: reduction, aten.amax: reduction,

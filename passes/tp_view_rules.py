@@ -159,6 +159,18 @@ def concatenate(node: fx.Node, ctx: Context) -> Decision:
     return Decision(R, {n: R for n in pieces})
 
 
+def stack(node: fx.Node, ctx: Context) -> Decision:
+    """Tensors alike sharded stack into one sharded the same way, its dim moved past the new
+    one when that comes first (GPT-J's rotary: stack((-x2, x1), dim=-1) of head shards)."""
+    pieces = list(node.args[0])
+    d = _dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(shape_of(node)))
+    placements = {n: ctx.placement(n) for n in pieces}
+    first = placements[pieces[0]]
+    if isinstance(first, Shard) and all(p == first for p in placements.values()):
+        return Decision(Shard(first.dim + (d <= first.dim), first.parts), placements)
+    return Decision(R, {n: R for n in pieces})
+
+
 def repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
     source, p = node.args[0], ctx.placement(node.args[0])
     if isinstance(p, Partial):

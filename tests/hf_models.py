@@ -89,6 +89,13 @@ BUILDERS: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
     "qwen2": _causal("Qwen2Config", **_DECODER),
     "gpt_neox": _causal("GPTNeoXConfig", **_SMALL, hidden_dropout=0.0, attention_dropout=0.0),
     "bert": _bert,
+    # Phi-3 fuses gate|up into one projection that it chunks, and q|k|v into one it slices
+    # unevenly (grouped-query); GPT-J and Cohere rotate interleaved pairs, stacking them back.
+    "phi3": _causal("Phi3Config", **_DECODER, pad_token_id=0),
+    "gptj": _causal("GPTJConfig", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                    rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                    bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1),
+    "cohere": _causal("CohereConfig", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
 
 

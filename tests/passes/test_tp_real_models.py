@@ -2,7 +2,8 @@
 
 Models come from tests/hf_models.py (small configs, random weights, nothing downloaded; GPT-2's
 Conv1D, Llama's and Mistral's grouped-query attention, Qwen2's q/k/v biases, GPT-NeoX's fused
-query_key_value, BERT's pad token), with sdpa and eager attention. Three kinds of check:
+query_key_value, BERT's pad token; Phi-3's fused gate|up, GPT-J's and Cohere's interleaved
+rotary), with sdpa and eager attention. Three kinds of check:
 
 * styles: inference (`tp_rules="infer"`, and `"auto"` for a model without a plan of its own)
   finds Megatron's layout, equal to the model's own `base_model_tp_plan` where it has one;
@@ -403,11 +404,53 @@ def test_gpt_neox_base_plan_as_is_compiles_to_megatrons_collectives_and_equals_o
     assert_equals_one_device(program, model, inputs)
 
 
-def test_packed_colwise_on_gpt_neox_head_major_qkv_is_a_plan_error():
-    _, _, graph = captured("gpt_neox")  # q|k|v interleave per head: no two-block packing fits
+def test_packed_colwise_on_gpt_neox_head_major_qkv_is_gathered_whole_and_exact():
+    """q|k|v interleave per head: no two-block packing splits the heads, so the packed output
+    is gathered (blocks viewed apart, all-gathered, joined) before the view that cuts heads."""
+    model, inputs, graph = captured("gpt_neox")
     plan = fxpar.Plan(tp=2, tp_rules={"layers.*.attention.query_key_value": "packed_colwise"})
-    with pytest.raises(PlanError, match=r"cannot turn linear .*query_key_value.* from S\(2, parts=2\)"):
-        fxpar.compile(graph, plan)
+    program = fxpar.compile(graph, plan)
+    qkv = inputs[0].numel() * 3 * 64
+    assert kinds(program)["all_gather", "forward"] == LAYERS
+    assert ("all_gather", "forward", qkv) in [(c.kind, c.phase, c.numel) for c in layer_collectives(program)]
+    assert_equals_one_device(program, model, inputs)
+
+
+# -- 4b. fused projections split by the graph, interleaved rotary ------------------------------
+
+
+def test_phi3_plan_gathers_its_fused_gate_up_whole_and_equals_one_device():
+    """Phi-3's own plan: gate_up_proj colwise_gather_output, down_proj rowwise_split_input.
+    The graph chunks gate|up, so each rank holds its slice of both blocks (S(0, parts=2)); the
+    gather views the blocks apart, all-gathers them and joins them into the whole gate|up."""
+    model, inputs, program = compiled("phi3", "tp=2")
+    weights = meta.parameter_nodes(program.graph_module.graph)
+    assert meta.placement(weights["model.model.layers.0.mlp.gate_up_proj.weight"], "tp") == Shard(0, 2)
+    gate_up = inputs[0].numel() * 2 * 128
+    calls = [(c.kind, c.phase, c.numel) for c in layer_collectives(program)]
+    assert calls.count(("all_gather", "forward", gate_up)) == LAYERS
+    assert_equals_one_device(program, model, inputs)
+
+
+def test_phi3_inferred_plan_chunks_each_ranks_gate_up_locally_and_equals_one_device():
+    """Megatron's layout: gate_up_proj colwise in two blocks, each rank's chunk(2) its own
+    gate and up slices (the count of chunks stays 2), no gather between them."""
+    model, inputs, program = compiled("phi3", "tp=2 tp_rules=infer")
+    gate_up = inputs[0].numel() * 2 * 128
+    assert ("all_gather", "forward", gate_up) not in [(c.kind, c.phase, c.numel) for c in layer_collectives(program)]
+    assert_equals_one_device(program, model, inputs)
+
+
+@pytest.mark.parametrize(("name", "rules"), [("gptj", "auto"), ("cohere", "auto"), ("cohere", "infer")])
+def test_interleaved_rotary_stacks_head_shards_and_equals_one_device(name, rules):
+    """GPT-J and Cohere rotate every pair: stack((-x2, x1), dim=-1) of values split by heads
+    stays split by heads; q, k and v stay column-parallel and nothing is gathered."""
+    model, inputs, program = compiled(name, f"tp=2 tp_rules={rules}")
+    q = next(node for n, node in meta.parameter_nodes(program.graph_module.graph).items()
+             if n.endswith("layers.0.self_attn.q_proj.weight") or n.endswith("h.0.attn.q_proj.weight"))
+    assert meta.placement(q, "tp") == Shard(0)
+    assert kinds(program)["all_gather", "forward"] == 0
+    assert_equals_one_device(program, model, inputs)
 
 
 def test_every_style_transformers_registers_has_a_meaning_or_a_plan_error():
