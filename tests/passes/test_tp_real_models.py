@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar import PlanError, meta
+from fxpar import meta
 from fxpar.declared_plans import declared_plans
 from fxpar.passes.tp_rules import HF_STYLES, UNSUPPORTED_HF_STYLES, infer_styles
 from fxpar.placement import R, Shard, global_tensor
