@@ -3,7 +3,9 @@
     Replicate()        every rank holds the whole tensor
     Shard(dim)         rank i holds the i-th of `size` equal slices along `dim`
     Shard(dim, parts)  the same, for a dim made of `parts` equal blocks (a fused q|k|v
-                       projection): rank i holds the i-th slice of *each* block, side by side
+                       projection): rank i holds the i-th slice of *each* block, side by side;
+                       `parts` a tuple of widths for unequal blocks: (2, 1, 1) is Phi-3's
+                       grouped-query q|k|v, 4 query heads beside 2 key and 2 value heads
     Partial()          every rank holds a summand; the value is their sum
     FlatShard()        rank i holds the i-th of `size` equal pieces of the value flattened
                        (after every other axis has taken its piece) and zero-padded to a
@@ -49,10 +51,30 @@ class Replicate:
 @dataclass(frozen=True)
 class Shard:
     dim: int
-    parts: int = 1
+    parts: int | tuple[int, ...] = 1  # equal blocks, or the relative widths of unequal ones
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.parts == 1 else f"S({self.dim}, parts={self.parts})"
+        if not self.fused:
+            return f"S({self.dim})"
+        return f"S({self.dim}, parts={self.parts if isinstance(self.parts, int) else ':'.join(map(str, self.parts))})"
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The relative widths of the dim's blocks: (1, 1, 1) for `parts=3`."""
+        return (1,) * self.parts if isinstance(self.parts, int) else self.parts
+
+    @property
+    def fused(self) -> bool:
+        """Whether the dim is made of blocks that each rank holds a slice of."""
+        return len(self.widths) > 1
+
+    def block_sizes(self, length: int) -> list[int]:
+        """The sizes of the blocks of a dim of `length` elements (ints)."""
+        return [length * w // sum(self.widths) for w in self.widths]
+
+    def divides(self, length: int, size: int) -> bool:
+        """Whether every block of a dim of `length` splits into `size` equal slices."""
+        return length % sum(self.widths) == 0 and all(b % size == 0 for b in self.block_sizes(length))
 
 
 @dataclass(frozen=True)
@@ -155,15 +177,16 @@ def local_intervals(shape, placements: Placements, coord: Mapping[str, int], siz
 
 def _shard_ranges(ranges, placement: Shard, index: int, size: int) -> tuple[tuple[int, int], ...]:
     """The rank `index` of `size`'s part of a dim already laid out as `ranges`: the index-th
-    of `size` equal slices of each of the dim's `parts` blocks, mapped back to global ranges."""
-    dim, parts = placement.dim, placement.parts
+    of `size` equal slices of each of the dim's blocks, mapped back to global ranges."""
     length = sum(n for _, n in ranges)
-    if length % (parts * size):
-        raise ValueError(f"dim {dim} of size {length} does not split into {parts} x {size} pieces")
-    block, piece = length // parts, length // (parts * size)
-    result = []
-    for b in range(parts):
-        want_start, want_stop = b * block + index * piece, b * block + (index + 1) * piece
+    if not placement.divides(length, size):
+        raise ValueError(f"dim {placement.dim} of size {length} does not split into {size} "
+                         f"slices of each of its blocks ({placement})")
+    result, block_start = [], 0
+    for block in placement.block_sizes(length):
+        piece = block // size
+        want_start, want_stop = block_start + index * piece, block_start + (index + 1) * piece
+        block_start += block
         local = 0  # where each range starts in the piece being sliced
         for start, n in ranges:
             lo, hi = max(want_start, local), min(want_stop, local + n)
@@ -211,8 +234,9 @@ def global_tensor(pieces: list[torch.Tensor], placement: Placement, shape: tuple
         return torch.cat([p.reshape(-1) for p in pieces])[: math.prod(shape)].view(shape)
     if not isinstance(placement, Shard) or len(pieces) == 1:
         return pieces[0]
-    dim, parts = placement.dim, placement.parts
-    per_rank_blocks = [piece.chunk(parts, dim=dim) for piece in pieces]
+    dim = placement.dim
+    local_blocks = placement.block_sizes(pieces[0].shape[dim])
+    per_rank_blocks = [piece.split(local_blocks, dim=dim) for piece in pieces]
     return torch.cat(
-        [torch.cat([blocks[b] for blocks in per_rank_blocks], dim=dim) for b in range(parts)], dim=dim
+        [torch.cat([blocks[b] for blocks in per_rank_blocks], dim=dim) for b in range(len(local_blocks))], dim=dim
     )

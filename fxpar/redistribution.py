@@ -22,7 +22,8 @@ A fused dim (`Shard(d, parts)` with parts > 1: each rank holds its slice of each
 blocks, as a fused gate|up or q|k|v projection's output) is not contiguous on any rank, so no
 collective moves it as it is. Viewed apart first, it is: `unflatten(d, [parts, -1])` makes it
 `Shard(d + 1)` of the blocks, which the rows above move, and `flatten(d, d + 1)` joins the
-whole blocks again (row `Unfuse`, inserted by `passes.tensor_parallel`):
+whole blocks again (row `Unfuse`, inserted by `passes.tensor_parallel`; unequal blocks are split
+apart, each gathered, and concatenated):
 
     Shard(d, parts)   Replicate    any               unflatten, the row for Shard(d + 1), flatten
     Shard(d, parts)   Shard(e)     no                via Replicate
@@ -55,15 +56,16 @@ class Via:
 
 @dataclass(frozen=True)
 class Unfuse:
-    """View the fused dim `dim` as (`parts`, -1), move the blocks (now `Shard(dim + 1)`) to
-    Replicate, and view them back as one dim (module doc)."""
+    """Equal blocks: view the fused dim `dim` as (blocks, -1), move them (now `Shard(dim +
+    1)`) to Replicate, and view them back as one dim (module doc). Unequal `widths`: split
+    the blocks apart, move each (`Shard(dim)`), and concatenate them."""
 
     dim: int
-    parts: int
+    widths: tuple[int, ...]
 
     @property
-    def blocks(self) -> Shard:
-        return Shard(self.dim + 1)
+    def equal(self) -> bool:
+        return len(set(self.widths)) == 1
 
 
 TABLE: dict[tuple[type, type, bool], Conversion | Via] = {
@@ -82,10 +84,10 @@ def redistribution(have: Placement, want: Placement, into_sharded_math: bool) ->
     """The table's row for this move, or None when there is none (the caller says why)."""
     if have == want and not into_sharded_math:
         return None
-    if isinstance(want, Shard) and want.parts != 1:
+    if isinstance(want, Shard) and want.fused:
         return None
-    if isinstance(have, Shard) and have.parts != 1:
-        return Unfuse(have.dim, have.parts) if isinstance(want, Replicate) else Via(R)
+    if isinstance(have, Shard) and have.fused:
+        return Unfuse(have.dim, have.widths) if isinstance(want, Replicate) else Via(R)
     return TABLE.get((type(have), type(want), into_sharded_math))
 
 

@@ -114,6 +114,19 @@ def draw_from_streams(gm: fx.GraphModule, *, exact: bool, dp: int, tp: int, micr
     return gm
 
 
+def _equal_blocks(placement: Shard, node: fx.Node) -> int:
+    """The count of a tensor-parallel shard's equal blocks, what a per-slice draw tiles; a
+    draw on unequal blocks (a grouped-query q|k|v before its slices) is refused."""
+    if isinstance(placement.parts, int):
+        return placement.parts
+    raise CaptureError(
+        f"the model draws random values on {node.format_node()} (module "
+        f"{meta.module_path(node)!r}), a value tensor parallelism splits in unequal blocks "
+        f"({placement}), which fxpar cannot draw per slice. Fix: draw after the blocks are "
+        "sliced apart, or replicate the projection (tp_rules)"
+    )
+
+
 def draws_randomness(gm: fx.GraphModule) -> bool:
     """Whether the captured graph has a random op (what decides that the pass runs)."""
     return any(node.op == "call_function" and _seeded(node) for node in gm.graph.nodes)
@@ -155,7 +168,7 @@ class _Drawing:
         return DrawSlice(
             dp_dim=dp.dim if isinstance(dp, Shard) else -1, dp_size=self.dp, microbatches=self.microbatches,
             tp_dim=tp.dim if isinstance(tp, Shard) else -1,
-            tp_parts=tp.parts if isinstance(tp, Shard) else 1, tp_size=self.tp,
+            tp_parts=_equal_blocks(tp, node) if isinstance(tp, Shard) else 1, tp_size=self.tp,
         )
 
     def _next(self) -> int:

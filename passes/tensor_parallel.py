@@ -5,8 +5,9 @@ once, in order. For each op it asks `tp_propagation.RULES` where the op needs it
 an input lies otherwise it inserts the op that `fxpar.redistribution` names for the move (a
 `torch.ops.fxpar` op on mesh axis "tp", whose backward is the dual collective), and it
 rewrites what must change for local shards: the constants of views (head counts, hidden
-sizes), the split sizes of a fused q|k|v projection, the bias of a row-parallel projection
-(added once, after the sum), a vocabulary-parallel embedding and cross entropy.
+sizes), the split sizes or slice bounds of a fused q|k|v projection, the bias of a
+row-parallel projection (added once, after the sum), a vocabulary-parallel embedding and
+cross entropy.
 
 One rule needs no op in particular: a replicated input that requires grad and feeds math whose
 output is sharded or partial contributes only a partial gradient on each rank, so it passes
@@ -35,6 +36,7 @@ across the tp group); the graph computes each rank's local part; the loss is rep
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -50,6 +52,7 @@ from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.tp_projections import packet, projection_of
 from fxpar.passes.tp_decision import Context, Decision, Rewrite, is_tensor, shape_of
 from fxpar.passes.tp_propagation import rule_for
+from fxpar.passes.tp_view_rules import one_block
 from fxpar.passes.tp_vocab_loss import vocab_parallel_cross_entropy
 
 AXIS = "tp"  # the mesh axis the inserted ops name
@@ -206,10 +209,12 @@ class _Walk:
         if isinstance(row, Via):
             step = self.convert(source, row.placement, before=before)
             node = self.convert(step, wanted, before=before, into_sharded_math=into_sharded_math)
-        elif isinstance(row, Unfuse):
-            blocks = self._view(aten.unflatten.int, source, (row.dim, [row.parts, -1]), row.blocks, before=before)
+        elif isinstance(row, Unfuse) and row.equal:
+            blocks = self._view(aten.unflatten.int, source, (row.dim, [len(row.widths), -1]), Shard(row.dim + 1), before=before)
             whole = self.convert(blocks, R, before=before, into_sharded_math=into_sharded_math)
             node = self._view(aten.flatten.using_ints, whole, (row.dim, row.dim + 1), R, before=before)
+        elif isinstance(row, Unfuse):
+            node = self._join_blocks(source, row, into_sharded_math, before=before)
         else:
             node = self._insert(row.op, source, conversion_dim(row, have, wanted), before=before)
             self.set(node, converted_placement(row, have, wanted))
@@ -225,11 +230,38 @@ class _Walk:
         node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
         return node
 
-    def _view(self, target, source: fx.Node, args: tuple, placement: Placement, *, before: fx.Node) -> fx.Node:
-        """`target(source, *args)`, a view that regroups a fused dim, inserted before `before`."""
+    def _join_blocks(self, source: fx.Node, row: Unfuse, into_sharded_math: bool, *, before: fx.Node) -> fx.Node:
+        """Unequal blocks made whole: split apart (each rank's slices of each), each moved to
+        Replicate, concatenated."""
+        width = int(shape_of(source)[row.dim])
+        placement = self.ctx.placement(source)
+        whole_sizes = placement.block_sizes(width)
         with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, (source, *args))
-        node.meta["val"] = target(source.meta["val"], *args)
+            split = self.graph.call_function(aten.split_with_sizes.default,
+                                             (source, [self._local(b) for b in whole_sizes], row.dim))
+        split.meta["val"] = aten.split_with_sizes.default(source.meta["val"], whole_sizes, row.dim)
+        split.meta[meta.MODULE_PATH] = meta.module_path(before)
+        split.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
+        self.ctx.placements[split] = [Shard(row.dim)] * len(whole_sizes)
+        wholes = []
+        for index, value in enumerate(split.meta["val"]):
+            with self.graph.inserting_before(before):
+                block = self.graph.call_function(operator.getitem, (split, index))
+            block.meta["val"] = value
+            block.meta[meta.MODULE_PATH] = meta.module_path(before)
+            block.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
+            self.set(block, Shard(row.dim))
+            wholes.append(self.convert(block, R, before=before, into_sharded_math=into_sharded_math))
+        return self._view(aten.cat.default, wholes[0], (), R, before=before, inputs=(wholes, row.dim))
+
+    def _view(self, target, source: fx.Node, args: tuple, placement: Placement, *, before: fx.Node,
+              inputs: tuple | None = None) -> fx.Node:
+        """`target(source, *args)` (or `target(*inputs)`), an op that regroups a fused dim's
+        blocks, inserted before `before`."""
+        inputs = inputs if inputs is not None else (source, *args)
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, inputs)
+        node.meta["val"] = target(*fx.node.map_arg(inputs, lambda n: n.meta["val"]))
         node.meta[meta.MODULE_PATH] = meta.module_path(before)
         node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
         self.set(node, placement)
@@ -274,6 +306,12 @@ class _Walk:
         sizes = args[1]
         args[1] = [self._local(s) for s in sizes] if isinstance(sizes, (list, tuple)) else self._local(sizes)
         node.args = tuple(args)
+
+    def _local_slice(self, node: fx.Node, decision: Decision) -> None:
+        """A slice taking one block of a fused dim, for the local blocks: qkv[..., 64:96] ->
+        qkv[..., 32:48] at tp=2 (each rank's blocks lie side by side, each 1/tp of the whole)."""
+        start, stop = one_block(node, self.ctx.placement(node.args[0]))
+        node.args = (node.args[0], node.args[1], self._local(start), self._local(stop))
 
     def _local(self, size: int) -> int:
         """One rank's share of a size along a dim split over tp (`placement.local_shape`)."""
@@ -325,6 +363,7 @@ class _Walk:
     REWRITES = {
         Rewrite.LOCAL_SIZES: _local_sizes,
         Rewrite.LOCAL_SPLIT: _local_split,
+        Rewrite.LOCAL_SLICE: _local_slice,
         Rewrite.BIAS_AFTER_REDUCTION: _bias_after_reduction,
         Rewrite.VOCAB_PARALLEL_EMBEDDING: _vocab_parallel_embedding,
         Rewrite.VOCAB_PARALLEL_CROSS_ENTROPY: _vocab_parallel_cross_entropy,

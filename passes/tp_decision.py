@@ -20,6 +20,7 @@ class Rewrite(enum.Enum):
 
     LOCAL_SIZES = "a view's size constants"
     LOCAL_SPLIT = "a fused projection's split sizes"
+    LOCAL_SLICE = "a slice taking one block of a fused projection"
     BIAS_AFTER_REDUCTION = "a row-parallel bias, added after the sum"
     VOCAB_PARALLEL_EMBEDDING = "a lookup in a vocabulary shard"
     VOCAB_PARALLEL_CROSS_ENTROPY = "cross entropy over vocabulary-sharded logits"

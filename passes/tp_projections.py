@@ -27,6 +27,7 @@ ops between two activations are attention's `q @ k^T` and `p @ v`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,13 +108,16 @@ def projections(graph: fx.Graph) -> list[Projection]:
     return [p for node in graph.nodes if (p := projection_of(node)) is not None]
 
 
-def fused_projections(gm: fx.GraphModule) -> dict[str, int]:
-    """Parameters of projections whose output is split into equal blocks: {name: blocks}.
+def fused_projections(gm: fx.GraphModule) -> dict[str, int | tuple[int, ...]]:
+    """Parameters of projections whose output the graph cuts into blocks: {name: blocks}, a
+    count of equal blocks or the relative widths of unequal ones (`placement.Shard.parts`).
 
     GPT-2's `c_attn` computes q|k|v in one matmul and splits the last dim in three (HF's
     Conv1D first views (B*T, 3C) back to (B, T, 3C)). Cutting its weight into tp contiguous
     slices would give rank 0 all of q; as `Shard(out_dim, parts=3)` each rank holds its own
-    slice of each block, so the local output splits into local q, k and v heads.
+    slice of each block, so the local output splits into local q, k and v heads. Phi-3's
+    grouped-query `qkv_proj` is sliced into 4 query heads, 2 key and 2 value heads: widths
+    (2, 1, 1), each rank its slice of each.
 
     A split after a view that cuts the last dim is no fused projection: GPT-NeoX views its
     `query_key_value` output as (B, T, heads, 3 * head_dim) and chunks each head, so its rows
@@ -121,7 +125,7 @@ def fused_projections(gm: fx.GraphModule) -> dict[str, int]:
     """
     fused = {}
     for projection in projections(gm.graph):
-        blocks = _equal_blocks_of_last_dim(projection.node)
+        blocks = _blocks_of_last_dim(projection.node)
         if blocks is None:
             continue
         for parameter in (projection.weight, projection.bias):
@@ -130,26 +134,56 @@ def fused_projections(gm: fx.GraphModule) -> dict[str, int]:
     return fused
 
 
-def _equal_blocks_of_last_dim(node: fx.Node) -> int | None:
+def _blocks_of_last_dim(node: fx.Node) -> int | tuple[int, ...] | None:
     width = node.meta["val"].shape[-1]
     if not isinstance(width, int):
         return None
-    for user in _through_last_dim_views(node):
+    users = _through_last_dim_views(node)
+    for user in users:
         op = packet(user)
-        if op not in _SPLITS:
-            continue
-        rank = len(user.args[0].meta["val"].shape)
-        dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-        if dim % rank != rank - 1:
+        if op not in _SPLITS or not _on_last_dim(user, _split_dim(user)):
             continue
         size = user.args[1]
         if op is aten.chunk:
             return int(size)
         if isinstance(size, (list, tuple)):
-            return len(size) if len(set(size)) == 1 and size[0] * len(size) == width else None
+            return _widths(size) if all(isinstance(n, int) for n in size) and sum(size) == width else None
         if isinstance(size, int) and width % size == 0:
             return int(width // size)
+    slices = [_slice_bounds(user, width) for user in users if packet(user) is aten.slice]
+    if len(slices) > 1 and None not in slices:
+        slices.sort()
+        if slices[0][0] == 0 and slices[-1][1] == width and all(a[1] == b[0] for a, b in zip(slices, slices[1:])):
+            return _widths([stop - start for start, stop in slices])
     return None
+
+
+def _on_last_dim(node: fx.Node, dim) -> bool:
+    rank = len(node.args[0].meta["val"].shape)
+    return isinstance(dim, int) and dim % rank == rank - 1
+
+
+def _split_dim(node: fx.Node):
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+
+
+def _slice_bounds(node: fx.Node, width: int) -> tuple[int, int] | None:
+    """(start, stop) of a step-1 slice of the last dim with constant bounds, else None."""
+    dim, start, stop, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    start, stop = start or 0, width if stop is None else stop
+    if not _on_last_dim(node, dim) or step != 1 or not (isinstance(start, int) and isinstance(stop, int)):
+        return None
+    if start < 0 or stop < 0:
+        return None
+    return min(start, width), min(stop, width)
+
+
+def _widths(sizes) -> int | tuple[int, ...]:
+    """Block sizes as `Shard.parts`: their count when equal, else their relative widths."""
+    if len(set(sizes)) == 1:
+        return len(sizes)
+    divisor = math.gcd(*sizes)
+    return tuple(size // divisor for size in sizes)
 
 
 def _through_last_dim_views(node: fx.Node) -> list[fx.Node]:

@@ -15,8 +15,9 @@ GPT-2's Conv1D addmm, mm, matmul) and embedding lookups, and through them on the
     replicate              Replicate            Replicate         Replicate
 
 (`out_dim` is 0 for a linear's (out, in) weight and 1 for an (in, out) one.) A fused q|k|v
-projection whose output the graph splits into k equal blocks gets `parts=k` under colwise too
-(`tp_projections.fused_projections`).
+projection whose output the graph splits into k equal blocks gets `parts=k` under colwise too,
+and one it slices into unequal blocks (Phi-3's grouped-query q|k|v) their relative widths,
+`parts=(2, 1, 1)` (`tp_projections.fused_projections`).
 
     Plan(tp=2, tp_rules={"h.*.attn.[qkv]": "colwise", "h.*.attn.o": "rowwise"})
 
@@ -236,12 +237,12 @@ def _module_of(name: str) -> str:
 
 def _check_divisible(name: str, node: fx.Node, placement: Shard, tp: int) -> None:
     size = node.meta["val"].shape[placement.dim]
-    if size % (tp * placement.parts):
-        blocks = f" in {placement.parts} blocks" if placement.parts > 1 else ""
+    if not placement.divides(size, tp):
+        blocks = f" in blocks of {placement.block_sizes(size)}" if placement.fused else ""
         raise PlanError(
             f"parameter {name!r} ({placement} under tp={tp}) has {size} rows along dim "
             f"{placement.dim}{blocks}, not divisible by tp={tp}. Fix: choose tp dividing "
-            f"{size // placement.parts}, or replicate the module: "
+            f"{' and '.join(map(str, sorted(set(placement.block_sizes(size)))))}, or replicate the module: "
             f"tp_rules={{{_module_of(name)!r}: 'replicate'}}",
             field="tp",
             value=tp,

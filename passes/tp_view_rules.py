@@ -65,12 +65,12 @@ def view(node: fx.Node, ctx: Context) -> Decision:
             if gi[0] != p.dim or not gj:  # only the outermost dim of a merge stays contiguous
                 return Decision(R, {source: R})
             target = gj[0]
-            if p.parts > 1 and len(gj) > 1 and out_shape[target] % p.parts == 0 and len(gi) == 1:
+            if p.fused and len(gj) > 1 and len(gi) == 1:
                 return Decision(R, {source: R})  # a fused q|k|v viewed before its split
             size = out_shape[target]
             if not size.is_number:
                 return Decision(R, {source: R})
-            if int(size) % (ctx.tp * p.parts):
+            if not p.divides(int(size), ctx.tp):
                 raise PlanError(
                     f"{meta.describe(node)} splits a tensor-parallel dim into {int(size)} parts "
                     f"(heads), not divisible by tp={ctx.tp} (for grouped-query attention: the "
@@ -123,10 +123,33 @@ def slicing(node: fx.Node, ctx: Context) -> Decision:
         return Decision(p, {source: p})
     rank = len(shape_of(source))
     d = _dim(node.args[1] if len(node.args) > 1 else 0, rank)
+    if d == p.dim and p.fused and one_block(node, p) is not None:
+        return Decision(Shard(d), {source: p}, rewrite=Rewrite.LOCAL_SLICE)  # each rank its slice of it
     if d == p.dim:
         return Decision(R, {source: R})
     dropped = node.target.overloadpacket is aten.select and d < p.dim
     return Decision(Shard(p.dim - dropped, p.parts), {source: p})
+
+
+def one_block(node: fx.Node, placement: Shard) -> tuple[int, int] | None:
+    """(start, stop) of the block of a fused dim that a slice of it takes whole (Phi-3's
+    qkv[..., :q_width]), else None."""
+    if node.target.overloadpacket is not aten.slice:
+        return None
+    width = shape_of(node.args[0])[placement.dim]
+    if not width.is_number:
+        return None
+    start, stop, step = (list(node.args[2:]) + [None, None, 1][len(node.args) - 2:])[:3]
+    start, stop = start or 0, int(width) if stop is None else stop
+    if step != 1 or not isinstance(start, int) or not isinstance(stop, int) or start < 0 or stop < 0:
+        return None
+    bounds, at = [], 0
+    for block in placement.block_sizes(int(width)):
+        bounds.append((at, at + block))
+        at += block
+    taken = (start, min(stop, int(width)))
+    return taken if taken in bounds else None
+
 
 
 def split(node: fx.Node, ctx: Context) -> Decision:
@@ -137,7 +160,7 @@ def split(node: fx.Node, ctx: Context) -> Decision:
     d = _dim(node.args[2] if len(node.args) > 2 else 0, len(shape_of(source)))
     if d != p.dim:
         return Decision([p] * count, {source: p})
-    if p.parts == count:  # a fused projection's blocks come apart: each rank its own slices
+    if len(p.widths) == count and count > 1:  # a fused projection's blocks come apart: each rank its own slices
         return Decision([Shard(d)] * count, {source: p}, rewrite=Rewrite.LOCAL_SPLIT)
     return Decision([R] * count, {source: R})
 

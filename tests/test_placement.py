@@ -60,3 +60,21 @@ def test_interval_pieces_put_back_by_global_tensor():
     assert torch.equal(global_tensor(pieces, Shard(1, parts=2)), x)
     assert local_intervals((6, 8), Placements(tp=Shard(1, parts=2)), {"tp": 1}, {"tp": 2}) == (
         ((0, 6),), ((2, 2), (6, 2)))
+
+
+def test_unequal_blocks_give_each_rank_its_slice_of_each_and_come_back_whole():
+    """Phi-3's grouped-query q|k|v: widths (2, 1, 1), 4 query heads beside 2 key and 2 value
+    heads of 2 columns each. Rank r holds the r-th half of each block, side by side; the
+    intervals say so, a FlatShard nests in it, and `global_tensor` puts the pieces back."""
+    whole = torch.arange(3 * 16).view(3, 16)
+    placement = Shard(1, parts=(2, 1, 1))
+    assert str(placement) == "S(1, parts=2:1:1)" and placement.block_sizes(16) == [8, 4, 4]
+    pieces = [local_slice(whole, Placements(tp=placement), {"tp": r}, {"tp": 2}) for r in range(2)]
+    assert pieces[1][0].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]  # q's, k's and v's second halves
+    assert local_intervals(whole.shape, Placements(tp=placement), {"tp": 1}, {"tp": 2})[1] == ((4, 4), (10, 2), (14, 2))
+    assert torch.equal(global_tensor(pieces, placement), whole)
+    nested = Placements(dp=FlatShard(), tp=placement)
+    flat = [local_slice(whole, nested, {"dp": d, "tp": 1}, {"dp": 2, "tp": 2}) for d in range(2)]
+    assert torch.equal(torch.cat(flat), pieces[1].flatten())
+    assert placement.divides(16, 4) and not placement.divides(16, 8)  # k and v blocks of 4
+    assert not Shard(1, parts=(2, 1, 1)).divides(12, 2)  # blocks 6, 3, 3: k and v do not halve

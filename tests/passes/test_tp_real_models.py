@@ -419,25 +419,36 @@ def test_packed_colwise_on_gpt_neox_head_major_qkv_is_gathered_whole_and_exact()
 # -- 4b. fused projections split by the graph, interleaved rotary ------------------------------
 
 
-def test_phi3_plan_gathers_its_fused_gate_up_whole_and_equals_one_device():
-    """Phi-3's own plan: gate_up_proj colwise_gather_output, down_proj rowwise_split_input.
-    The graph chunks gate|up, so each rank holds its slice of both blocks (S(0, parts=2)); the
-    gather views the blocks apart, all-gathers them and joins them into the whole gate|up."""
+def test_phi3_plan_gathers_its_fused_projections_whole_and_equals_one_device():
+    """Phi-3's own plan: qkv_proj and gate_up_proj colwise_gather_output, o_proj and down_proj
+    rowwise_split_input. The graph chunks gate|up, so each rank holds its slice of both blocks
+    (S(0, parts=2)), gathered by viewing the blocks apart, all-gathering and joining them; it
+    slices q|k|v unevenly (4 query heads, 2 key, 2 value: S(0, parts=2:1:1)), gathered block
+    by block and concatenated."""
     model, inputs, program = compiled("phi3", "tp=2")
     weights = meta.parameter_nodes(program.graph_module.graph)
     assert meta.placement(weights["model.model.layers.0.mlp.gate_up_proj.weight"], "tp") == Shard(0, 2)
-    gate_up = inputs[0].numel() * 2 * 128
-    calls = [(c.kind, c.phase, c.numel) for c in layer_collectives(program)]
-    assert calls.count(("all_gather", "forward", gate_up)) == LAYERS
+    assert meta.placement(weights["model.model.layers.0.self_attn.qkv_proj.weight"], "tp") == Shard(0, (2, 1, 1))
+    tokens = inputs[0].numel()
+    calls = Counter((c.kind, c.phase, c.numel) for c in layer_collectives(program))
+    assert calls["all_gather", "forward", tokens * 2 * 128] == LAYERS  # gate|up, whole
+    assert calls["all_gather", "forward", tokens * 64] == LAYERS  # q
+    assert calls["all_gather", "forward", tokens * 32] == 2 * LAYERS  # k and v
     assert_equals_one_device(program, model, inputs)
 
 
-def test_phi3_inferred_plan_chunks_each_ranks_gate_up_locally_and_equals_one_device():
-    """Megatron's layout: gate_up_proj colwise in two blocks, each rank's chunk(2) its own
-    gate and up slices (the count of chunks stays 2), no gather between them."""
+def test_phi3_inferred_plan_is_megatrons_on_its_fused_projections_and_equals_one_device():
+    """Megatron's layout: each rank holds its slice of each of the fused blocks; chunk(2)
+    takes its own gate and up slices (the count of chunks stays 2), each slice of q|k|v takes
+    its own q, k or v heads (the bounds made local), and nothing is gathered in a layer: two
+    all-reduces forward and two backward, as for Llama."""
     model, inputs, program = compiled("phi3", "tp=2 tp_rules=infer")
-    gate_up = inputs[0].numel() * 2 * 128
-    assert ("all_gather", "forward", gate_up) not in [(c.kind, c.phase, c.numel) for c in layer_collectives(program)]
+    weights = meta.parameter_nodes(program.graph_module.graph)
+    assert meta.placement(weights["model.model.layers.0.self_attn.qkv_proj.weight"], "tp") == Shard(0, (2, 1, 1))
+    stream = inputs[0].numel() * 64
+    calls = Counter((c.kind, c.phase, c.numel) for c in layer_collectives(program))
+    assert kinds(program)["all_gather", "forward"] == 0
+    assert calls["all_reduce", "forward", stream] == 1 + 2 * LAYERS  # the embedding's sum, then g
     assert_equals_one_device(program, model, inputs)
 
 

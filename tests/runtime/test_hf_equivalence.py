@@ -62,6 +62,7 @@ ZERO_ON_FOUR_RANKS = [
     "gpt_neox sdpa dp=2 tp=2 zero=1", "gpt2 sdpa dp=2 tp=2 zero=2 mb=2", "llama sdpa dp=2 tp=2 zero=3",
     "bert sdpa dp=2 pp=2 mb=2 zero=1", "gpt2 sdpa dp=2 pp=2 mb=4 zero=2 schedule=1f1b",
     "qwen2 sdpa dp=2 pp=2 mb=2 zero=3", "mistral sdpa dp=4 zero=3",
+    "phi3 sdpa dp=2 tp=2 tp_rules=infer zero=3",  # ZeRO-3's pieces inside q|k|v's unequal blocks
 ]
 
 
