@@ -210,9 +210,10 @@ class _Walk:
             step = self.convert(source, row.placement, before=before)
             node = self.convert(step, wanted, before=before, into_sharded_math=into_sharded_math)
         elif isinstance(row, Unfuse) and row.equal:
-            blocks = self._view(aten.unflatten.int, source, (row.dim, [len(row.widths), -1]), Shard(row.dim + 1), before=before)
+            blocks = self._add(aten.unflatten.int, (source, row.dim, [len(row.widths), -1]), Shard(row.dim + 1),
+                               like=source, before=before)
             whole = self.convert(blocks, R, before=before, into_sharded_math=into_sharded_math)
-            node = self._view(aten.flatten.using_ints, whole, (row.dim, row.dim + 1), R, before=before)
+            node = self._add(aten.flatten.using_ints, (whole, row.dim, row.dim + 1), R, like=source, before=before)
         elif isinstance(row, Unfuse):
             node = self._join_blocks(source, row, into_sharded_math, before=before)
         else:
@@ -233,37 +234,26 @@ class _Walk:
     def _join_blocks(self, source: fx.Node, row: Unfuse, into_sharded_math: bool, *, before: fx.Node) -> fx.Node:
         """Unequal blocks made whole: split apart (each rank's slices of each), each moved to
         Replicate, concatenated."""
-        width = int(shape_of(source)[row.dim])
-        placement = self.ctx.placement(source)
-        whole_sizes = placement.block_sizes(width)
-        with self.graph.inserting_before(before):
-            split = self.graph.call_function(aten.split_with_sizes.default,
-                                             (source, [self._local(b) for b in whole_sizes], row.dim))
-        split.meta["val"] = aten.split_with_sizes.default(source.meta["val"], whole_sizes, row.dim)
-        split.meta[meta.MODULE_PATH] = meta.module_path(before)
-        split.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
-        self.ctx.placements[split] = [Shard(row.dim)] * len(whole_sizes)
-        wholes = []
-        for index, value in enumerate(split.meta["val"]):
-            with self.graph.inserting_before(before):
-                block = self.graph.call_function(operator.getitem, (split, index))
-            block.meta["val"] = value
-            block.meta[meta.MODULE_PATH] = meta.module_path(before)
-            block.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
-            self.set(block, Shard(row.dim))
-            wholes.append(self.convert(block, R, before=before, into_sharded_math=into_sharded_math))
-        return self._view(aten.cat.default, wholes[0], (), R, before=before, inputs=(wholes, row.dim))
+        sizes = self.ctx.placement(source).block_sizes(int(shape_of(source)[row.dim]))
+        split = self._add(aten.split_with_sizes.default, (source, [self._local(b) for b in sizes], row.dim),
+                          [Shard(row.dim)] * len(sizes), like=source, before=before,
+                          val=aten.split_with_sizes.default(source.meta["val"], sizes, row.dim))
+        wholes = [
+            self.convert(self._add(operator.getitem, (split, i), Shard(row.dim), like=source, before=before), R,
+                         before=before, into_sharded_math=into_sharded_math)
+            for i in range(len(sizes))
+        ]
+        return self._add(aten.cat.default, (wholes, row.dim), R, like=source, before=before)
 
-    def _view(self, target, source: fx.Node, args: tuple, placement: Placement, *, before: fx.Node,
-              inputs: tuple | None = None) -> fx.Node:
-        """`target(source, *args)` (or `target(*inputs)`), an op that regroups a fused dim's
-        blocks, inserted before `before`."""
-        inputs = inputs if inputs is not None else (source, *args)
+    def _add(self, target, args: tuple, placement, *, like: fx.Node, before: fx.Node, val=None) -> fx.Node:
+        """`target(*args)`, inserted before `before` at `placement`, requiring grad as `like`
+        does; its global value `val`, by default computed from its inputs' (a local size in
+        `args` would not give it)."""
         with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, inputs)
-        node.meta["val"] = target(*fx.node.map_arg(inputs, lambda n: n.meta["val"]))
+            node = self.graph.call_function(target, args)
+        node.meta["val"] = val if val is not None else target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
         node.meta[meta.MODULE_PATH] = meta.module_path(before)
-        node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(source)
+        node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(like)
         self.set(node, placement)
         return node
 

@@ -150,11 +150,12 @@ def _blocks_of_last_dim(node: fx.Node) -> int | tuple[int, ...] | None:
             return _widths(size) if all(isinstance(n, int) for n in size) and sum(size) == width else None
         if isinstance(size, int) and width % size == 0:
             return int(width // size)
-    slices = [_slice_bounds(user, width) for user in users if packet(user) is aten.slice]
-    if len(slices) > 1 and None not in slices:
-        slices.sort()
-        if slices[0][0] == 0 and slices[-1][1] == width and all(a[1] == b[0] for a, b in zip(slices, slices[1:])):
-            return _widths([stop - start for start, stop in slices])
+    slicing = [user for user in users if packet(user) is aten.slice]
+    bounds = [slice_bounds(user, width) for user in slicing]
+    if len(slicing) > 1 and all(b is not None and _on_last_dim(u, b[0]) for u, b in zip(slicing, bounds)):
+        pieces = sorted((start, stop) for _, start, stop in bounds)
+        if pieces[0][0] == 0 and pieces[-1][1] == width and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])):
+            return _widths([stop - start for start, stop in pieces])
     return None
 
 
@@ -167,15 +168,17 @@ def _split_dim(node: fx.Node):
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
 
 
-def _slice_bounds(node: fx.Node, width: int) -> tuple[int, int] | None:
-    """(start, stop) of a step-1 slice of the last dim with constant bounds, else None."""
+def slice_bounds(node: fx.Node, width: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of an aten.slice with step 1 and constant, non-negative bounds (stop
+    clipped to `width`, the size of the sliced dim), else None: what a fused projection's
+    blocks are cut by (`fused_projections`, `tp_view_rules.one_block`)."""
+    if packet(node) is not aten.slice:
+        return None
     dim, start, stop, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
     start, stop = start or 0, width if stop is None else stop
-    if not _on_last_dim(node, dim) or step != 1 or not (isinstance(start, int) and isinstance(stop, int)):
+    if step != 1 or not isinstance(dim, int) or not all(isinstance(v, int) and v >= 0 for v in (start, stop)):
         return None
-    if start < 0 or stop < 0:
-        return None
-    return min(start, width), min(stop, width)
+    return dim, min(start, width), min(stop, width)
 
 
 def _widths(sizes) -> int | tuple[int, ...]:

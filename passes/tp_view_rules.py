@@ -16,6 +16,7 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.errors import PlanError
 from fxpar.passes.tp_decision import Context, Decision, Rewrite, _dim, shape_of
+from fxpar.passes.tp_projections import slice_bounds
 from fxpar.placement import P, Partial, R, Shard
 
 aten = torch.ops.aten
@@ -134,22 +135,14 @@ def slicing(node: fx.Node, ctx: Context) -> Decision:
 def one_block(node: fx.Node, placement: Shard) -> tuple[int, int] | None:
     """(start, stop) of the block of a fused dim that a slice of it takes whole (Phi-3's
     qkv[..., :q_width]), else None."""
-    if node.target.overloadpacket is not aten.slice:
-        return None
     width = shape_of(node.args[0])[placement.dim]
-    if not width.is_number:
+    bounds = slice_bounds(node, int(width)) if width.is_number else None
+    if bounds is None:
         return None
-    start, stop, step = (list(node.args[2:]) + [None, None, 1][len(node.args) - 2:])[:3]
-    start, stop = start or 0, int(width) if stop is None else stop
-    if step != 1 or not isinstance(start, int) or not isinstance(stop, int) or start < 0 or stop < 0:
-        return None
-    bounds, at = [], 0
-    for block in placement.block_sizes(int(width)):
-        bounds.append((at, at + block))
-        at += block
-    taken = (start, min(stop, int(width)))
-    return taken if taken in bounds else None
-
+    _, start, stop = bounds
+    blocks = placement.block_sizes(int(width))
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    return (start, stop) if (start, stop) in zip(starts, (a + b for a, b in zip(starts, blocks))) else None
 
 
 def split(node: fx.Node, ctx: Context) -> Decision:
@@ -160,7 +153,10 @@ def split(node: fx.Node, ctx: Context) -> Decision:
     d = _dim(node.args[2] if len(node.args) > 2 else 0, len(shape_of(source)))
     if d != p.dim:
         return Decision([p] * count, {source: p})
-    if len(p.widths) == count and count > 1:  # a fused projection's blocks come apart: each rank its own slices
+    sizes = [int(v.shape[d]) if isinstance(v.shape[d], int) else None for v in node.meta["val"]]
+    width = shape_of(source)[d]
+    if p.fused and width.is_number and sizes == p.block_sizes(int(width)):
+        # a fused projection's blocks come apart: each rank its own slice of each
         return Decision([Shard(d)] * count, {source: p}, rewrite=Rewrite.LOCAL_SPLIT)
     return Decision([R] * count, {source: R})
 

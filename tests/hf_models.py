@@ -99,6 +99,41 @@ BUILDERS: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
 }
 
 
+# More architectures, for `tests/hf_survey.py` (not the suite): each under a plan against one
+# device, the way a new model family is checked before it joins BUILDERS. Gemma 2 and Bloom
+# take eager attention only.
+SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
+    "gemma": _causal("GemmaConfig", **_DECODER, head_dim=16),
+    "gemma2": _causal("Gemma2Config", **_DECODER, head_dim=16, sliding_window=8),
+    "gemma3": _causal("Gemma3TextConfig", **_DECODER, head_dim=16, sliding_window=8),
+    "qwen3": _causal("Qwen3Config", **_DECODER, head_dim=16),
+    "olmo2": _causal("Olmo2Config", **_DECODER),
+    "opt": _causal("OPTConfig", vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                   num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=64,
+                   dropout=0.0, attention_dropout=0.0, use_cache=False, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2),
+    "falcon": _causal("FalconConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                      hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+                      bos_token_id=1, eos_token_id=2),
+    "starcoder2": _causal("Starcoder2Config", **_DECODER, residual_dropout=0.0, embedding_dropout=0.0,
+                          bos_token_id=1, eos_token_id=2),
+    "granite": _causal("GraniteConfig", **_DECODER),
+    "gpt_bigcode": _causal("GPTBigCodeConfig", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                           n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           use_cache=False, multi_query=True, bos_token_id=1, eos_token_id=2),
+    "mixtral": _causal("MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2),
+    "smollm3": _causal("SmolLM3Config", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "bloom": _causal("BloomConfig", vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4,
+                     hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),
+}
+
+
+def builder(name: str) -> Callable[[str], tuple[nn.Module, dict]]:
+    """The builder of a model of BUILDERS or SURVEY."""
+    return BUILDERS[name] if name in BUILDERS else SURVEY[name]
+
+
 def build(
     name: str, attn_implementation: str = "sdpa"
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

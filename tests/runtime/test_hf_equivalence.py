@@ -30,7 +30,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from hf_models import BUILDERS, MODELS_WITH_TP_PLAN, OPTIMIZER, batches  # noqa: E402
+from hf_models import BUILDERS, MODELS_WITH_TP_PLAN, OPTIMIZER, batches, builder  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 RELATIVE = 1e-5
@@ -67,7 +67,7 @@ ZERO_ON_FOUR_RANKS = [
 
 
 def train_single_device(name: str, attention: str) -> dict:
-    model, _ = BUILDERS[name](attention)
+    model, _ = builder(name)(attention)
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
     losses, first_grads = [], None
     for batch in batches(name):

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 hf_worker.py OUT_DIR "llama sdpa dp=2 mb=2" ...
 
-Each job is "MODEL ATTENTION PLAN". The model is passed to fxpar unwrapped, with keyword
+Each job is "MODEL ATTENTION PLAN" (a model of hf_models.BUILDERS or SURVEY). The model is passed to fxpar unwrapped, with keyword
 inputs ({"input_ids": ..., "labels": ...}), and built afresh for each job (the same seed, so
 the same weights): a runner trains the model's own tensors, and torch.distributed cannot be
 set up again after a runner's `close()`, so jobs never share parameters. Saved per job: the loss of every step, the whole
@@ -18,14 +18,14 @@ import torch
 import fxpar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import BUILDERS, OPTIMIZER, batches  # noqa: E402
+from hf_models import OPTIMIZER, batches, builder  # noqa: E402
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
 results = {}
 for job in jobs:
     name, attention, plan = job.split(" ", 2)
-    model, example = BUILDERS[name](attention)
+    model, example = builder(name)(attention)
     program = fxpar.compile(model, plan, example_inputs=example)
     program.check()
     runner = program.bind(timeout=60)
