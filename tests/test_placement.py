@@ -78,3 +78,17 @@ def test_unequal_blocks_give_each_rank_its_slice_of_each_and_come_back_whole():
     assert torch.equal(torch.cat(flat), pieces[1].flatten())
     assert placement.divides(16, 4) and not placement.divides(16, 8)  # k and v blocks of 4
     assert not Shard(1, parts=(2, 1, 1)).divides(12, 2)  # blocks 6, 3, 3: k and v do not halve
+
+
+def test_a_fused_dim_is_moved_by_viewing_its_blocks_apart_and_nothing_moves_onto_one():
+    """The redistribution table's rows for fused dims: to Replicate by `Unfuse` (equal blocks
+    viewed apart; unequal ones split, gathered and concatenated), to another Shard via
+    Replicate; a fused placement is never a destination (only weights start there)."""
+    from fxpar.redistribution import Unfuse, Via, redistribution
+
+    assert redistribution(Shard(2, 2), R, False) == Unfuse(2, (1, 1)) and Unfuse(2, (1, 1)).equal
+    assert redistribution(Shard(2, (2, 1, 1)), R, True) == Unfuse(2, (2, 1, 1))
+    assert not Unfuse(2, (2, 1, 1)).equal
+    assert redistribution(Shard(2, (2, 1, 1)), Shard(1), False) == Via(R)
+    assert redistribution(R, Shard(0, 2), False) is None
+    assert redistribution(Shard(2, 3), Shard(2, 3), False) is None  # already there
