@@ -27,7 +27,9 @@ The rules, in graph order:
 * a matmul-like op (linear, mm, bmm, matmul, addmm, baddbmm, attention, conv) or a
   normalisation with bf16 weights (layer norm, group norm, rms norm) reads bf16 copies of
   any operand the model itself computed in fp32 (an RMSNorm that upcasts, an additive fp32
-  mask promoting the scores): autocast's rule for matmuls;
+  mask promoting the scores): autocast's rule for matmuls; so does a model's own kernel (an
+  op outside aten, as transformers' grouped_mm of mixture-of-experts) that reads bf16 and
+  fp32 operands, which has no type promotion to fall back on;
 * export's `_assert_tensor_metadata` before a `.to()` asserts the input's new dtype;
 * every other op computes in what its inputs are (torch's type promotion), and its recorded
   value (`meta["val"]`, under export's fake mode) is recomputed, so the payloads lowering
@@ -120,7 +122,8 @@ def cast_to_bf16(gm: fx.GraphModule) -> fx.GraphModule:
             elif node.target is aten._assert_tensor_metadata.default:
                 _assert_new_dtype(node)
             elif node.op == "call_function":
-                wanted = MASTER if node.target in _LOSSES else WORKING if node.target in _READ_BF16 else None
+                reads_bf16 = node.target in _READ_BF16 or _mixes_without_promotion(node)
+                wanted = MASTER if node.target in _LOSSES else WORKING if reads_bf16 else None
                 if wanted is not None:
                     for arg in node.all_input_nodes:
                         if _dtype(arg) not in (None, wanted) and _dtype(arg).is_floating_point:
@@ -132,6 +135,18 @@ def cast_to_bf16(gm: fx.GraphModule) -> fx.GraphModule:
             _cast_before(graph, loss, graph.output_node(), MASTER, recast)
     gm.recompile()
     return gm
+
+
+def _mixes_without_promotion(node: fx.Node) -> bool:
+    """Whether `node` is a model's own kernel (an op outside aten, such as transformers'
+    grouped_mm for mixture-of-experts) reading bf16 and fp32 floating operands: such kernels
+    have no type promotion, and the model's `x.to(weight.dtype)` before them was captured as
+    a cast to fp32."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prims", "fxpar"):
+        return False
+    floating = {_dtype(arg) for arg in node.all_input_nodes if _dtype(arg) is not None and _dtype(arg).is_floating_point}
+    return {WORKING, MASTER} <= floating
 
 
 def _returned_loss(graph: fx.Graph) -> fx.Node | None:

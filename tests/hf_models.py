@@ -137,8 +137,9 @@ def builder(name: str) -> Callable[[str], tuple[nn.Module, dict]]:
 def build(
     name: str, attn_implementation: str = "sdpa"
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """`BUILDERS[name]` as fxpar takes it today: `LossOf(model)` and `(input_ids, labels)`."""
-    model, inputs = BUILDERS[name](attn_implementation)
+    """A model of BUILDERS or SURVEY as fxpar takes it today: `LossOf(model)` and
+    `(input_ids, labels)`."""
+    model, inputs = builder(name)(attn_implementation)
     return LossOf(model), (inputs["input_ids"], inputs["labels"])
 
 

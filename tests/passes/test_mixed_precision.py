@@ -91,13 +91,16 @@ def test_inputs_buffers_and_the_models_own_fp32_values_reach_matmuls_in_bf16():
         assert loss.item() == pytest.approx(expected(x, y).item(), rel=2e-2)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
 def test_hugging_face_models_run_in_bf16(name):
     """GPT-2's fp32 attention mask promotes its residual stream to fp32 before a LayerNorm with
     bf16 weights (which torch's CPU kernel refuses: the norm reads a bf16 copy); Llama keeps
     its rotary `inv_freq` in fp32 and upcasts in RMSNorm (export's `_assert_tensor_metadata`
-    checks follow the new dtypes). The rank module runs on bf16 working weights, and its fp32
-    loss is the fp32 model's to within bf16's rounding."""
+    checks follow the new dtypes); Mixtral's experts run transformers' own grouped_mm, which
+    has no type promotion, on the tokens cast to its weights' dtype as captured (fp32): it
+    reads a bf16 copy (it compiled, then failed in its first step, before). The rank module
+    runs on bf16 working weights, and its fp32 loss is the fp32 model's to within bf16's
+    rounding."""
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from hf_models import build
 
