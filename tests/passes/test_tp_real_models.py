@@ -2,24 +2,20 @@
 
 Models come from tests/hf_models.py (small configs, random weights, nothing downloaded; GPT-2's
 Conv1D, Llama's and Mistral's grouped-query attention, Qwen2's q/k/v biases, GPT-NeoX's fused
-query_key_value, BERT's pad token; Phi-3's fused gate|up, GPT-J's and Cohere's interleaved
-rotary), with sdpa and eager attention. Three kinds of check:
+query_key_value, BERT's pad token), with sdpa and eager attention (fused projections the
+graph cuts into blocks: test_tp_fused_projections.py). Three kinds of check:
 
 * styles: inference (`tp_rules="infer"`, and `"auto"` for a model without a plan of its own)
   finds Megatron's layout, equal to the model's own `base_model_tp_plan` where it has one;
 * counts: `program.collectives(rank)` holds Megatron's collectives, exactly (Shoeybi et al.
   2019, Sec. 3: two all-reduces forward and two backward per layer);
 * numbers: the rank modules run as threads of this process, their collectives meeting in
-  `ThreadedCollectives` (no process group, no torchrun), and their loss and every gradient,
+  `tp_threads.ThreadedCollectives` (no process group, no torchrun), and their loss and every gradient,
   reassembled from the shards, equal one device's. fp32, relative 1e-4 and absolute 1e-6:
   sharding sums the same products in another order, nothing more.
 """
 
-import dataclasses
-import functools
 import sys
-import threading
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -31,15 +27,17 @@ import fxpar
 from fxpar import meta
 from fxpar.declared_plans import declared_plans
 from fxpar.passes.tp_rules import HF_STYLES, UNSUPPORTED_HF_STYLES, infer_styles
-from fxpar.placement import R, Shard, global_tensor
-from fxpar.axes import bind_axes, unbind_axes
+from fxpar.placement import R, Shard
 from fxpar.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import MODELS_WITH_TP_PLAN, LossOf, build  # noqa: E402
+from tp_threads import (  # noqa: E402
+    LAYERS, assert_equals_one_device, captured, compiled, kinds, layer_collectives,
+)
 
 MODELS = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox", "bert"]
-LAYERS = 2
 # Megatron's layout for the models without a tp plan of their own.
 MEGATRON = {
     "gpt2": {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
@@ -48,128 +46,6 @@ MEGATRON = {
              "attention.self.value": "colwise", "attention.output.dense": "rowwise",
              "intermediate.dense": "colwise", "output.dense": "rowwise"},
 }
-
-
-# -- rank modules as threads -------------------------------------------------------------------
-
-
-class ThreadedCollectives:
-    """Mesh axis "tp" for tp ranks that are threads of one process (`fxpar.axes.AxisBinding`):
-    each collective is a meeting at a barrier where every rank posts its tensor and reads all
-    the others'. A thread's rank is its index on the axis."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=120)
-        self.posted: list[torch.Tensor | None] = [None] * size
-        self.log: list[list[tuple[str, str]]] = [[] for _ in range(size)]
-        self._thread = threading.local()
-
-    @property
-    def index(self) -> int:
-        return self._thread.rank
-
-    def run_as(self, rank: int, work):
-        self._thread.rank = rank
-        return work()
-
-    def _meet(self, tensor, kind: str, phase: str) -> list[torch.Tensor]:
-        self.log[self.index].append((kind, phase))
-        self.posted[self.index] = tensor.detach().clone()
-        self.barrier.wait()
-        pieces = list(self.posted)
-        self.barrier.wait()  # nobody posts the next tensor before all have read this one
-        return pieces
-
-    def all_reduce(self, tensor, *, op, tag, phase):
-        pieces = torch.stack(self._meet(tensor, "all_reduce", phase))
-        tensor.copy_(pieces.amax(0) if op == "max" else pieces.sum(0))
-
-    def all_gather(self, output, tensor, *, tag, phase):
-        output.copy_(torch.cat(self._meet(tensor, "all_gather", phase)))
-
-    def reduce_scatter(self, output, tensor, *, tag, phase):
-        total = torch.stack(self._meet(tensor, "reduce_scatter", phase)).sum(0)
-        output.copy_(total.chunk(self.size)[self.index])
-
-
-
-def layer_collectives(program: fxpar.Program) -> list:
-    """Rank 0's collectives of the model's own ops: what the layers and the loss move, without
-    the step agreement (`lowering.step_start_actions`), its own call or the slots it rides in
-    (`lowering.ride_agreements`)."""
-    return [dataclasses.replace(c, numel=c.numel - c.agreement, agreement=0)  # slots riding in a call
-            for c in program.collectives(0) if not c.tag.startswith("step agreement")]
-
-def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, ThreadedCollectives]:
-    """Each tp rank's (loss, {parameter name: gradient}) for one step on `inputs`."""
-    if program.loss_reduction.sums:  # the step's count of valid targets, as the runner passes it
-        inputs = (*inputs, program.loss_reduction.count_module(*inputs).float())
-    collectives = ThreadedCollectives(program.mesh.tp)
-    results, errors = [None] * program.mesh.tp, []
-
-    def rank(r: int) -> None:
-        try:
-            module = program.rank_module(r)
-            names, parameters = zip(*module.named_parameters())
-            loss = module(*inputs)
-            # autograd.grad, not backward: replicated parameters are shared by the rank modules
-            gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
-            results[r] = (loss.detach(), dict(zip(names, gradients)))
-        except BaseException as error:  # a failing rank releases the others from the barrier
-            errors.append(error)
-            collectives.barrier.abort()
-
-    threads = [threading.Thread(target=collectives.run_as, args=(r, lambda r=r: rank(r)))
-               for r in range(program.mesh.tp)]
-    bind_axes({"tp": collectives})
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        unbind_axes()
-    if errors:
-        raise errors[0]
-    return results, collectives
-
-
-def assert_equals_one_device(program: fxpar.Program, model: nn.Module, inputs: tuple) -> dict:
-    """Loss and every gradient of the tp ranks equal one device's; returns the global grads."""
-    results, _ = run_ranks_in_threads(program, inputs)
-    model.zero_grad()
-    loss = model(*inputs)
-    loss.backward()
-    expected = {n: p.grad for n, p in model.named_parameters()}
-    for rank_loss, _ in results:
-        torch.testing.assert_close(rank_loss, loss.detach(), rtol=1e-5, atol=1e-6)
-    partial = set(meta.partial_gradient_parameters(program.graph_module.graph))
-    found = {}
-    for name, node in meta.parameter_nodes(program.graph_module.graph).items():
-        pieces = [grads[name] for _, grads in results]
-        if name in partial:  # the runner sums these over the tp group after backward
-            pieces = [sum(pieces)] * len(pieces)
-        found[name] = global_tensor(pieces, meta.placement(node, "tp"))
-        torch.testing.assert_close(found[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
-    return found
-
-
-@functools.cache
-def captured(name: str, attention: str = "sdpa") -> tuple[nn.Module, tuple, fxpar.CapturedGraph]:
-    """A Hugging Face model, its inputs and its capture: one torch.export for all tests here."""
-    model, inputs = build(name, attention)
-    return model, inputs, capture(model, inputs)
-
-
-def compiled(name: str, plan: fxpar.Plan | str, attention: str = "sdpa") -> tuple:
-    """(model, inputs, program) of a Hugging Face model compiled for `plan`."""
-    model, inputs, graph = captured(name, attention)
-    return model, inputs, fxpar.compile(graph, plan)
-
-
-def kinds(program: fxpar.Program) -> Counter:
-    return Counter((c.kind, c.phase) for c in layer_collectives(program))
 
 
 # -- 1. every linear form ----------------------------------------------------------------------
@@ -401,66 +277,6 @@ def test_gpt_neox_base_plan_as_is_compiles_to_megatrons_collectives_and_equals_o
         + [("all_reduce", "backward", stream)] * 2 * LAYERS  # f; the head is replicated
     )
     assert [(c.kind, c.phase, c.numel) for c in layer_collectives(program)] == expected
-    assert_equals_one_device(program, model, inputs)
-
-
-def test_packed_colwise_on_gpt_neox_head_major_qkv_is_gathered_whole_and_exact():
-    """q|k|v interleave per head: no two-block packing splits the heads, so the packed output
-    is gathered (blocks viewed apart, all-gathered, joined) before the view that cuts heads."""
-    model, inputs, graph = captured("gpt_neox")
-    plan = fxpar.Plan(tp=2, tp_rules={"layers.*.attention.query_key_value": "packed_colwise"})
-    program = fxpar.compile(graph, plan)
-    qkv = inputs[0].numel() * 3 * 64
-    assert kinds(program)["all_gather", "forward"] == LAYERS
-    assert ("all_gather", "forward", qkv) in [(c.kind, c.phase, c.numel) for c in layer_collectives(program)]
-    assert_equals_one_device(program, model, inputs)
-
-
-# -- 4b. fused projections split by the graph, interleaved rotary ------------------------------
-
-
-def test_phi3_plan_gathers_its_fused_projections_whole_and_equals_one_device():
-    """Phi-3's own plan: qkv_proj and gate_up_proj colwise_gather_output, o_proj and down_proj
-    rowwise_split_input. The graph chunks gate|up, so each rank holds its slice of both blocks
-    (S(0, parts=2)), gathered by viewing the blocks apart, all-gathering and joining them; it
-    slices q|k|v unevenly (4 query heads, 2 key, 2 value: S(0, parts=2:1:1)), gathered block
-    by block and concatenated."""
-    model, inputs, program = compiled("phi3", "tp=2")
-    weights = meta.parameter_nodes(program.graph_module.graph)
-    assert meta.placement(weights["model.model.layers.0.mlp.gate_up_proj.weight"], "tp") == Shard(0, 2)
-    assert meta.placement(weights["model.model.layers.0.self_attn.qkv_proj.weight"], "tp") == Shard(0, (2, 1, 1))
-    tokens = inputs[0].numel()
-    calls = Counter((c.kind, c.phase, c.numel) for c in layer_collectives(program))
-    assert calls["all_gather", "forward", tokens * 2 * 128] == LAYERS  # gate|up, whole
-    assert calls["all_gather", "forward", tokens * 64] == LAYERS  # q
-    assert calls["all_gather", "forward", tokens * 32] == 2 * LAYERS  # k and v
-    assert_equals_one_device(program, model, inputs)
-
-
-def test_phi3_inferred_plan_is_megatrons_on_its_fused_projections_and_equals_one_device():
-    """Megatron's layout: each rank holds its slice of each of the fused blocks; chunk(2)
-    takes its own gate and up slices (the count of chunks stays 2), each slice of q|k|v takes
-    its own q, k or v heads (the bounds made local), and nothing is gathered in a layer: two
-    all-reduces forward and two backward, as for Llama."""
-    model, inputs, program = compiled("phi3", "tp=2 tp_rules=infer")
-    weights = meta.parameter_nodes(program.graph_module.graph)
-    assert meta.placement(weights["model.model.layers.0.self_attn.qkv_proj.weight"], "tp") == Shard(0, (2, 1, 1))
-    stream = inputs[0].numel() * 64
-    calls = Counter((c.kind, c.phase, c.numel) for c in layer_collectives(program))
-    assert kinds(program)["all_gather", "forward"] == 0
-    assert calls["all_reduce", "forward", stream] == 1 + 2 * LAYERS  # the embedding's sum, then g
-    assert_equals_one_device(program, model, inputs)
-
-
-@pytest.mark.parametrize(("name", "rules"), [("gptj", "auto"), ("cohere", "auto"), ("cohere", "infer")])
-def test_interleaved_rotary_stacks_head_shards_and_equals_one_device(name, rules):
-    """GPT-J and Cohere rotate every pair: stack((-x2, x1), dim=-1) of values split by heads
-    stays split by heads; q, k and v stay column-parallel and nothing is gathered."""
-    model, inputs, program = compiled(name, f"tp=2 tp_rules={rules}")
-    q = next(node for n, node in meta.parameter_nodes(program.graph_module.graph).items()
-             if n.endswith("layers.0.self_attn.q_proj.weight") or n.endswith("h.0.attn.q_proj.weight"))
-    assert meta.placement(q, "tp") == Shard(0)
-    assert kinds(program)["all_gather", "forward"] == 0
     assert_equals_one_device(program, model, inputs)
 
 
