@@ -79,6 +79,10 @@ HF_STYLES = {
     "local_rowwise": "rowwise",
     "embedding_rowwise": "vocab",  # EmbeddingParallel(shard_dim=0): split the vocabulary
     "embedding_colwise": "colwise_gather_output",  # EmbeddingParallel(shard_dim=1), output whole
+    # by whole heads (5.25, MiniCPM5's k/v): fxpar's split of a heads dim is already whole heads;
+    # transformers' copies of a head when tp exceeds the heads are fxpar's "not divisible" error
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise",
     "packed_colwise": "packed_colwise",
     "packed_rowwise": "packed_rowwise",
     "gather": "colwise",

@@ -288,6 +288,21 @@ def test_every_style_transformers_registers_has_a_meaning_or_a_plan_error():
     assert registered <= set(HF_STYLES) | set(UNSUPPORTED_HF_STYLES)
 
 
+def test_unit_styles_split_whole_heads_exactly_and_refuse_to_copy_heads():
+    """transformers' unit_colwise / unit_rowwise split attention by whole heads (MiniCPM5 declares
+    them for k_proj and v_proj): with 2 key/value heads at tp=2 that is plain colwise/rowwise,
+    exact. At tp=4 transformers would copy each key/value head onto two ranks; fxpar does not
+    copy heads, and says so at compile with the fix, instead of splitting inside a head."""
+    model, inputs, graph = captured("llama")
+    unit = {"layers.*.self_attn.k_proj": "unit_colwise", "layers.*.self_attn.v_proj": "unit_colwise",
+            "layers.*.self_attn.o_proj": "unit_rowwise"}
+    rules = {**model.model.config.base_model_tp_plan, **unit}
+    program = fxpar.compile(graph, fxpar.Plan(tp=2, tp_rules=rules))
+    assert_equals_one_device(program, model, inputs)
+    with pytest.raises(fxpar.PlanError, match=r"not divisible by tp=4 .*key/value heads"):
+        fxpar.compile(graph, fxpar.Plan(tp=4, tp_rules=rules))
+
+
 # -- 5. embedding arguments --------------------------------------------------------------------
 
 
