@@ -59,10 +59,10 @@ def _reduce_scatter(
     1-12 MiB: 4.9 ms against 1.8 at 4 MiB). NCCL's own reduce-scatter is used as it is."""
     if group.handle is None:
         raise CollectiveError(f"a reduce-scatter on the {clipped(group.name)}, which has no process group")
-    if tensor.device.type != "cpu" or not group.is_gloo:
+    if tensor.device.type != "cpu" or group.handle.name() != "gloo":
         return dist.reduce_scatter_tensor(output, tensor, group=group.handle, async_op=True), None
     received = torch.empty_like(tensor)
-    work = dist.all_to_all_single(received, tensor, group=group.handle, async_op=True)
+    work = group.handle.alltoall_base(received, tensor, [], [], dist.AllToAllOptions())
     blocks, mine = received.view(group.size, -1), output.view(-1)
     return work, functools.partial(torch.sum, blocks, 0, out=mine)
 

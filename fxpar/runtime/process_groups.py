@@ -7,7 +7,6 @@ every group of every axis in the same order, as `torch.distributed.new_group` re
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Iterator
@@ -39,11 +38,6 @@ class RankGroup:
     def index(self) -> int:
         """This rank's position in the group (its coordinate on the axis)."""
         return self.ranks.index(self.rank)
-
-    @functools.cached_property
-    def is_gloo(self) -> bool:
-        """Whether the group runs on gloo (`runtime.communicator` composes its reduce-scatter)."""
-        return self.handle is not None and dist.get_backend(self.handle) == "gloo"
 
     @property
     def name(self) -> str:
