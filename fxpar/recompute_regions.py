@@ -13,8 +13,9 @@ the marks, by the runtime that recomputes (`runtime.recompute`):
                           and the pass list raises a PlanError.
     checkpoint=selective  attention's core only (Korthikanti et al. 2022, Sec. 5): for an
                           explicit attention, QK^T, everything between it and the softmax
-                          (scale, mask), the softmax, its dropout and the attention-times-V
-                          matmul; for `scaled_dot_product_attention` (fused or math kernel)
+                          (scale, mask, soft-capping, reshapes), the softmax, its dropout
+                          and the attention-times-V matmul; for
+                          `scaled_dot_product_attention` (fused or math kernel)
                           the one SDPA call (with its dropout mask's draw, where
                           `passes.random_draws` drew it). Its inputs (q, k, v, the mask: projection
                           outputs, which are kept) stay saved; what its kernel saves for
@@ -69,16 +70,21 @@ _ATTENTION_MASK = torch.ops.fxpar.attention_dropout_mask.default
 _MASKED_SDPA = torch.ops.fxpar.attention_with_dropout_mask.default
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 _MATMUL = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
-# Ops between QK^T and the softmax (scale, mask, casts), and between it and the PV matmul.
+# Ops between QK^T and the softmax (scale, mask, casts, Gemma-2's tanh soft-capping, Bloom's
+# reshape of its baddbmm), and between it and the PV matmul (dropout, casts, reshapes).
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SCORE_OPS = {
     aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor,
     aten.sub.Tensor, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
-    aten.to.dtype, aten._to_copy.default, aten.type_as.default,
+    aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.tanh.default, *_VIEWS,
 }
 _PROB_OPS = {
     aten.dropout.default, aten.mul.Tensor, aten.native_dropout.default, aten.to.dtype, aten._to_copy.default,
-    aten.type_as.default, aten.clone.default, aten.contiguous.default, operator.getitem,
+    aten.type_as.default, aten.clone.default, aten.contiguous.default, operator.getitem, *_VIEWS,
 }
+# export's check before a `.to()`: it reads the value it checks, returns nothing, and goes
+# with that value into the core (recomputing a check is free; leaving it out would cut the core).
+_CHECK = aten._assert_tensor_metadata.default
 
 
 def block_lists(graph: fx.Graph) -> tuple[str, ...]:
@@ -158,6 +164,7 @@ def _explicit_core(softmax: fx.Node) -> list[fx.Node]:
     up, node = [], softmax.args[0]
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SCORE_OPS:
         up.append(node)
+        up += [u for u in node.users if u.target is _CHECK]
         node = node.args[0]
     if not (isinstance(node, fx.Node) and node.target in _MATMUL):
         return []
@@ -165,7 +172,9 @@ def _explicit_core(softmax: fx.Node) -> list[fx.Node]:
     while True:
         draws = [u for u in node.users if _draws_from(u)]
         down += [n for draw in draws for n in (draw, *draw.users)]
-        users = [u for u in node.users if u not in draws]
+        checks = [u for u in node.users if u.target is _CHECK]
+        down += checks
+        users = [u for u in node.users if u not in draws and u not in checks]
         previous = node
         if len(users) != 1:
             return []

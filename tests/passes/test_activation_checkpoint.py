@@ -17,8 +17,10 @@ from fxpar.errors import PlanError
 from fxpar.recompute_regions import block_lists, block_of, segments
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from explicit_attention import ExplicitAttentionGPT, Flat  # noqa: E402
 from tiny_training import CONFIG, GPT, build_model, global_batches  # noqa: E402
+from hf_models import build  # noqa: E402
 
 BATCH = global_batches()[0]
 
@@ -68,6 +70,26 @@ def test_selective_marks_the_sdpa_call_or_the_explicit_core():
                     aten.matmul.default]
     # The mask's slicing runs outside the core and is skipped over: one recomputed call per core.
     assert len(segments(gm.graph.nodes, meta.recompute_region)) == 2
+
+
+_SOFTMAX_TO_PV = ["softmax", "_assert_tensor_metadata", "to", "dropout"]  # export checks .to()'s dtype
+
+
+@pytest.mark.parametrize("name, core", [
+    ("gpt2", ["matmul", "mul", "add", *_SOFTMAX_TO_PV, "matmul"]),
+    ("gemma2", ["matmul", "mul", "div", "tanh", "mul", "add", *_SOFTMAX_TO_PV, "matmul"]),  # soft-capped
+    ("bloom", ["baddbmm", "reshape", "add", *_SOFTMAX_TO_PV, "reshape", "bmm"]),  # ALiBi's baddbmm
+])
+def test_selective_finds_the_explicit_core_of_hugging_face_eager_attention(name, core):
+    """Transformers' eager attention: the scores' soft-capping, reshapes and export's dtype
+    check are in the core, which ends at the matmul with V, once per layer."""
+    model, inputs = build(name, "eager")
+    gm = fxpar.compile(model, "checkpoint=selective", inputs).graph_module
+    regions: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if region := meta.recompute_region(node):
+            regions.setdefault(region, []).append(node.target.__name__.split(".")[0])
+    assert len(regions) == 2 and all(ops == core for ops in regions.values()), regions
 
 
 @pytest.mark.parametrize("plan", ["tp=2 checkpoint=full", "tp=2 sp=true checkpoint=full",

@@ -39,7 +39,8 @@ MODELS = ["gpt2", "llama", "mistral", "qwen2", "gpt_neox", "bert"]
 # plan, GPT-J's and Cohere's interleaved rotary (stacked head shards).
 TP_ONLY_MODELS = [m for m in BUILDERS if m not in MODELS]
 # Every model under dp, tp and pp with microbatches; tp with the model's base plan (auto) and
-# its whole plan (model) where it has one; GPT-2 and Llama also with eager attention. (The
+# its whole plan (model) where it has one; GPT-2 and Llama also with eager attention, Bloom and
+# Gemma-2 (eager only) with its core recomputed. (The
 # inferred Megatron layout of the models with a plan is held to one device per gradient by
 # tests/passes/test_tp_real_models.py, whose rank modules run as threads.)
 DATA_AND_PIPELINE = [f"{m} sdpa {plan}" for m in MODELS for plan in ("dp=2 mb=2", "pp=2 mb=2")]
@@ -47,6 +48,8 @@ TENSOR = [f"{m} sdpa tp=2" for m in MODELS + TP_ONLY_MODELS] + [
     f"{m} sdpa tp=2 tp_rules=model" for m in MODELS_WITH_TP_PLAN
 ] + [
     f"{m} eager {plan}" for m in ("gpt2", "llama") for plan in ("dp=2 mb=2", "tp=2", "pp=2 mb=2")
+] + [  # the eager cores selective checkpointing recomputes: ALiBi's baddbmm, soft-capped scores
+    "bloom eager dp=2 checkpoint=selective", "gemma2 eager dp=2 mb=2 checkpoint=selective",
 ]
 
 # ZeRO on every model, GPT-2's and BERT's tied embeddings among them, each stage alone and
