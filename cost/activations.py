@@ -43,6 +43,8 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
+from torch._C import DispatchKey
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
 from fxpar import meta
@@ -54,6 +56,18 @@ from fxpar.trace import CapturedGraph
 
 
 _GATHER, _REGATHER = GATHER_OP.overload, REGATHER.overload
+_RECORDING_KEYS = {DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd}
+
+
+def _symbolic_in_python(target) -> bool:
+    """Whether the fake forward runs op `target` under the python dispatcher, as export traced
+    it. Some C++ kernels read concrete sizes: on symbolic ones they fail (Bloom's baddbmm,
+    expanding its ALiBi bias) or fix them to the example's (Hugging Face's loss pads its labels,
+    and the target cross entropy saved was then the global batch's, whatever the rank's); the
+    python dispatcher runs their meta functions in Python, symbolically. Not for an op with a
+    Python kernel of its own at the autograd or composite key (dropout): that kernel records
+    other ops, and saves other tensors, than the C++ kernel the runtime runs."""
+    return isinstance(target, torch._ops.OpOverload) and not _RECORDING_KEYS & set(target.py_kernels)
 
 
 class _FakeStateInterpreter(fx.Interpreter):
@@ -75,6 +89,12 @@ class _FakeStateInterpreter(fx.Interpreter):
 
     def get_attr(self, target, args, kwargs):
         return self.state[target]
+
+    def call_function(self, target, args, kwargs):
+        if not _symbolic_in_python(target):
+            return super().call_function(target, args, kwargs)
+        with enable_python_dispatcher():
+            return super().call_function(target, args, kwargs)
 
     def run_node(self, node: fx.Node):
         run = self.run_of.get(node)
@@ -117,9 +137,9 @@ def saved_in_flight(schedule) -> tuple[int, ...]:
 def rank_activation_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     """Bytes `rank` saves for one forward of each module it runs over the example's global
     batch, summed (`module_activation_bytes`; memoised with the program's graph)."""
-    captured = program.captured
+    captured, given = program.captured, set(program.input_names)
     return memoised(program.graph_module, f"rank_activations.{rank}", lambda: sympy.expand(sum(
-        (module_activation_bytes(m, captured) for m in program.stage_modules(rank)), sympy.Integer(0))))
+        (module_activation_bytes(m, captured, given) for m in program.stage_modules(rank)), sympy.Integer(0))))
 
 
 def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, str]:
@@ -141,11 +161,13 @@ def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none")
     return _saved_bytes(gm, captured, getters, runs)
 
 
-def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph) -> sympy.Expr:
+def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph, given: set[str]) -> sympy.Expr:
     """Bytes saved for backward by one forward of a rank's `module` (its tensor-parallel
     shards, its pipeline stage, the checkpoint regions its pass marked: `runtime.recompute`
     runs the same `segments`) over the example's symbolic global batch: what the runtime's
-    meter counts (`runtime.saved_tensors`), the formula at one microbatch's share of it."""
+    meter counts (`runtime.saved_tensors`), the formula at one microbatch's share of it. The
+    inputs named in `given`, what a step gives its modules (the batch, the count of valid
+    targets), are left out as the meter leaves them out."""
     getters = {}
     for node in module.graph.nodes:
         if node.op == "get_attr":
@@ -156,7 +178,7 @@ def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph) -> 
                 computed = node.meta["val"].dtype if isinstance(node.meta.get("val"), torch.Tensor) else None
                 getters[node.target] = (value, value.requires_grad, computed)
     runs = segments(module.graph.nodes, meta.recompute_region)
-    return _saved_bytes(module, captured, getters, runs, given=set(captured.input_names))
+    return _saved_bytes(module, captured, getters, runs, given=given)
 
 
 def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
@@ -165,7 +187,14 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
     stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the inputs named in `given`
     (the step's batch, which the step does not allocate) are not counted, like the state."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = [n.meta.get("val") for n in placeholders]
+    # A pipeline stage's received activations need a gradient, as the runtime receives them
+    # (`runtime.pipeline_executor`): the ops reading them save what that gradient needs
+    # (Llama's RMSNorm, the first op of a stage, saves its input only then).
+    inputs = [
+        value.detach().requires_grad_() if isinstance(value := n.meta.get("val"), torch.Tensor)
+        and meta.requires_grad(n) else value
+        for n in placeholders
+    ]
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
     assert fake_mode is not None, "captured graphs carry export's fake tensors"
     saved: list[torch.Tensor] = []

@@ -6,8 +6,9 @@ What `runner.memory_stats()["activations"]` reports and `program.estimate().memo
 in a `_Held` handle; the handle lives exactly as long as autograd keeps the saved value (it
 is released when backward has used it, or with the graph), and counts its storage while it
 lives. Storages are counted once however many saved tensors view them; the rank's
-parameters and buffers (model state) and the batch the step was given (its microbatches are
-views of it) are left out. The peak is the largest total held at any moment of the step.
+parameters and buffers (model state), the batch the step was given (its microbatches are
+views of it) and the step's count of valid targets are left out. The peak is the largest
+total held at any moment of the step.
 
 Activation checkpointing hides a region's saved tensors from these hooks (torch's checkpoint
 pushes its own, innermost), and keeps the region's *inputs* alive instead, in the closure
@@ -46,6 +47,11 @@ class SavedTensorMeter:
                 yield
         finally:
             self._active = False
+
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Leave `tensor`'s storage out too: a step input made during the step, as the count
+        of valid targets every microbatch's loss divides by (one tensor, however many hold it)."""
+        self._excluded.add(tensor.untyped_storage().data_ptr())
 
     def composed(self, pack: Callable, unpack: Callable):
         """Hooks that run `pack` first and count what it leaves a tensor (ZeRO-3's gatherer

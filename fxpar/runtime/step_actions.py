@@ -54,6 +54,8 @@ class StepState:
         """Microbatch `microbatch`'s inputs, with the step's count of valid targets."""
         if not self.counted:
             self.chunks, self.counted = context.loss.with_count(self.chunks, self.count), True
+            if context.meter is not None and self.count is not None:  # a step input, as the batch
+                context.meter.exclude(self.chunks[0][-1])
         return self.chunks[microbatch]
 
     def result(self) -> float:
