@@ -6,8 +6,9 @@ Each job is "MODEL ATTENTION PLAN" (a model of hf_models.BUILDERS or SURVEY). Th
 inputs ({"input_ids": ..., "labels": ...}), and built afresh for each job (the same seed, so
 the same weights): a runner trains the model's own tensors, and torch.distributed cannot be
 set up again after a runner's `close()`, so jobs never share parameters. Saved per job: the loss of every step, the whole
-gradients of the first step, the full state after the last, and the last step's collectives
-with what the compiler predicted.
+gradients of the first step, the full state after the last, the last step's collectives
+with what the compiler predicted, and the bytes saved for backward at their peak in the first
+step with this rank's prediction of them.
 """
 
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 import fxpar
+from fxpar.rank_memory import predicted_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import OPTIMIZER, batches, builder  # noqa: E402
@@ -30,12 +32,14 @@ for job in jobs:
     program.check()
     runner = program.bind(timeout=60)
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
-    losses, first_grads = [], None
+    losses, first_grads, activations = [], None, None
     for batch in batches(name):
         runner.reset_comm_stats()
-        losses.append(runner.step(runner.local_batch(batch)))
+        local = runner.local_batch(batch)
+        losses.append(runner.step(local))
         if first_grads is None:
             first_grads = runner.full_gradients()
+            activations = runner.memory_stats()["activations"]
         optimizer.step()
         optimizer.zero_grad()
     results[job] = {
@@ -44,6 +48,11 @@ for job in jobs:
         "state": runner.full_state_dict(),
         "comm": runner.comm_log(),
         "predicted": program.collectives(runner.rank, backend=runner.backend),
+        "activations": activations,
+        "microbatch_rows": len(local["input_ids"]) // program.plan.microbatches,
+        # this rank's own: the estimate reports the worst pipeline coordinate's
+        "predicted_activations": predicted_memory(program)[
+            program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)]["activations"],
     }
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
 runner.close()
