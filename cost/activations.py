@@ -48,6 +48,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
 from fxpar import meta
+from fxpar.distributed_ops import shares_storage_at_run_time
 from fxpar.recompute_regions import block_lists, region_labels, segment_outputs, segments
 from fxpar.compiled_program import CompiledProgram
 from fxpar.parameter_gathers import OP as GATHER_OP, REGATHER
@@ -97,6 +98,14 @@ class _FakeStateInterpreter(fx.Interpreter):
             return super().call_function(target, args, kwargs)
 
     def run_node(self, node: fx.Node):
+        value = self._run_node(node)
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        if isinstance(source, fx.Node) and isinstance(x := self.env.get(source), torch.Tensor) \
+                and shares_storage_at_run_time(node, x):
+            return x.view_as(x)  # as the runtime's op returns it: on its input's storage
+        return value
+
+    def _run_node(self, node: fx.Node):
         run = self.run_of.get(node)
         if run is None:
             value = super().run_node(node)

@@ -265,7 +265,7 @@ _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.
             torch.ops.aten.bmm.default}
 
 
-def _reduces_in_place(node: fx.Node, op: DistributedOp) -> bool:
+def reduces_in_place(node: fx.Node, op: DistributedOp) -> bool:
     """Whether the eager op at `node` may all-reduce without a copy: its forward all-reduce's
     input is a matmul's fresh output that nothing else reads (g after a row-parallel linear),
     or its backward all-reduce's gradient comes from matmuls that read the op's output as
@@ -281,6 +281,17 @@ def _reduces_in_place(node: fx.Node, op: DistributedOp) -> bool:
     return False
 
 
+def shares_storage_at_run_time(node: fx.Node, x: torch.Tensor) -> bool:
+    """Whether the eager op at `node` returns a tensor on its input `x`'s storage (`_Eager`):
+    an identity forward (a view), or an all-reduce in place. The registered op always copies
+    (a custom op may not alias); what autograd saves is counted by storage, so the cost
+    model's fake forward shares it too (`cost.activations`)."""
+    op = distributed_op(node)
+    if op is None or op.many:
+        return False
+    return op.forward == "identity" or (op.forward == "all_reduce" and reduces_in_place(node, op) and x.is_contiguous())
+
+
 def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
     """Point every distributed op of `gm` at its eager form, in place; returns `gm`.
 
@@ -291,10 +302,10 @@ def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
     paid by every f and g of every layer and microbatch; a step of the small GPT under tp=2
     has dozens. The runtime therefore runs the same primitives through `_Eager`, built from
     the same `DistributedOp`, so what runs is still what the check and the cost model read.
-    Where the graph shows it is safe (`_reduces_in_place`), the all-reduce skips its copy.
+    Where the graph shows it is safe (`reduces_in_place`), the all-reduce skips its copy.
     """
     for node in gm.graph.nodes:
         if (op := distributed_op(node)) is not None and not op.many:
-            node.target = EAGER[(node.target, _reduces_in_place(node, op))]
+            node.target = EAGER[(node.target, reduces_in_place(node, op))]
     gm.recompile()
     return gm

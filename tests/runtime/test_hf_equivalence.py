@@ -53,6 +53,8 @@ TENSOR = [f"{m} sdpa tp=2" for m in MODELS + TP_ONLY_MODELS] + [
     f"{m} eager {plan}" for m in ("gpt2", "llama") for plan in ("dp=2 mb=2", "tp=2", "pp=2 mb=2")
 ] + [  # the eager cores selective checkpointing recomputes: ALiBi's baddbmm, soft-capped scores
     "bloom eager dp=2 checkpoint=selective", "gemma2 eager dp=2 mb=2 checkpoint=selective",
+    # OLMo2 normalises attention's partial sums: f's identity output shares its input's storage
+    "olmo2 sdpa tp=2",
 ]
 
 # ZeRO on every model, GPT-2's and BERT's tied embeddings among them, each stage alone and
