@@ -7,8 +7,8 @@ inputs ({"input_ids": ..., "labels": ...}), and built afresh for each job (the s
 the same weights): a runner trains the model's own tensors, and torch.distributed cannot be
 set up again after a runner's `close()`, so jobs never share parameters. Saved per job: the loss of every step, the whole
 gradients of the first step, the full state after the last, the last step's collectives
-with what the compiler predicted, and the bytes saved for backward at their peak in the first
-step with this rank's prediction of them.
+with what the compiler predicted, and `memory_stats()` after the first optimizer step with this
+rank's prediction of it.
 """
 
 import sys
@@ -32,15 +32,15 @@ for job in jobs:
     program.check()
     runner = program.bind(timeout=60)
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
-    losses, first_grads, activations = [], None, None
+    losses, first_grads, memory = [], None, None
     for batch in batches(name):
         runner.reset_comm_stats()
         local = runner.local_batch(batch)
         losses.append(runner.step(local))
-        if first_grads is None:
-            first_grads = runner.full_gradients()
-            activations = runner.memory_stats()["activations"]
         optimizer.step()
+        if first_grads is None:  # the step's gradients, still there until zero_grad
+            first_grads = runner.full_gradients()
+            memory = runner.memory_stats()
         optimizer.zero_grad()
     results[job] = {
         "losses": losses,
@@ -48,11 +48,10 @@ for job in jobs:
         "state": runner.full_state_dict(),
         "comm": runner.comm_log(),
         "predicted": program.collectives(runner.rank, backend=runner.backend),
-        "activations": activations,
+        "memory": memory,
         "microbatch_rows": len(local["input_ids"]) // program.plan.microbatches,
         # this rank's own: the estimate reports the worst pipeline coordinate's
-        "predicted_activations": predicted_memory(program)[
-            program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)]["activations"],
+        "predicted_memory": predicted_memory(program)[program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)],
     }
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
 runner.close()
