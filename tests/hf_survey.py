@@ -8,9 +8,10 @@ for 3 AdamW steps under one plan in its own torchrun launch (`workers/hf_worker.
 failing job fails alone), and holds it to one device exactly as the suite does
 (`runtime/test_hf_equivalence.assert_equivalent`: the loss of every step, every gradient of
 the first, all parameters after the last, relative 1e-5, the collectives against the
-compiler's prediction, and the rank's memory against the estimate). It prints one line per job, OK, DIFFERS (which check) or ERROR (fxpar's
-message: a PlanError is a refusal that says why), and exits 1 if any job differs. How a new
-model family is checked before it joins BUILDERS and the suite.
+compiler's prediction, and the rank's memory against the estimate). It prints one line per
+job, OK, DIFFERS (which check) or ERROR (fxpar's message: a PlanError is a refusal that says
+why), and exits 1 if any job differs. How a new model family is checked before it joins
+BUILDERS and the suite.
 """
 
 from __future__ import annotations
