@@ -213,6 +213,12 @@ class _EagerCall:
     backward_tag: str
 
 
+def _all_reduces_in_place(op: DistributedOp, in_place: bool, x: torch.Tensor) -> bool:
+    """Whether the eager op's forward all-reduce runs on `x` itself: allowed at the node
+    (`reduces_in_place`) and `x` contiguous."""
+    return in_place and op.forward == "all_reduce" and x.is_contiguous()
+
+
 class _Eager(torch.autograd.Function):
     """A DistributedOp as one autograd.Function: the same primitives as the registered op,
     without its trip through the dispatcher (see `lower_for_eager`). With `in_place`, the
@@ -225,7 +231,7 @@ class _Eager(torch.autograd.Function):
         op = call.op
         if op.forward == "identity":
             return x.view_as(x)  # an autograd.Function may return a view: no copy
-        in_place = call.in_place and op.forward == "all_reduce" and x.is_contiguous()
+        in_place = _all_reduces_in_place(op, call.in_place, x)
         if in_place:
             ctx.mark_dirty(x)
         return _run(op.forward, x, call.axis, call.size, call.dim, op.reduce, call.forward_tag, "forward", in_place)
@@ -289,7 +295,7 @@ def shares_storage_at_run_time(node: fx.Node, x: torch.Tensor) -> bool:
     op = distributed_op(node)
     if op is None or op.many:
         return False
-    return op.forward == "identity" or (op.forward == "all_reduce" and reduces_in_place(node, op) and x.is_contiguous())
+    return op.forward == "identity" or _all_reduces_in_place(op, reduces_in_place(node, op), x)
 
 
 def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
