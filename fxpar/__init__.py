@@ -16,7 +16,7 @@ Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `f
 import fxpar.distributed_ops  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
 import fxpar.vocab_parallel_ops  # noqa: F401
 from fxpar.errors import (
-    BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
+    BatchError, BatchMismatchError, BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
     VerifyError,
 )
 from fxpar.mesh import Mesh
@@ -28,6 +28,8 @@ from fxpar.verify import verify
 from fxpar.verify_report import VerifyReport
 
 __all__ = [
+    "BatchError",
+    "BatchMismatchError",
     "BindError",
     "CapturedGraph",
     "CaptureError",

@@ -27,6 +27,17 @@ class PlanError(FxparError, ValueError):
         self.value = value
 
 
+class BatchError(FxparError, ValueError):
+    """A step's batch that does not fit the compiled program: a missing or extra input, a
+    tensor of another rank, dtype, device or fixed size than the example's, an empty batch, a
+    sequence longer than the model's positions, or a label outside the vocabulary.
+
+    Raised by `runner.step` before the step issues any collective (`runtime.batch_checks`),
+    naming the input as the example named it (its keyword, or `input i` and its parameter),
+    what the program expects, what it got, and a fix.
+    """
+
+
 class CaptureError(FxparError, RuntimeError):
     """The model could not be captured as one graph; the message names the cause and module."""
 
@@ -53,6 +64,12 @@ class StepMismatchError(CollectiveError):
     """The ranks of a group are on different steps (`runtime.step_agreement`): raised on every
     rank of the group at the step's first collective, naming both step numbers, before any of
     the step's data is reduced."""
+
+
+class BatchMismatchError(CollectiveError):
+    """The ranks of a group that must be given one batch (a tp group, a pipeline's stages)
+    were given different ones (`runtime.batch_identity`): raised on every rank of the group at
+    the step's agreement, naming the ranks and the inputs, before any of the step's data moves."""
 
 
 class VerifyError(FxparError, RuntimeError):

@@ -5,9 +5,9 @@ their dp and tp coordinates): `lower_row` builds that row's actions once, and `S
 resolves the axes to one rank's groups. Without a pipeline there is one row:
 
     VALID_TARGETS / STEP_AGREEMENT      ranks agree on the step, per axis; on dp the step's
-                                        count rides along (`step_start_actions`); where
-                                        they can, tp's agreement rides in its first f/g and
-                                        dp's (and the count) in the first bucket
+                                        count rides along, on tp and pp the batch's identity
+                                        (`step_start_actions`); where they can, dp's
+                                        agreement and count ride in the first bucket
                                         (`ride_agreements`), with no call of their own
     F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g)
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
@@ -124,18 +124,22 @@ def _local_numel(node: fx.Node, mesh: Mesh) -> sympy.Expr | int:
     return numel if isinstance(numel, int) else sympy.expand(numel)
 
 
-def step_start_actions(mesh: Mesh, *, counted: bool) -> list[Action]:
+def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[Action]:
     """What starts every step, before the first forward: on each mesh axis of more than one
     rank, one all-reduce by which the group's ranks agree on the step (`runtime.step_agreement`).
 
     Each rank of the group puts the number of its `runner.step` call in its own slot of an
     int64 vector of the group's size, zeros elsewhere, and the vector is summed: every rank
     then holds every member's step number, and fails naming both steps when they differ,
-    before any of the step's data is reduced. On dp, where the loss is a sum over the step's
-    count of valid targets (`passes.loss_normalisation`) and this rank computes the loss, the
-    count rides in front of the slots (VALID_TARGETS): the all-reduce the step needed anyway
-    carries the agreement. Where they can, both then ride in a call the step makes anyway
-    and these actions go (`ride_agreements`).
+    before any of the step's data is reduced. On tp and pp, whose ranks must be given one
+    batch, each member's step number is followed by a block of its own: the batch's
+    fingerprint and the size of each dim of each input (`batch_dims` in all, fixed by the
+    compiled inputs), so the call has one size whatever batch each rank was given and a rank
+    given other rows, or other sizes, is named before any call whose size depends on them
+    (`runtime.batch_identity`). On dp, where the loss is a sum over the step's count of valid
+    targets (`passes.loss_normalisation`) and this rank computes the loss, the count rides in
+    front of the slots (VALID_TARGETS): the all-reduce the step needed anyway carries the
+    agreement; it may then ride in the first gradient bucket (`ride_agreements`).
     Every group a rank communicates on lies inside one of these axis groups (pipeline peers and
     tied-parameter owners inside its pp group), so checking the three before the first call of
     the step covers them all.
@@ -150,10 +154,16 @@ def step_start_actions(mesh: Mesh, *, counted: bool) -> list[Action]:
                         tag="valid targets + step", phase="forward")
             actions.append(Communicate(Purpose.VALID_TARGETS, (call,)))
         else:
-            call = Call(kind="all_reduce", numel=n, dtype=torch.int64, axis=axis.value,
-                        tag=f"step agreement on {axis.value}", phase="forward")
+            batch = 1 + batch_dims if axis in SAME_BATCH else 0  # a fingerprint, then the sizes
+            tag = f"step agreement on {axis.value}" + (" + batch" if batch else "")
+            call = Call(kind="all_reduce", numel=n * (1 + batch), dtype=torch.int64, axis=axis.value,
+                        tag=tag, phase="forward", batch=batch)
             actions.append(Communicate(Purpose.STEP_AGREEMENT, (call,)))
     return actions
+
+
+# The axes whose ranks must be given one batch: tp's split one model's layers, pp's its depth.
+SAME_BATCH = (Axis.TP, Axis.PP)
 
 
 def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
@@ -175,27 +185,22 @@ COUNT_SLOTS, COUNT_RIDES_UP_TO = 2, 4096
 
 
 def ride_agreements(actions: tuple[Action, ...], *, count_may_ride: bool) -> tuple[Action, ...]:
-    """`actions` with the tp and dp step agreements riding in the first call the step makes
-    on their axis anyway, where that call is a sum all-reduce of a float32/64 payload: the
-    call grows by the agreement's slots and the agreement's own all-reduce goes. Each extra
-    call a step costs a sync point with the peers (on gloo about 1.5 ms on two cores), which
-    the hand-written code and DDP it is compared with do not make.
+    """`actions` with the dp step agreement riding in the first call the step makes on dp
+    anyway, where that call is a sum all-reduce of a float32/64 payload: the call grows by the
+    agreement's slots and the agreement's own all-reduce goes. Each extra call a step costs a
+    sync point with the peers (on gloo about 1.5 ms on two cores), which DDP, which it is
+    compared with, does not make.
 
-    On tp that call is Megatron's first g (or f's first backward); on dp the first gradient
-    bucket to launch. There dp's count of valid targets rides too (`count_may_ride`: one
-    stage, DDP's buckets, the loss in the last one): the rank's graphs are given a count of 1,
-    so their loss is a sum, and the buckets divide the summed gradients and loss by the
-    global count once it arrives with the first of them (`runtime.gradient_buckets`).
-    Elsewhere (sequence parallelism's gathers, a vocab-parallel max first, bf16, ZeRO's
-    reduce-scatters and gathers, a pipeline's count, pp's transfers) the agreement keeps its
-    call. The runtime carries the slots where the program says (`runtime.step_numbers`)."""
-    for axis in (Axis.TP, Axis.DP):
-        actions = _ride(actions, axis, count_may_ride=count_may_ride)
-    return actions
-
-
-def _ride(actions: tuple[Action, ...], axis: Axis, *, count_may_ride: bool) -> tuple[Action, ...]:
-    """`ride_agreements` on one axis."""
+    That call is the first gradient bucket to launch, and dp's count of valid targets rides
+    too (`count_may_ride`: one stage, DDP's buckets, the loss in the last one): the rank's
+    graphs are given a count of 1, so their loss is a sum, and the buckets divide the summed
+    gradients and loss by the global count once it arrives with the first of them
+    (`runtime.gradient_buckets`). Elsewhere (bf16, ZeRO's reduce-scatters and gathers, a
+    pipeline's count) the agreement keeps its call. tp's and pp's agreements always keep
+    theirs: they carry the batch's identity, which must be compared before any call whose
+    size depends on the batch (`step_start_actions`). The runtime carries the slots where the
+    program says (`runtime.step_numbers`)."""
+    axis = Axis.DP
     own = (Purpose.STEP_AGREEMENT, Purpose.VALID_TARGETS)
     i = next((i for i, a in enumerate(actions) if isinstance(a, Communicate) and a.purpose in own
               and a.calls[0].axis == axis.value), None)
@@ -215,16 +220,22 @@ def _ride(actions: tuple[Action, ...], axis: Axis, *, count_may_ride: bool) -> t
                             and later.purpose is Purpose.GRADIENT_BUCKET):
             return actions
         count = COUNT_SLOTS if counted else 0
-        tag = call.tag + (" + valid targets" if counted else "") + (" + step" if axis is Axis.DP else "")
+        tag = call.tag + (" + valid targets" if counted else "") + " + step"
         rider = replace(call, numel=call.numel + count + slots, agreement=slots, count=count, tag=tag)
         calls = (*later.calls[:k], rider, *later.calls[k + 1:])
         return (*actions[:i], *actions[i + 1:j], replace(later, calls=calls), *actions[j + 1:])
     return actions
 
 
+def _batch_dims(program) -> int:
+    """The dims of a step's inputs in all (the batch identity's sizes, `step_start_actions`)."""
+    return sum(len(shape) for shape in program.captured.example_shapes)
+
+
 def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
-    actions = step_start_actions(mesh, counted=program.loss_reduction.sums)
+    actions = step_start_actions(mesh, counted=program.loss_reduction.sums,
+                                 batch_dims=_batch_dims(program))
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     microbatches = program.plan.microbatches
     each = zero == 2 and program.zero_reduce.per_microbatch
@@ -253,7 +264,8 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
     local = [s for s in stages if schedule.rank_of(s.index) == pp]
     calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
     holds_loss = schedule.rank_of(last) == pp
-    actions: list[Action] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss)
+    actions: list[Action] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss,
+                                                  batch_dims=_batch_dims(program))
     row = schedule.actions[pp]
 
     def transfers(kind, boundaries, peer, tag, phase) -> tuple[Call, ...]:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpar.errors import CaptureError
+from fxpar.errors import BatchError, CaptureError
 
 ExampleInputs = tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
 
@@ -39,14 +39,17 @@ def arrange_inputs(
             raise TypeError("pass a batch either positionally or by keyword, not both")
         expected, given = set(names), set(kwargs)
         if expected != given:
-            raise TypeError(
+            raise BatchError(
                 f"this program takes the inputs {list(names)} (as captured); got {sorted(given)}: "
-                f"missing {sorted(expected - given)}, unknown {sorted(given - expected)}"
+                f"missing {sorted(expected - given)}, unknown {sorted(given - expected)}. Fix: pass "
+                f"exactly the example's keys ({', '.join(names)})"
             )
         return tuple(kwargs[name] for name in names)
     if len(args) != len(names):
-        raise TypeError(
-            f"this program takes {len(names)} inputs {list(names)} (as captured), got {len(args)}"
+        raise BatchError(
+            f"this program takes {len(names)} inputs {list(names)} (as captured), got {len(args)}. Fix: pass "
+            f"the example's inputs in its order: ({', '.join(names)})"
+            + (" by keyword, as the example was" if keyword else "")
         )
     return tuple(args)
 

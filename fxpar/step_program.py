@@ -6,12 +6,9 @@ list of actions, and each action lists the communication calls it makes:
     Communicate  VALID_TARGETS         all_reduce(1+dp x int64) on dp   the step's count and
                                                                      step numbers (where
                                                                      no bucket carries them)
-    Communicate  STEP_AGREEMENT        all_reduce(pp x int64) on pp     step numbers (tp when
-                                                                     its first call cannot
-                                                                     carry them)
-    Compute      F  stage 0  mb 0      tp f / g all-reduces             its graph's ops (the
-                                                                     first with tp's step
-                                                                     numbers riding)
+    Communicate  STEP_AGREEMENT        all_reduce(pp x (2+d) x int64)   step numbers and the
+                                       on pp (and tp)                batch's identity
+    Compute      F  stage 0  mb 0      tp f / g all-reduces             its graph's ops
     Exchange     send stage 1 activations, receive stage 0 gradients     pipeline transfers
     Compute      B  stage 0  mb 0      tp backward all-reduces
     Communicate  GRADIENT_BUCKET 0     all_reduce(n x f32) on dp       DDP's bucket (the first
@@ -92,6 +89,8 @@ class Call:
     where: str = ""  # the module whose op issues it (a graph call), for messages
     agreement: int = 0  # the step agreement's slots riding at its end (`lowering.ride_agreements`)
     count: int = 0  # the step's count of valid targets' slots riding before them (dp's first bucket)
+    batch: int = 0  # a step agreement's slots per member after the step numbers: the batch's
+    # fingerprint and sizes, which every member must share (`runtime.batch_identity`)
 
 
 @dataclass(frozen=True)

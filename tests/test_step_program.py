@@ -99,25 +99,29 @@ def test_payloads_are_formulas_evaluated_at_each_step_size():
     forward = step.computes()[0].calls
     assert forward and all(not isinstance(c.numel, int) for c in forward)  # batch x seq x ...
     small = program.microbatch_sizes((TOKENS[:2, :8], LABELS[:2, :8]))
-    calls = step.collectives(small)
-    # The step agreement rides in the first all-reduce: one slot per rank, at any size.
-    assert [c.agreement for c in calls] == [2] + [0] * (len(calls) - 1)
-    data = lambda c: c.numel - c.agreement  # noqa: E731  the payload without the slots
-    assert [data(c) for c in calls] == [
-        data(c) // 8 for c in program.collectives(0)  # a quarter of the batch, half the seq
+    agreement, *calls = step.collectives(small)
+    # The step agreement has one size at every step size: a step number, a fingerprint and
+    # the four dims of the two inputs per rank (`runtime.batch_identity`).
+    assert (agreement.tag, agreement.numel) == ("step agreement on tp + batch", 2 * (1 + 1 + 4))
+    assert agreement == program.collectives(0)[0]
+    assert [c.numel for c in calls] == [
+        c.numel // 8 for c in program.collectives(0)[1:]  # a quarter of the batch, half the seq
     ]
-    assert torch.float32 in {c.dtype for c in step.collectives(small)}
+    assert torch.float32 in {c.dtype for c in calls}
 
 
-def test_the_tp_agreement_rides_in_the_first_all_reduce_or_keeps_its_own_call():
-    """`lowering.ride_agreements`: one call fewer a step where the first tp call is a float sum
-    all-reduce; sequence parallelism's first call is a gather, which cannot carry the slots."""
-    riding = fxpar.compile(build_model(), "tp=2", (TOKENS, LABELS)).step_program(0)
-    assert not any(isinstance(a, Communicate) and a.purpose is Purpose.STEP_AGREEMENT for a in riding.actions)
-    assert [c.agreement for c in riding.calls() if c.agreement] == [2]
-    own = fxpar.compile(build_model(), "tp=2 sp=true", (TOKENS, LABELS)).step_program(0)
-    assert [a.purpose for a in own.actions if isinstance(a, Communicate)][0] is Purpose.STEP_AGREEMENT
-    assert not any(c.agreement for c in own.calls())
+def test_tp_and_pp_agreements_keep_their_own_call_carrying_the_batch_identity():
+    """`lowering.step_start_actions`: the ranks of a tp group and of a pipeline must be given one
+    batch, so their agreement carries its identity (a fingerprint and the inputs' sizes) in a
+    call of its own, of one size whatever the batch, first on its axis; it never rides in a
+    call whose size depends on the batch (`ride_agreements` is dp's alone)."""
+    for plan, axis in (("tp=2", "tp"), ("tp=2 sp=true", "tp"), ("pp=2 mb=2", "pp")):
+        program = fxpar.compile(build_model(), plan, (TOKENS, LABELS))
+        step = program.step_program(0)
+        first = next(a for a in step.actions if isinstance(a, Communicate))
+        assert first.purpose is Purpose.STEP_AGREEMENT and first.calls[0].axis == axis, plan
+        assert (first.calls[0].batch, first.calls[0].numel) == (5, 2 * 6), plan
+        assert not any(c.agreement for c in step.calls()), plan
 
 
 def test_the_dp_count_and_agreement_ride_in_the_first_bucket_or_keep_their_own_call():

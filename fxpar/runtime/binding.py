@@ -211,7 +211,7 @@ def step_context(
         tied={name: (mine[name], tied_groups[group]) for name, group in step_program.tied_groups.items()},
         loss=loss, communicator=communicator, groups=groups,
         receives_ahead=receives_ahead(backend), gatherers=gatherers, random=random,
-        meter=meter, count_arrival=arrival,
+        meter=meter, count_arrival=arrival, input_names=program.captured.input_names,
     )
     return context, flat_parameters
 

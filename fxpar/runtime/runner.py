@@ -31,9 +31,11 @@ import torch.distributed as dist
 
 from fxpar import meta
 from fxpar.axes import bind_axes, unbind_axes
+from fxpar.batch_rules import batch_rules
 from fxpar.errors import BindError, PlanError
 from fxpar.mesh import Axis
 from fxpar.compiled_program import CompiledProgram
+from fxpar.runtime.batch_checks import check_batch
 from fxpar.runtime.binding import (
     all_tied_groups, backend_for, bound_device, parameters_of, place_state, step_context, synchronise_copies,
 )
@@ -89,6 +91,7 @@ class Runner(WholeState):
         self._context: StepContext  # what the executor reads: `_bind_step`, once state is placed
         self._executor: ModuleExecutor | PipelineExecutor | None = None
         self._sizes: dict[tuple, dict] = {}  # microbatch input shapes -> export's size symbols
+        self._batch_rules = batch_rules(program.captured)  # what step() checks of a batch
         self._optimizers: list = []  # what `optimizer` made, for `memory_stats`
         self._groups: dict[int, ParameterGroups] = {}  # id of an optimizer it made -> its groups
         self._unstepped: list[str] = []  # trained parameters none of them steps, till a step warns
@@ -246,13 +249,17 @@ class Runner(WholeState):
         targets each piece holds (`runtime.step_loss`); for another loss, the average of the
         pieces' gradients. Every call counts as a step, a failing one too: the ranks agree on
         the count before the step moves any data, or stop with StepMismatchError naming both
-        steps (`runtime.step_agreement`).
+        steps (`runtime.step_agreement`). A batch unlike the example (an input missing, of
+        another rank, dtype, device or fixed size, empty, longer than the model's positions,
+        or a label outside the vocabulary) is a BatchError on every rank given it, before the
+        step communicates (`runtime.batch_checks`).
         """
         self._require_open("step")
         if self._unstepped:  # once per set of optimizers
             self._unstepped = warn_unstepped(self._unstepped)
         self._context.steps += 1  # every call counts, a failing one too (runtime.step_agreement)
         inputs = self.program.captured.arrange(local_batch, keywords)
+        check_batch(self._batch_rules, inputs, device=self.device)  # BatchError before any collective
         if self.program.plan.sequence_parallel:  # an uneven shard would abort inside gloo
             for length in self.program.captured.sequence_lengths(inputs):
                 self.program.plan.check_sequence(length, what="this step's sequence length")

@@ -9,7 +9,8 @@ post transfers, and every `Communicate` action comes here:
                          step numbers (`runtime.step_agreement`), where no bucket carries
                          them; started here, waited for where the graph reads it
                          (`runtime.valid_targets`)
-    STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count); started
+    STEP_AGREEMENT       the ranks' step numbers on tp, pp (or dp without a count), with the
+                         batch's identity on tp and pp (`runtime.batch_identity`); started
                          here, settled before the next call that moves data
     GRADIENT_BUCKET      wait for bucket i of stage s (launched by its hooks during backward)
     PARTIAL_GRADIENTS    replicated parameters' partial tp gradients of stage s, summed
@@ -30,6 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.errors import BindError
 from fxpar.mesh import Axis
+from fxpar.runtime.batch_identity import BatchIdentity
 from fxpar.runtime.step_agreement import start_agreement
 from fxpar.step_program import Communicate, Purpose
 
@@ -72,8 +74,11 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
         return
     if purpose is Purpose.STEP_AGREEMENT:  # settled before the next call moves data
         call = action.calls[0]
+        batch = BatchIdentity.of(state.chunks, context.device) if call.batch else None
+        assert batch is None or (not state.counted and batch.block.numel() == call.batch), "batch identity layout"
         context.communicator.settle_before_data(start_agreement(
-            context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag, device=context.device))
+            context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag, device=context.device,
+            batch=batch, names=context.input_names))
         return
     context.count_arrival.settle()  # no collective moves the step's data before the steps agree
     if purpose is Purpose.GRADIENT_BUCKET:

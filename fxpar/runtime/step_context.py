@@ -28,6 +28,7 @@ which reads nothing of the Runner itself.
                           included: the number the ranks agree on (`runtime.step_agreement`)
     count_arrival         the step's valid-target count while its all-reduce is in flight;
                           the rank's graphs wait for it where they read it (`runtime.valid_targets`)
+    input_names           the step's inputs as the compile-time example named them, for messages
 
 `receives_ahead` and `record_timeline` are settings, which the Runner's attributes of the same
 name change between steps (a new `receives_ahead` comes with its step program and guard);
@@ -88,6 +89,7 @@ class StepContext:
     meter: SavedTensorMeter | None = None
     # The step's count of valid targets, in flight during the forward (`runtime.valid_targets`).
     count_arrival: CountArrival = field(default_factory=CountArrival)
+    input_names: tuple[str, ...] = ()
 
     def land_gradients(self) -> None:
         """After a backward: ZeRO-3's reduce-scatters still in flight complete and give the

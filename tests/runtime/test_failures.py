@@ -43,7 +43,7 @@ def test_a_rank_that_carries_on_after_a_failed_step_is_stopped_naming_both_steps
     third while rank 0 is in its second: the first collective of the step, on each axis, holds
     every rank's step number (`runtime.step_agreement`), so both ranks stop there, naming both
     steps, at once (no timeout), before the two steps' data is mixed."""
-    plans = ("dp=2", "tp=2", "pp=2 mb=2")  # riding in dp's first bucket and tp's first g; pp's own call
+    plans = ("dp=2", "tp=2", "pp=2 mb=2")  # riding in dp's first bucket; tp's and pp's own calls
     zero, one = torchrun("skip_worker.py", 2, *plans, timeout=180)
     for plan, axis in zip(plans, ("dp", "tp", "pp")):
         assert zero[plan]["steps"] == one[plan]["steps"] == 1, plan

@@ -57,14 +57,13 @@ def test_tp2_matches_single_device(torchrun, model):
     if model == "gpt":
         layers = CONFIG.n_layer
         log = lambda plan: ranks[0][plan]["comm"][0][0]  # noqa: E731
-        for plan in plans:  # the tp ranks agree on each step (step_agreement) in its first tp call:
-            # riding in it where that is a float sum all-reduce (lowering.ride_agreements), else
-            # a call of its own first (sequence parallelism's first call is a gather)
-            agreements = [c for c in log(plan) if c.tag == "step agreement on tp" or c.agreement]
+        for plan in plans:  # the tp ranks agree on each step and its batch (step_agreement,
+            # batch_identity) in a call of their own, first, of one size whatever the batch
+            agreements = [c for c in log(plan) if c.tag.startswith("step agreement on tp") or c.agreement]
             assert agreements == [log(plan)[0]], plan
-            assert log(plan)[0].agreement == (0 if "sp" in plan else 2), plan
+            assert (log(plan)[0].tag, log(plan)[0].numel) == ("step agreement on tp + batch", 2 * (1 + 5)), plan
         kinds = lambda plan: Counter(  # noqa: E731  the model's own collectives
-            (c.kind, c.phase) for c in log(plan) if c.tag != "step agreement on tp"
+            (c.kind, c.phase) for c in log(plan) if not c.tag.startswith("step agreement on tp")
         )
         # Shoeybi et al. 2019, Sec. 3: two all-reduces forward and two backward per layer.
         assert kinds(MEGATRON) == {("all_reduce", "forward"): 2 * layers, ("all_reduce", "backward"): 2 * layers}
