@@ -6,7 +6,10 @@
     collective_failures.py  what a failure says: the time really waited, timeout or gone peer
     live_runners.py      the lifecycle: one live runner per parameter, close ends them all
     gradient_buckets.py  data parallelism's hooks: bucketed all-reduce overlapping backward
+    gradient_accumulation.py  steps without zero_grad sum their gradients, as one device's backwards
     random_seed.py       the job's one random seed, agreed at bind (rank 0's torch.manual_seed)
+    batch_checks.py      a step's batch against what was compiled: BatchError before any collective
+    batch_identity.py    the batch's fingerprint and sizes, compared by tp's and pp's step agreement
     step_loss.py         valid-target counts and each microbatch's share of the step's loss
     step_context.py      StepContext: everything of the bound rank an executor reads
     binding.py           bind's one-time work: device, state placed and made identical, StepContext

@@ -5,7 +5,9 @@ buffer, and each parameter's `.grad` is a view into it (DDP's `gradient_as_bucke
 the all-reduce reads the gradients where autograd left them. The views are in place before
 the step's first backward (`start_step` zeroes the buffer where the optimizer's `zero_grad`
 set gradients to None), so autograd accumulates each gradient into its view and no gradient
-is allocated and then copied into the bucket (the copy DDP pays in C++). A
+is allocated and then copied into the bucket (the copy DDP pays in C++). Gradients an earlier
+step left (no `zero_grad` in between) are not in the buffer when it is reduced: the runner
+sets them aside before the step and adds them after (`runtime.gradient_accumulation`). A
 `register_post_accumulate_grad_hook` on every parameter counts the gradients still missing in
 its bucket: each parameter receives one per microbatch, so a bucket of n parameters is
 complete after microbatches x n of them, whichever actions deliver them (a pipeline's
@@ -291,9 +293,20 @@ class GradientBuckets:
                 yield name, parameter, start - offset, start - shard.start, stop - shard.start
             offset += parameter.numel()
 
-    def shard_gradient(self, index: int) -> torch.Tensor:
-        """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`)."""
+    def shard_gradient(self, index: int) -> torch.Tensor | None:
+        """ZeRO: this rank's shard of bucket `index`'s reduced gradient (after `finish_bucket`),
+        None before the first step and after `forget_reduced`."""
         return self.states[index].reduced
+
+    def forget_reduced(self, *, set_to_none: bool) -> None:
+        """ZeRO: drop the reduced shards (or zero them in place), as `zero_grad` drops `.grad`:
+        the shard is the gradient the optimizer steps, and what the next step would add its
+        own to (`runtime.gradient_accumulation`)."""
+        for state in self.states:
+            if set_to_none:
+                state.reduced = None
+            elif state.reduced is not None:
+                state.reduced.zero_()
 
     def whole_gradients(
         self, index: int, *, tag: str, shard: torch.Tensor | None = None, dtype: torch.dtype | None = None

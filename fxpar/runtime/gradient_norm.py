@@ -79,6 +79,8 @@ def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch
     for module, buckets in zip(state.modules, state.buckets):
         for index in range(len(buckets.states)):
             shard = buckets.shard_gradient(index)
+            if shard is None:  # no gradient since zero_grad
+                continue
             held.append(shard)
             for name, _, _, start, stop in buckets.shard_spans(index):
                 if _first_copy(state, module, name, ("tp",), writers):

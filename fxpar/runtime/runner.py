@@ -42,6 +42,7 @@ from fxpar.runtime.binding import (
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
+from fxpar.runtime.gradient_accumulation import EarlierGradients
 from fxpar.runtime.gradient_norm import clip_grad_norm_
 from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
@@ -247,12 +248,14 @@ class Runner(WholeState):
         are left in the parameters' `.grad`, ready for the optimizer: exactly one device's
         over the global batch when the loss is a mean cross entropy, however many valid
         targets each piece holds (`runtime.step_loss`); for another loss, the average of the
-        pieces' gradients. Every call counts as a step, a failing one too: the ranks agree on
-        the count before the step moves any data, or stop with StepMismatchError naming both
-        steps (`runtime.step_agreement`). A batch unlike the example (an input missing, of
-        another rank, dtype, device or fixed size, empty, longer than the model's positions,
-        or a label outside the vocabulary) is a BatchError on every rank given it, before the
-        step communicates (`runtime.batch_checks`).
+        pieces' gradients. Without `opt.zero_grad()` since the last step they are added to
+        that step's, as one device's second backward adds (`runtime.gradient_accumulation`).
+        Every call counts as a step, a failing one too: the ranks agree on the count before
+        the step moves any data, or stop with StepMismatchError naming both steps
+        (`runtime.step_agreement`). A batch unlike the example (an input missing, of another
+        rank, dtype, device or fixed size, empty, longer than the model's positions, or a
+        label outside the vocabulary) is a BatchError on every rank given it, before the step
+        communicates (`runtime.batch_checks`).
         """
         self._require_open("step")
         if self._unstepped:  # once per set of optimizers
@@ -288,12 +291,15 @@ class Runner(WholeState):
         measure = self.record_memory or shapes not in self._measured
         self._measured.add(shapes)
         given = [t for m in self.modules for t in (*m.parameters(), *m.buffers())] + list(inputs) if measure else ()
+        earlier = EarlierGradients.set_aside(self._context)  # no zero_grad since: added back after
         try:
             with self._saved.measuring(given) if measure else contextlib.nullcontext():
                 loss = self._executor.run(chunks, self._sizes[shapes])
         except BaseException:
+            earlier.put_back()
             self.communicator.end_step(check=False)  # a failed step leaves no guard behind
             raise
+        earlier.add_back()  # one device's accumulation (`runtime.gradient_accumulation`)
         self.communicator.end_step()
         self._random.step += 1
         return loss

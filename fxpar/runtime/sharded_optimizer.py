@@ -169,9 +169,11 @@ class ShardedOptimizer(WrappedOptimizer):
         """Step this rank's shards on their reduced gradients, then gather every bucket's
         updated parameters (the step program's optimizer part)."""
         for (buckets, index, shard), runs in zip(self._shards, self._runs):
-            gradient = buckets.shard_gradient(index).to(shard.dtype)  # bf16-mixed's fp32 master, a bf16 reduction
+            gradient = buckets.shard_gradient(index)  # None after zero_grad: torch.optim skips the runs
+            if gradient is not None:
+                gradient = gradient.to(shard.dtype)  # bf16-mixed's fp32 master, a bf16 reduction
             for run in runs:
-                run.tensor.grad = gradient[run.start : run.stop]
+                run.tensor.grad = None if gradient is None else gradient[run.start : run.stop]
         loss = self.optimizer.step(closure)
         with torch.no_grad():
             for (_, _, master), working, runs in zip(self._shards, self._working, self._runs):
@@ -196,8 +198,11 @@ class ShardedOptimizer(WrappedOptimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the step's gradients: the shards' and the parameters' own."""
+        """Forget the step's gradients: the reduced shards (what a next step would otherwise
+        add to: `runtime.gradient_accumulation`), the runs' and the parameters' own."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        for buckets in self.context.buckets:
+            buckets.forget_reduced(set_to_none=set_to_none)
         for module in self.context.modules:
             for parameter in module.parameters():
                 if set_to_none:
