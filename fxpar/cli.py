@@ -21,6 +21,7 @@ plan), with the message on stderr and no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -167,8 +168,9 @@ def run_explain(args) -> int:
 
 
 def run_viz(args) -> int:
-    from fxpar.visualize import visualize
+    from fxpar.visualize import FORMATS, visualize
 
+    _check_output(args.output, suffixes=tuple(FORMATS))
     program = _program(args)
     rank = None if args.rank is None else _rank(args, program)
     path = _options_checked(lambda: visualize(program, args.output, rank=rank, detail=args.detail,
@@ -180,6 +182,7 @@ def run_viz(args) -> int:
 def run_report(args) -> int:
     from fxpar.report import write_report
 
+    _check_output(args.output, suffixes=(".html", ".htm"))
     captured = _capture(args)
     program = _compile(captured, args.plan)
     compare = _compile(captured, args.compare) if args.compare else None
@@ -215,6 +218,28 @@ def run_diff(args) -> int:
     rank, hardware = 0 if args.rank is None else args.rank, _hardware(args.hardware)
     print(_options_checked(lambda: diff(before, after, rank=rank, hardware=hardware)))
     return 0
+
+
+def _check_output(path: Path, *, suffixes: tuple[str, ...]) -> None:
+    """UsageError unless `path` can be written: a file name with one of `suffixes` (which pick
+    the format), in a folder that exists and is writable. Checked before the model is built and
+    captured, so a typo in -o costs no compile."""
+    folder, example = path.parent, f"plan{suffixes[0]}"
+    if path.is_dir():
+        problem, fix = "is a folder", f"name a file in it, e.g. -o {path / example}"
+    elif path.suffix.lower() not in suffixes:
+        ending = f"ends in {path.suffix!r}" if path.suffix else "has no suffix"
+        problem, fix = (f"{ending}, and the suffix picks the format",
+                        f"end it in one of {', '.join(suffixes)}, e.g. -o {path.with_suffix(suffixes[0])}")
+    elif not folder.exists():
+        problem, fix = f"names folder {str(folder)!r}, which does not exist", f"create it (mkdir -p {folder}) or write elsewhere"
+    elif not folder.is_dir():
+        problem, fix = f"names folder {str(folder)!r}, which is a file", f"name a file in a folder, e.g. -o {example}"
+    elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem, fix = "cannot be written (permission denied)", f"write to a folder of yours, e.g. -o ./{example}"
+    else:
+        return
+    raise UsageError(f"-o {str(path)!r} {problem}. Fix: {fix}")
 
 
 def _options_checked(call: Callable[[], T]) -> T:

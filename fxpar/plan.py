@@ -61,6 +61,7 @@ from fxpar.plan_text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     Precision,
     given_twice,
     invalid_value,
+    is_bucket_size,
     is_positive_int,
     split_entries,
     text_of,
@@ -127,8 +128,7 @@ class Plan:
                 raise invalid_value(name, value)
             object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON
         if (size := self.bucket_mb) is not None:
-            real = isinstance(size, numbers.Real) and not isinstance(size, bool)
-            if not (real and math.isfinite(size) and size > 0):
+            if not is_bucket_size(size):
                 raise invalid_value("bucket_mb", size)
             object.__setattr__(self, "bucket_mb", float(size))
         if self.schedule not in SCHEDULES:
@@ -154,7 +154,8 @@ class Plan:
                 field="sequence_parallel",
                 value=True,
             )
-        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+        zero = self.zero
+        if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) or zero not in ZERO_STAGES:
             raise invalid_value("zero", self.zero)
         object.__setattr__(self, "zero", int(self.zero))
         for name, accepted in (

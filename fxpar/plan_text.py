@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import numbers
 import re
 from collections.abc import Mapping
@@ -42,7 +43,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "microbatches": ("mb", "a positive integer (1 means no gradient accumulation)", "mb=4"),
     "bucket_mb": (
         "bucket_mb",
-        "a positive, finite number of MiB (the gradient-bucket size)",
+        "a number of MiB from 1/1024 (one KiB) to 1048576 (one TiB; the gradient-bucket size)",
         "bucket_mb=25, or leave bucket_mb out to let the cost model choose",
     ),
     "tp": ("tp", "a positive integer (the tensor-parallel degree)", "tp=2"),
@@ -206,6 +207,24 @@ def value_from_text(name: str, text: str, *, echo: bool = True) -> object:
 def is_positive_int(value: object) -> bool:
     """True for 1, 2, ... (numpy integers too); False for bools, floats such as 2.0, and 0."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+# The gradient buckets a plan may ask for: one KiB to one TiB. A smaller size only gives the
+# smallest tensors (biases, norms) a bucket each, and one under a byte is no bucket at all
+# (the bucketing pass would fail on it); a TiB already holds every gradient of any model in
+# one bucket, and a size near a float's range has no byte count (1e308 MiB overflows).
+MIN_BUCKET_MB, MAX_BUCKET_MB = 1 / 1024, 2**20
+
+
+def is_bucket_size(value: object) -> bool:
+    """True for a real number of MiB in [`MIN_BUCKET_MB`, `MAX_BUCKET_MB`]; False for bools,
+    NaN, infinities, and ints too large for a float (`10**400`)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and MIN_BUCKET_MB <= value <= MAX_BUCKET_MB
+    except OverflowError:
+        return False
 
 
 class InvalidPlanValue(PlanError):

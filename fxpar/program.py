@@ -48,6 +48,7 @@ from fxpar.schedules import Schedule, schedule
 from fxpar.plan import Plan
 from fxpar.model_io import ExampleInputs
 from fxpar.rank_specialisation import specialise
+from fxpar.replaced_state import check_state_not_replaced
 from fxpar.trace import CapturedGraph
 from fxpar.zero_reduction import Mode, ZeroReduction, decide, fixed
 
@@ -343,10 +344,12 @@ class Program:
         A program is bound once at a time: binding it again while its runner is live (or
         binding another program of the same model) is a BindError, since both runners would
         hook the same parameters; after `runner.close()` it may be bound again. Programs of
-        different models may be live together (`fxpar.runtime.live_runners`).
+        different models may be live together (`fxpar.runtime.live_runners`). A parameter or
+        buffer replaced on the model after compile is a BindError (`fxpar.replaced_state`).
         """
         from fxpar.runtime.runner import Runner
 
+        check_state_not_replaced(self.captured)  # `model.fc.weight = nn.Parameter(...)` after compile
         return Runner.create(self, timeout=timeout, device=device, backend=backend, seed=seed)
 
     def __reduce__(self) -> tuple:

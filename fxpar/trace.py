@@ -48,6 +48,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from fxpar import meta
+from fxpar.attribute_writes import AttributeWatch, refuse_attribute_writes
 from fxpar.symbols import dim_symbol
 from fxpar.declared_plans import DeclaredPlans, declared_plans
 from fxpar.errors import CaptureError
@@ -85,6 +86,11 @@ class CapturedGraph:
 
     def __reduce__(self) -> tuple:
         return (capture, self._source)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model captured: its parameters and buffers are the very tensors the graph reads."""
+        return self._source[0]
 
     @property
     def batch(self) -> sympy.Symbol | None:
@@ -166,11 +172,13 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
 
     args, kwargs = ((), dict(zip(names, values))) if keyword else (values, {})
     try:
-        exported = _export(model, args, kwargs)
+        with AttributeWatch(model) as watch:
+            exported = _export(model, args, kwargs)
     except CaptureError:
         refuse_running_statistics(model)  # the cause, where a BatchNorm's update is it
         raise
     refuse_state_writes(model, exported)  # BatchNorm in train mode, buffer.add_(), ...
+    refuse_attribute_writes(watch)  # self.steps += 1, self.eval(), a list appended to, ...
     refuse_nested_graphs(exported)  # torch.no_grad() or autocast blocks
     source = (model, {k: v.detach().clone() for k, v in example_inputs.items()} if keyword
               else tuple(x.detach().clone() for x in example_inputs))

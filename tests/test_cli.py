@@ -112,7 +112,6 @@ def test_a_hugging_face_model_from_its_config(in_tmp, capsys):
     (["explain", "--plan", "dp=2"], "exactly one of --model"),
     (["explain", *SMALL, "--plan", "dp=3"], "not divisible by dp \\* microbatches"),
     (["explain", *SMALL, "--plan", "dq=2"], "dq"),
-    (["viz", *SMALL, "--plan", "dp=2", "-o", "g.jpg"], "use one of .svg, .png, .pdf"),
     (["viz", *SMALL, "--plan", "dp=2", "--expand", "h.7"], "names no module"),
     (["explain", *SMALL, "--plan", "dp=2", "--rank", "2"], "ranks 0..1"),
     (["estimate", *SMALL, "--plan", "dp=2", "--hardware", "tpu"], "known profiles are cpu"),
@@ -123,6 +122,76 @@ def test_usage_errors_exit_2_with_what_was_wrong_and_the_fix(in_tmp, capsys, arg
     assert status == 2
     assert re.search(message, err), err
     assert err.startswith(f"fxpar {argv[0]}: error: ") and "Traceback" not in err
+
+
+BAD_FACTORIES = """
+import torch
+
+def raises(width=2):
+    raise RuntimeError("no GPU here\\nand a second line of detail")
+
+def model_alone():
+    return torch.nn.Linear(2, 2)
+
+def three_things():
+    return torch.nn.Linear(2, 2), torch.ones(2, 2), 1
+
+def a_number_for_inputs():
+    return torch.nn.Linear(2, 2), 5
+
+def ints_for_inputs():
+    return torch.nn.Linear(2, 2), [torch.ones(2), 3]
+"""
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    ("raises", "raises(width=4) raised RuntimeError: no GPU here (and 1 more line). Fix: correct the factory or its --config values"),
+    ("model_alone", "model_alone() returned a Linear model alone, not (model, example_inputs). Fix: return"),
+    ("three_things", "three_things() returned a tuple of 3 items (Linear, Tensor, int), not (model, example_inputs)"),
+    ("a_number_for_inputs", "a_number_for_inputs() returned (Linear, an int (5)): its example_inputs are not one "
+                            "batch of tensors. Fix: return (model, inputs) with inputs a tensor, a tuple of tensors"),
+    ("ints_for_inputs", r"ints_for_inputs() returned (Linear, a list of 2 items (Tensor, int)): its example_inputs"),
+])
+def test_a_factory_that_raises_or_returns_something_else_exits_2_in_one_line(in_tmp, capsys, factory, message):
+    (in_tmp / "bad.py").write_text(BAD_FACTORIES)
+    config = ["--config", "width=4"] if factory == "raises" else []
+    status, _, err = run(capsys, "explain", "--model", f"bad.py:{factory}", *config, "--plan", "dp=1")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"fxpar explain: error: --model 'bad.py:{factory}': {message}"), err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "broken.py:factory"], "--model 'broken.py:factory': running broken.py failed: ZeroDivisionError: "
+                                       "division by zero. Fix: run `python broken.py` to see the traceback"),
+    (["--hf", "llama", "--config", "hidden_size=65", "num_attention_heads=4"],
+     "--hf llama --config {'hidden_size': 65, 'num_attention_heads': 4}: ValueError: The hidden size (65) is not a "
+     "multiple of the number of attention heads (4). Fix: correct the --config fields it names"),
+    (["--hf", "llama", "--batch", "0"], "--hf 'llama': --batch 0: the example batch needs at least one row"),
+    (["--hf", "lama"], "--hf 'lama': transformers does not know this model type. Fix: a model_type such as llama"),
+])
+def test_a_model_that_cannot_be_built_exits_2_in_one_line(in_tmp, capsys, argv, message):
+    (in_tmp / "broken.py").write_text("import torch\n\nWIDTH = 1 / 0\n")
+    status, _, err = run(capsys, "check", *argv, "--plan", "dp=2")
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"fxpar check: error: {message}"), err
+
+
+@pytest.mark.parametrize(("command", "output", "problem"), [
+    ("viz", "missing/plan.svg", "-o 'missing/plan.svg' names folder 'missing', which does not exist. Fix: create it "
+                                "(mkdir -p missing) or write elsewhere"),
+    ("report", "notes.txt/plan.html", "-o 'notes.txt/plan.html' names folder 'notes.txt', which is a file. Fix: name a "
+                                   "file in a folder, e.g. -o plan.html"),
+    ("report", "out", "-o 'out' is a folder. Fix: name a file in it, e.g. -o out/plan.html"),
+    ("viz", "g.jpg", "-o 'g.jpg' ends in '.jpg', and the suffix picks the format. Fix: end it in one of .svg, "
+                     ".png, .pdf, e.g. -o g.svg"),
+])
+def test_an_output_that_cannot_be_written_exits_2_before_anything_compiles(in_tmp, capsys, monkeypatch, command,
+                                                                           output, problem):
+    (in_tmp / "notes.txt").write_text("")
+    (in_tmp / "out").mkdir()
+    monkeypatch.setattr("fxpar.cli._capture", lambda args: pytest.fail("captured before checking -o"))
+    status, _, err = run(capsys, command, *SMALL, "--plan", "dp=2", "-o", output)
+    assert (status, err) == (2, f"fxpar {command}: error: {problem}\n")
 
 
 def test_python_m_fxpar_help_examples_and_a_bad_flag(in_tmp):

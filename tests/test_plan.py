@@ -105,7 +105,7 @@ def test_str_is_canonical_and_round_trips(plan: Plan, text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "plan", [Plan(), Plan(dp=3, microbatches=5), Plan(dp=2, bucket_mb=1 / 3), Plan(bucket_mb=1e-9)]
+    "plan", [Plan(), Plan(dp=3, microbatches=5), Plan(dp=2, bucket_mb=1 / 3), Plan(bucket_mb=0.1 + 0.2)]
 )
 def test_json_round_trip_is_exact(plan: Plan) -> None:
     again = Plan.from_json(plan.to_json())
@@ -301,20 +301,34 @@ def test_bad_integer_values(spec: str | dict[str, object], field: str, value: ob
         ("bucket_mb=inf", "inf"),
         ("bucket_mb=big", "'big'"),
         ({"bucket_mb": True}, "True"),
+        # A size that rounds to no byte used to pass here and fail deep in a pass
+        # ("bucket_bytes must be positive"); one that overflows a float, with an OverflowError.
+        ("bucket_mb=1e-30", "1e-30"),
+        ({"bucket_mb": 0.0009}, "0.0009"),
+        ("bucket_mb=1e308", "1e+308"),
+        ({"bucket_mb": 2**20 + 1}, "1048577"),
+        ({"bucket_mb": 10**400}, "100000000000000000...0000000000000000000"),
     ],
 )
 def test_bad_bucket_sizes(spec: str | dict[str, object], shown: str) -> None:
     expected = (
-        f"plan field bucket_mb must be a positive, finite number of MiB (the gradient-bucket "
-        f"size); got {shown}. Fix: write e.g. bucket_mb=25, or leave bucket_mb out"
+        f"plan field bucket_mb must be a number of MiB from 1/1024 (one KiB) to 1048576 (one TiB; "
+        f"the gradient-bucket size); got {shown}. Fix: write e.g. bucket_mb=25, or leave bucket_mb out"
     )
     with pytest.raises(PlanError, match=re.escape(expected)) as caught:
         Plan.parse(spec)
     assert caught.value.field == "bucket_mb"
 
 
+def test_buckets_from_one_kib_to_one_tib_are_accepted() -> None:
+    assert Plan(bucket_mb=1 / 1024).bucket_mb * 2**20 == 1024
+    assert Plan(bucket_mb=2**20).bucket_mb * 2**20 == 2**40
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{"dp": 0}, {"microbatches": -3}, {"dp": "2"}, {"bucket_mb": float("nan")}]
+    "kwargs",
+    [{"dp": 0}, {"microbatches": -3}, {"dp": "2"}, {"bucket_mb": float("nan")}, {"bucket_mb": 1e-30},
+     {"zero": 2.0}, {"zero": True}, {"prefetch": True}, {"prefetch": 1.0}, {"virtual_stages": 0}],
 )
 def test_constructor_validates_like_parse(kwargs: dict[str, object]) -> None:
     (field,) = kwargs
