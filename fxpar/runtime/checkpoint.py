@@ -19,6 +19,22 @@ A save writes into `<path>.partial` and renames it to `<path>` once DCP's metada
 manifest are on disk (`dcp_io.CommittingWriter`): a crash mid-save leaves `<path>` as it was,
 and `latest_checkpoint` never picks a partial one.
 
+What cannot go wrong silently:
+
+- **Damage.** The manifest holds a hash (XXH3) of every saved item (a tensor's chunk) and each file's
+  size (`checkpoint_checksums`); a load checks every byte it reads, so a flipped, truncated or
+  deleted shard is a CheckpointError naming the file, the key and the byte offset. A
+  checkpoint of format version 1 (before checksums) loads with a warning.
+- **A damaged or edited manifest.** Every field is checked before use (`checkpoint_manifest`).
+- **Ranks that disagree, two writers.** Before writing, the ranks agree on one folder and
+  rank 0 locks `<path>.partial` for this job (`checkpoint_lock`).
+- **Storage failures.** Disk full, permissions, I/O errors: one CheckpointError on every rank
+  naming the first failing rank's cause, and saying the checkpoint at `path` is as it was
+  (`checkpoint_failures`), which the commit scheme guarantees.
+- **Optimizer state left behind.** `save` without `optimizer=` warns when an optimizer the
+  runner made holds state, and `load` without it warns when the checkpoint holds some; an
+  optimizer of another runner is an error (`checkpoint_optimizers`).
+
 Random state: each rank's torch generators (`rng.<rank>.*`) are restored when the plan is the
 checkpoint's (a rank's draws follow its place in the mesh); under another plan they are left
 as they are and `Resumed.rng_restored` is False.
@@ -33,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fxpar import meta
 from fxpar.errors import CheckpointError
@@ -44,9 +61,19 @@ from fxpar.runtime.checkpoint_state import (
     optimizer_tensors,
     rng_tensors,
 )
-from fxpar.runtime.dcp_io import (
-    MANIFEST_FILE,
+from fxpar.runtime.checkpoint_checksums import check_files_present, verify_file
+from fxpar.runtime.checkpoint_failures import checkpoint_failure
+from fxpar.runtime.checkpoint_lock import claim_folder, release_lock
+from fxpar.runtime.checkpoint_optimizers import warn_unread
+from fxpar.runtime.checkpoint_manifest import (
+    FORMAT,
     METADATA_FILE,
+    PARTIAL_SUFFIX,
+    VERSION,
+    read_manifest,
+    warn_unverified,
+)
+from fxpar.runtime.dcp_io import (
     CommittingWriter,
     PiecesLoadPlanner,
     PiecesSavePlanner,
@@ -55,10 +82,6 @@ from fxpar.runtime.dcp_io import (
     stored_tensors,
 )
 from fxpar.runtime.wrapped_optimizer import inner_optimizer
-
-FORMAT = "fxpar-checkpoint"
-VERSION = 1
-PARTIAL_SUFFIX = ".partial"
 
 
 @dataclass(frozen=True)
@@ -81,7 +104,7 @@ def save(state: RankState, path: str | Path, *, optimizer=None, step: int | None
         "step": step, "extra": extra, "optimizer": _optimizer_manifest(optimizer),
     }
     try:
-        encoded = json.dumps(manifest, allow_nan=False, indent=1).encode()
+        json.dumps(manifest, allow_nan=False)  # what CommittingWriter writes, with the checksums
     except (TypeError, ValueError) as error:
         raise CheckpointError(
             f"runner.save(extra=...) must be JSON (numbers, strings, lists, dicts; no NaN): {error}. "
@@ -90,7 +113,7 @@ def save(state: RankState, path: str | Path, *, optimizer=None, step: int | None
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise CheckpointError(f"runner.save(step={step!r}): step must be an int or None")
     tensors, _ = model_tensors(state, writing=True)
-    for each in _listed(optimizer):
+    for each in listed(optimizer):
         held = optimizer_tensors(each, state)[0]
         if clash := sorted(held.keys() & tensors.keys()):
             raise CheckpointError(f"two of the optimizers given hold {clash[0]!r}: each parameter is stepped by "
@@ -98,8 +121,15 @@ def save(state: RankState, path: str | Path, *, optimizer=None, step: int | None
         tensors |= held
     tensors |= rng_tensors(state, loading=False)[0]
     staging = path.with_name(path.name + PARTIAL_SUFFIX)
-    staging.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, storage_writer=CommittingWriter(staging, path, encoded), planner=PiecesSavePlanner())
+    existed = (path / METADATA_FILE).is_file()
+    lock = claim_folder(path, staging)  # one folder on every rank, one job writing it
+    try:
+        dcp.save(tensors, storage_writer=CommittingWriter(staging, path, manifest, lock), planner=PiecesSavePlanner())
+    except (Exception, CheckpointException) as error:  # DCP's gathered failures are a BaseException
+        if lock is not None:
+            release_lock(staging, lock)
+        failure, cause = checkpoint_failure(error, action="save", path=path, existed=existed)
+        raise failure from cause
 
 
 def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
@@ -108,12 +138,18 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
     a checkpoint of another model, and for a missing or incomplete folder."""
     path = Path(path)
     manifest = read_manifest(path)
+    checksums = manifest["checksums"]
+    if checksums is None:
+        warn_unverified(path, manifest)
+    else:  # on every rank, before DCP's first collective and before .metadata is unpickled
+        check_files_present(path, checksums)
+        verify_file(path, METADATA_FILE, checksums)
     stored = stored_tensors(read_checkpoint_metadata(path))
     check_same_model(state, stored, path, manifest)
     tensors, finish_model = model_tensors(state, writing=False)
     saved_optimizers = _saved_optimizers(optimizer, manifest, path)
     finishes = []
-    for each, saved in zip(_listed(optimizer), saved_optimizers):
+    for each, saved in zip(listed(optimizer), saved_optimizers):
         _check_optimizer(each, saved, path)
         optimizer_state, finish = optimizer_tensors(each, state, stored=stored)
         tensors |= optimizer_state
@@ -123,9 +159,15 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
     rng_restored = same_plan and all(key in stored and tuple(stored[key].size) == t.shape for key, t in rng.items())
     if rng_restored:
         tensors |= rng
-    dcp.load(tensors, storage_reader=SafeReader(path), planner=PiecesLoadPlanner())
+    if optimizer is None:
+        warn_unread(manifest, stored, path, prefix=OPTIMIZER_PREFIX)
+    try:
+        dcp.load(tensors, storage_reader=SafeReader(path, checksums), planner=PiecesLoadPlanner())
+    except (Exception, CheckpointException) as error:
+        failure, cause = checkpoint_failure(error, action="load", path=path)
+        raise failure from cause
     finish_model()
-    for each, saved, finish in zip(_listed(optimizer), saved_optimizers, finishes):
+    for each, saved, finish in zip(listed(optimizer), saved_optimizers, finishes):
         finish()
         _restore_options(each, saved["param_groups"])
     if rng_restored:
@@ -134,28 +176,18 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
                    world_size=manifest["world_size"], rng_restored=rng_restored)
 
 
-def read_manifest(path: Path) -> dict:
-    """`path`'s fxpar.json, after checking the folder is a complete fxpar checkpoint."""
-    if not path.exists():
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        hint = (f" ({partial} is a save that did not finish)" if partial.exists()
-                else f"; checkpoints in {path.parent}: {_listing(path.parent)}" if path.parent.is_dir() else "")
-        raise CheckpointError(f"no checkpoint at {path}{hint}. Fix: pass a folder runner.save wrote "
-                              "(latest_checkpoint(folder) finds the newest)")
-    if not (path / MANIFEST_FILE).is_file() or not (path / METADATA_FILE).is_file():
-        raise CheckpointError(
-            f"{path} is not a complete fxpar checkpoint: it lacks {MANIFEST_FILE} or DCP's {METADATA_FILE} "
-            "(runner.save writes both, then renames the folder into place). Fix: pass a folder runner.save wrote"
-        )
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path / MANIFEST_FILE} is not valid JSON: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path / MANIFEST_FILE} is not an fxpar checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path} is checkpoint format version {manifest.get('version')}; this fxpar reads {VERSION}")
-    return manifest
+def verify_checkpoint(folder: str | Path) -> None:
+    """Re-read every file of checkpoint `folder` and check each item's hash against its
+    manifest (one process, no collectives); a CheckpointError names the first damage. A load
+    checks only what it reads."""
+    folder = Path(folder)
+    checksums = read_manifest(folder)["checksums"]
+    if checksums is None:
+        raise CheckpointError(f"checkpoint {folder} was saved without checksums (format version 1): there is "
+                              "nothing to verify it against. Fix: save it again with this fxpar")
+    check_files_present(folder, checksums)
+    for name in checksums["files"]:
+        verify_file(folder, name, checksums)
 
 
 def latest_checkpoint(folder: str | Path) -> Path | None:
@@ -214,7 +246,7 @@ def check_same_model(state: RankState, stored: dict, path: Path, manifest: dict)
                                       f"{tuple(expected[name].shape)}")
 
 
-def _listed(optimizer) -> list:
+def listed(optimizer) -> list:
     """`runner.save`/`load`'s `optimizer=`: none, one, or a list of optimizers over disjoint
     parameters (Muon for the matrices, AdamW for the rest), as a list."""
     if optimizer is None:
@@ -249,13 +281,13 @@ def _json_option(value):
 def _saved_optimizers(optimizer, manifest: dict, path: Path) -> list[dict]:
     """The manifest's entry of each optimizer `load` was given, in order: one for one, a list
     of as many for a list."""
-    if optimizer is None:
+    if not listed(optimizer):  # none, or `[]`: the model alone, on purpose
         return []
     saved = manifest.get("optimizer")
     if saved is None:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved without optimizer=). "
                               "Fix: load without optimizer=, or save with it")
-    given = _listed(optimizer)
+    given = listed(optimizer)
     saved_list = saved if isinstance(saved, list) else [saved]
     if isinstance(optimizer, (list, tuple)) != isinstance(saved, list) or len(saved_list) != len(given):
         raise CheckpointError(f"checkpoint {path} holds the state of {len(saved_list)} optimizer(s) "
@@ -288,7 +320,3 @@ def _more(keys: list[str]) -> str:
     return f" (and {len(keys) - 1} more: {', '.join(map(repr, keys[1:4]))}{', ...' if len(keys) > 4 else ''})" \
         if len(keys) > 1 else ""
 
-
-def _listing(folder: Path) -> str:
-    names = sorted(p.name for p in folder.iterdir() if p.is_dir())[:5]
-    return ", ".join(names) if names else "none"

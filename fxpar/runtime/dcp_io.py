@@ -22,12 +22,14 @@ are the library's, outside fxpar's step programs, and happen only in `save`/`loa
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
 from pathlib import Path
 
 import torch
+from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -49,9 +51,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from fxpar.errors import CheckpointError
-
-METADATA_FILE = ".metadata"  # DCP's
-MANIFEST_FILE = "fxpar.json"  # fxpar's: what the checkpoint is, written last (`CommittingWriter`)
+from fxpar.runtime.checkpoint_checksums import (
+    ChecksummingFileSystem,
+    ExpectedChecksums,
+    item_checksums,
+    manifest_checksums,
+    plain_storage,
+)
+from fxpar.runtime.checkpoint_lock import LOCK_FILE, Holder, release_lock
+from fxpar.runtime.checkpoint_manifest import MANIFEST_FILE, METADATA_FILE
 
 
 class PiecesSavePlanner(DefaultSavePlanner):
@@ -129,25 +137,39 @@ class PiecesLoadPlanner(LoadPlanner):
 
 
 class CommittingWriter(FileSystemWriter):
-    """A FileSystemWriter into `staging` that, once DCP's metadata is written, adds fxpar's
-    `manifest` (JSON) and renames the folder to `final` (the coordinator does it, before any
-    rank returns from the save): a crash at any point leaves `final` as it was."""
+    """A FileSystemWriter into `staging` that hashes what each rank writes and, once DCP's
+    metadata is written, adds fxpar's `manifest` with the checksums (JSON) and renames the
+    folder to `final` (the coordinator does it, before any rank returns from the save): a crash
+    at any point leaves `final` as it was. `lock`: the coordinator's hold on `staging`
+    (`checkpoint_lock`), kept while the folder is cleared, released once it is committed."""
 
-    def __init__(self, staging: Path, final: Path, manifest: bytes) -> None:
+    def __init__(self, staging: Path, final: Path, manifest: dict, lock: Holder | None = None) -> None:
         super().__init__(staging, sync_files=True)
-        self.staging, self.final, self.manifest = staging, final, manifest
+        self.fs = ChecksummingFileSystem()
+        self.staging, self.final, self.manifest, self.lock = staging, final, manifest, lock
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Every rank has made the folder and none has written yet: clear what an earlier,
-        # interrupted save left (files of ranks this world may not have).
+        # interrupted save left (files of ranks this world may not have), but this save's lock.
         for leftover in self.staging.iterdir():
-            leftover.unlink() if leftover.is_file() else shutil.rmtree(leftover)
+            if leftover.name != LOCK_FILE:
+                leftover.unlink() if leftover.is_file() else shutil.rmtree(leftover)
         return super().prepare_global_plan(plans)
 
+    def write_data(self, plan: SavePlan, planner) -> Future:
+        results = super().write_data(plan, planner).wait()
+        done: Future = Future()
+        done.set_result(item_checksums(results, self.fs.written, self.staging))
+        return done
+
     def finish(self, metadata: Metadata, results) -> None:
-        super().finish(metadata, results)
-        write_durably(self.staging / MANIFEST_FILE, self.manifest)
+        super().finish(metadata, plain_storage(results))
+        checksums = manifest_checksums(results, self.staging / METADATA_FILE)
+        encoded = json.dumps(self.manifest | {"checksums": checksums}, allow_nan=False, indent=1).encode()
+        write_durably(self.staging / MANIFEST_FILE, encoded)
         replace_folder(self.staging, self.final)
+        if self.lock is not None:
+            release_lock(self.final, self.lock)
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -183,12 +205,42 @@ def _sync_folder(folder: Path) -> None:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader with the metadata unpickled by the allow-list (module doc)."""
+    """DCP's FileSystemReader with the metadata unpickled by the allow-list (module doc) and,
+    given the manifest's `checksums`, every item's bytes checked before `torch.load` reads them
+    (`checkpoint_checksums.ExpectedChecksums`)."""
+
+    def __init__(self, path: Path, checksums: dict | None = None) -> None:
+        super().__init__(path)
+        self.expected = ExpectedChecksums(Path(path), checksums) if checksums is not None else None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata: fxpar always writes the global one
             raise FileNotFoundError("fxpar checkpoints have one global .metadata")
         return read_checkpoint_metadata(Path(self.path))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self.expected is not None:
+            for index, info in metadata.storage_data.items():
+                self.expected.expect(info.relative_path, info.offset, info.length, index.fqn)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        if self.expected is None:
+            return super().read_data(plan, planner)
+        # DCP reads the plan's items grouped by file, each file's in plan order: checked ahead
+        # in the same order (`ExpectedChecksums.ahead`)
+        by_file: dict[str, list[tuple[str, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            by_file.setdefault(info.relative_path, []).append((info.relative_path, info.offset))
+        spans = [span for file_spans in by_file.values() for span in file_spans]
+        with self.expected.ahead(spans) as self._verdict:
+            return super().read_data(plan, planner)
+
+    def _slice_file(self, file, sinfo):
+        if self.expected is not None:  # its check, done ahead on the checksum thread
+            self._verdict(sinfo.relative_path, sinfo.offset)
+        return super()._slice_file(file, sinfo)
 
 
 _ALLOWED = frozenset({

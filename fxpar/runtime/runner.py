@@ -39,6 +39,7 @@ from fxpar.runtime.batch_checks import check_batch
 from fxpar.runtime.binding import (
     all_tied_groups, backend_for, bound_device, parameters_of, place_state, step_context, synchronise_copies,
 )
+from fxpar.runtime.checkpoint_optimizers import record_maker
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
@@ -339,6 +340,7 @@ class Runner(WholeState):
             optimizer = (MixedPrecisionOptimizer(optimizer_class, options, masters=self._masters, param_groups=stepped)
                          if self._masters else optimizer_class(stepped, **options))
         self._optimizers.append(optimizer)
+        record_maker(optimizer, self)  # a checkpoint refuses it with another runner
         self._groups[id(optimizer)] = groups
         self._unstepped = [n for m in self.modules for n in sorted(meta.trained_parameters(m))
                            if all(g.group_of(n) is None for g in self._groups.values())]

@@ -13,12 +13,14 @@ program lists (`Program.state_program`, written by `full_state_lowering.lower_fu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fxpar import meta
 from fxpar.runtime import checkpoint
+from fxpar.runtime.checkpoint_optimizers import check_made_here, warn_unsaved
 from fxpar.runtime.checkpoint_state import RankState
 from fxpar.runtime.full_checkpoint import write_full
 from fxpar.runtime.full_state import full_optimizer_state, gather_full_tensors
@@ -83,14 +85,26 @@ class WholeState:
         """Write this rank's shards of the parameters (and `optimizer`'s state, or each one's
         of a list over disjoint parameters), its generator states, `step` and the JSON value
         `extra` (the data position) to checkpoint folder `path` with
-        torch.distributed.checkpoint, nothing gathered; every rank calls it."""
+        torch.distributed.checkpoint, nothing gathered; every rank calls it, with one `path`.
+
+        Without `optimizer=`, an optimizer `runner.optimizer` made that holds state is not
+        saved, and a UserWarning names it: pass `optimizer=opt` to save it, `optimizer=[]` to
+        save the model alone on purpose (`runtime.checkpoint_optimizers` says why it warns
+        rather than adds). Every failure is a CheckpointError naming its cause, after which the
+        checkpoint at `path` is as it was (`runtime.checkpoint`)."""
         self._require_open("save")
+        given = checkpoint.listed(optimizer)
+        check_made_here(self, given, action="save")
+        warn_unsaved(self._optimizers, None if optimizer is None else given, Path(path))
         checkpoint.save(self._rank_state(), path, optimizer=optimizer, step=step, extra=extra)
 
     def load(self, path, *, optimizer=None) -> checkpoint.Resumed:
         """Read checkpoint folder `path`, saved under this plan or any other of the same model,
-        into this rank's parameters (and `optimizer`'s state); returns its step and extra."""
+        into this rank's parameters (and `optimizer`'s state); returns its step and extra.
+        Every byte read is checked against the checksums the save wrote. Without `optimizer=`,
+        optimizer state the checkpoint holds is not restored, and a UserWarning says so."""
         self._require_open("load")
+        check_made_here(self, checkpoint.listed(optimizer), action="load")
         return checkpoint.load(self._rank_state(), path, optimizer=optimizer)
 
     def save_full(self, path, *, optimizer=None) -> None:

@@ -179,7 +179,7 @@ LOADS_BF16 = [f"load|dp=2 zero=1 {BF16}|m|2", f"load|tp=2 {BF16}|m|2", f"load|pp
 @pytest.fixture(scope="module")
 def two_ranks(module_torchrun):
     ranks = module_torchrun("checkpoint_worker.py", 2, *SAVES_2, *LOADS_2, *SAVES_BF16, *LOADS_BF16,
-                            "errors|dp=2|b")
+                            "errors|dp=2|b", "faults|dp=2 zero=1|f")
     return ranks
 
 
@@ -299,6 +299,27 @@ def test_another_models_checkpoint_and_a_missing_one_are_clear_errors(two_ranks)
     assert "checkpoint of another model" in messages["llama"]
     assert "'wte.weight' of shape (64, 32) (torch.float32), but this model's is (64, 48)" in messages["wider"]
     assert "no checkpoint at" in messages["missing"] and "no-such-checkpoint" in messages["missing"]
+
+
+@pytest.mark.multirank
+def test_ranks_that_disagree_or_fail_leave_the_last_checkpoint_whole(two_ranks):
+    """Each rank given its own folder (`rp_{rank}`: each would write half of a checkpoint no
+    folder holds whole) and rank 1's disk full: every rank raises one CheckpointError naming
+    the cause (not DCP's `CheckpointException ranks:dict_keys([0, 1])`), nothing is left
+    claiming to be a checkpoint, and the last one loads as it was saved."""
+    folder = two_ranks[0]["folder"]
+    for rank in two_ranks:
+        result = rank["faults|dp=2 zero=1|f"]
+        assert result["messages"]["folders"] == (
+            f"runner.save was given different folders on different ranks (rank 0: {folder / 'rp_0'}; rank 1: "
+            f"{folder / 'rp_1'}): each rank would write its part of one checkpoint into another folder, and none "
+            "would be complete. Nothing was written. Fix: pass every rank the same path (not one made from the "
+            "rank), on a filesystem all ranks share")
+        assert result["messages"]["disk full"].startswith(
+            f"saving checkpoint {folder / 'f'} failed on rank 1: No space left on device (ENOSPC) writing "
+            f"{folder / 'f.partial'}/__1_0.distcp. The checkpoint already at {folder / 'f'} is intact")
+        assert not any(name.startswith("rp_") for name in result["listing"])
+        assert result["step"] == 1 and result["intact"]
 
 
 # -- resume after a crash -----------------------------------------------------------------------

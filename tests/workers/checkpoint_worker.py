@@ -10,6 +10,10 @@ Jobs run in order, each binding its own program (closed after):
     load|PLAN|NAME|M[|MODEL]  build the model from another seed (so only the load can make it
                               right), runner.load(OUT_DIR/NAME), train the next M steps
     errors|PLAN|NAME          loading OUT_DIR/NAME into another model, and a missing path: the messages
+    faults|PLAN|NAME          train 1 step and save OUT_DIR/NAME; then a save to OUT_DIR/rp_<rank> (another
+                              folder on each rank), and one more step saved to NAME while rank 1's disk
+                              is full: the messages, what is in OUT_DIR, and NAME loaded after (then
+                              saved again, replacing the failed save's NAME.partial)
 
 FXPAR_TEST_GROUPS=1 gives every optimizer `tiny_training.parameter_groups` of its model;
 FXPAR_TEST_OPTIMIZERS=muon trains with Muon and AdamW (`tiny_training.muon_and_adamw`), saved
@@ -21,6 +25,7 @@ error messages).
 """
 
 import dataclasses
+import errno
 import os
 import sys
 from pathlib import Path
@@ -29,6 +34,7 @@ import torch
 
 import fxpar
 from fxpar.runtime.checkpoint import latest_checkpoint
+from fxpar.runtime.checkpoint_checksums import ChecksummingFileSystem
 from tiny_training import (
     CONFIG, GPT, MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, muon_and_adamw,
     parameter_groups,
@@ -107,6 +113,31 @@ for job in jobs:
             runner.close()
         results[job] = messages
         continue
+    elif kind == "faults":
+        runner, optimizer = bind(plan, build_model())
+        train(runner, optimizer, batches[:1])
+        runner.save(path, optimizer=optimizer, step=1)
+        saved = runner.full_state_dict()
+        messages = {}
+        try:
+            runner.save(out_dir / f"rp_{runner.rank}", optimizer=optimizer, step=1)
+        except fxpar.CheckpointError as error:
+            messages["folders"] = str(error)
+        train(runner, optimizer, batches[1:2])
+        writable = ChecksummingFileSystem.open_for_writing
+        if runner.rank == 1:
+            def full(self, file, mode):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+            ChecksummingFileSystem.open_for_writing = full
+        try:
+            runner.save(path, optimizer=optimizer, step=2)
+        except fxpar.CheckpointError as error:
+            messages["disk full"] = str(error)
+        ChecksummingFileSystem.open_for_writing = writable
+        resumed = runner.load(path, optimizer=optimizer)
+        results[job] = {"messages": messages, "step": resumed.step, "listing": sorted(p.name for p in out_dir.iterdir()),
+                        "intact": all(torch.equal(runner.full_state_dict()[k], v) for k, v in saved.items())}
+        runner.save(path, optimizer=optimizer, step=1)  # the failed save's lock released: this one commits
     else:
         raise SystemExit(f"unknown job {job!r}")
     runner.close()
