@@ -35,9 +35,13 @@ What cannot go wrong silently:
   runner made holds state, and `load` without it warns when the checkpoint holds some; an
   optimizer of another runner is an error (`checkpoint_optimizers`).
 
-Random state: each rank's torch generators (`rng.<rank>.*`) are restored when the plan is the
-checkpoint's (a rank's draws follow its place in the mesh); under another plan they are left
-as they are and `Resumed.rng_restored` is False.
+Random state: the random stream's seed and step (`fxpar.random_streams`, what the graph's
+dropout draws from) are in the manifest and always restored, so a resumed run draws the masks
+the uninterrupted one would have (without them its step restarted at 0 and repeated the first
+steps' masks). Each rank's torch generators (`rng.<rank>.*`, what the model's own code draws
+from outside the graph) are restored when the plan is the checkpoint's (a rank's draws follow
+its place in the mesh); under another plan they are left as they are and
+`Resumed.rng_restored` is False.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def save(state: RankState, path: str | Path, *, optimizer=None, step: int | None
     manifest = {
         "format": FORMAT, "version": VERSION, "plan": str(program.plan), "world_size": program.world_size,
         "step": step, "extra": extra, "optimizer": _optimizer_manifest(optimizer),
+        "random": state.random.state() if state.random is not None else None,
     }
     try:
         json.dumps(manifest, allow_nan=False)  # what CommittingWriter writes, with the checksums
@@ -172,6 +177,8 @@ def load(state: RankState, path: str | Path, *, optimizer=None) -> Resumed:
         _restore_options(each, saved["param_groups"])
     if rng_restored:
         restore_rng()
+    if manifest["random"] is not None and state.random is not None:
+        state.random.load_state(manifest["random"])
     return Resumed(step=manifest["step"], extra=manifest["extra"], plan=manifest["plan"],
                    world_size=manifest["world_size"], rng_restored=rng_restored)
 

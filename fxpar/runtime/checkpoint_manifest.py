@@ -3,6 +3,7 @@
     {"format": "fxpar-checkpoint", "version": 2,
      "plan": "dp=2 zero=1", "world_size": 2,      # the plan and world that saved it
      "step": 100, "extra": {"data": 4096},          # the caller's step (or null) and JSON value
+     "random": {"seed": 1234, "step": 100},          # the random stream's (`fxpar.random_streams`)
      "optimizer": {"class": "AdamW", "param_groups": [{"lr": 0.001, ...}]},   # or a list, or null
      "checksums": {"algorithm": "xxh3_64", "files": {...}}}                     # `checkpoint_checksums`
 
@@ -66,6 +67,10 @@ def validate_manifest(manifest: object, file: Path) -> dict:
            "a positive int (the number of ranks that saved it)")
     step = manifest.get("step")
     _check(file, manifest, "step", step is None or (_is_int(step) and step >= 0), "a non-negative int or null")
+    random = manifest.setdefault("random", None)  # absent from checkpoints saved before it
+    _check(file, manifest, "random", random is None or (
+        isinstance(random, dict) and set(random) == {"seed", "step"} and all(map(_is_size, random.values()))),
+        "null or {'seed': int >= 0, 'step': int >= 0} (the random stream's position)")
     _check_plan(file, manifest)
     _check_optimizer(file, manifest)
     if version >= 2:

@@ -29,6 +29,7 @@ from fxpar import meta
 from fxpar.errors import CheckpointError
 from fxpar.placement import REPLICATED, Placements
 from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece, flat_range_pieces, tensor_pieces
+from fxpar.random_streams import RandomStream
 from fxpar.runtime.master_weights import MasterWeights
 
 OPTIMIZER_PREFIX = "optim.state."
@@ -46,6 +47,7 @@ class RankState:
     buckets: tuple  # per module, its GradientBuckets (empty without data parallelism)
     device: torch.device
     masters: MasterWeights | None = None  # bf16-mixed's fp32 masters of the working parameters
+    random: RandomStream | None = None  # the stream dropout draws from: its seed and step
     shapes: dict[str, tuple[int, ...]] = field(init=False)  # tensor name -> its global shape
     dtypes: dict[str, torch.dtype] = field(init=False)  # tensor name -> the dtype it is checkpointed in
 

@@ -123,7 +123,8 @@ class WholeState:
 
     def _rank_state(self) -> RankState:
         return RankState(program=self.program, rank=self.rank, modules=tuple(self.modules),
-                         buckets=self._context.buckets, device=self.device, masters=self._masters or None)
+                         buckets=self._context.buckets, device=self.device, masters=self._masters or None,
+                         random=self._random)
 
     def _gather_full(self, local: dict, *, gradients: bool, shards=None) -> dict[str, torch.Tensor]:
         """Run the rank's state program over `local`; ZeRO's GRADIENT_SHARDS gather each

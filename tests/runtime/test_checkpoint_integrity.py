@@ -33,6 +33,9 @@ from fxpar.runtime.checkpoint_manifest import validate_manifest
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from small_gpt import small_capture  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
 TOKENS = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -176,6 +179,7 @@ def test_a_checkpoint_without_checksums_loads_with_a_warning(bound, tmp_path):
     ("optimizer", "AdamW", "field 'optimizer' is 'AdamW', expected null, or {'class': name"),
     ("checksums", {"algorithm": "md5", "files": {}}, "field 'checksums' is {'algorithm': 'md5', 'files': {}}, "
                                                      "expected {'algorithm': 'xxh3_64'"),
+    ("random", {"seed": 1, "step": -2}, "field 'random' is {'seed': 1, 'step': -2}, expected null or {'seed'"),
 ])
 def test_every_manifest_field_is_checked_before_use(bound, field, value, expected):
     manifest = _manifest(bound["saved"])
@@ -287,6 +291,32 @@ def test_a_failed_read_names_its_cause(bound, tmp_path, monkeypatch):
             f"loading checkpoint {folder} failed on rank 0: Input/output error (EIO) at {folder}/__0_0.distcp. "
             "The model and optimizer may be partly loaded: load again before training. Fix: check the storage")):
         _load(bound, folder)
+
+
+# -- the random stream ----------------------------------------------------------------------------
+
+
+def test_a_resumed_run_draws_the_dropout_masks_the_uninterrupted_one_draws(bound, tmp_path):
+    """Dropout's masks come from the random stream's seed and step (`fxpar.random_streams`),
+    which the manifest carries: a step after a load draws what the same step drew before it.
+    Before, the stream kept counting, so the repeated step drew another mask (and a restarted
+    job began again at step 0, repeating the first steps' masks)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.5))
+    inputs = (TOKENS, TOKENS.roll(-1, dims=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = fxpar.compile(model, "dp=1", example_inputs=inputs)
+    # A world of one beside `bound`'s runner (closing either would end both: `bound` does)
+    runner = program.bind(timeout=10)
+    runner.step(*inputs)
+    runner.save(tmp_path / "after_one", optimizer=[])
+    position = runner.rng_state()
+    uninterrupted = runner.step(*inputs)
+    assert runner.rng_state()["step"] == position["step"] + 1
+    runner.load(tmp_path / "after_one")
+    assert runner.rng_state() == position
+    assert runner.step(*inputs) == uninterrupted  # the same masks: the same loss, bit for bit
 
 
 # -- optimizer state never dropped silently -----------------------------------------------------
