@@ -44,10 +44,6 @@ def collective_time(kind: str, payload: sympy.Expr | int, n: int, link: Link) ->
     )
 
 
-def all_reduce_wire_bytes(payload: sympy.Expr | int, n: int) -> sympy.Expr:
-    return wire_bytes("all_reduce", payload, n)
-
-
 def gradient_bucket_bytes(n: int, link: Link, *, latency_share: float = 0.1) -> int:
     """The smallest bucket whose all-reduce spends at most `latency_share` of its time in latency.
 

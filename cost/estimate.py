@@ -128,16 +128,6 @@ def recompute_flops(program: CompiledProgram) -> sympy.Expr:
     return memoised(captured.graph_module, f"recompute_flops.{checkpoint}", total)
 
 
-def _updated_tensors(program: CompiledProgram) -> int:
-    """Tensors one rank's optimizer updates: every parameter (under ZeRO-3 its flat piece of
-    each), or under ZeRO-1/2 its shard of each flat gradient bucket, as DeepSpeed's flat
-    partitions do (`runtime.sharded_optimizer`).
-    """
-    if program.plan.zero in (1, 2) and program.buckets:
-        return len(program.buckets)
-    return len(program.captured.parameters)
-
-
 @dataclass(frozen=True)
 class Estimate:
     """One step of a compiled program, predicted. Bytes are bytes, times seconds."""

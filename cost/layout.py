@@ -14,11 +14,8 @@ out FLOPs, the linear's own forward matmul FLOPs (`cost.ops`'s `linear` rule), s
 linear's backward (Qi et al. 2024, Sec. 2). Every other op's backward (norms, embeddings,
 biases, attention) stays in B.
 
-Activations: the exact formula is the whole model's (`cost.activations`, a symbolic fake
-forward). A rank's share of it is approximated by the share of the model's op outputs it
-produces, weighting sharded outputs by 1/tp: exact for one rank holding everything, and
-within a few percent for Megatron-style layouts, where nearly every saved tensor is an op
-output of the same layer.
+Activations are not shared out here: `cost.activations` runs each rank's own graphs forward
+on fake tensors.
 """
 
 from __future__ import annotations
@@ -26,11 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
-import torch
 import torch.fx as fx
 
 from fxpar import meta
-from fxpar.distributed_ops import distributed_op
 from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
 from fxpar.compiled_program import CompiledProgram
@@ -51,7 +46,6 @@ class Share:
     forward_ops: int
     backward_nodes: int
     parameters: dict[str, int]  # this rank's parameter elements by name
-    activation_share: float  # of the whole model's saved activations
     # What activation checkpointing runs again in backward: the forward of the nodes it marks
     # (`fxpar.recompute_regions`), counted like the forward's terms above.
     recompute_matmul_flops: sympy.Expr = sympy.Integer(0)
@@ -68,7 +62,6 @@ def shares(program: CompiledProgram) -> list[Share]:
 
 def _shares(program: CompiledProgram) -> list[Share]:
     tp = program.plan.tp
-    total_output = _output_bytes(program.captured.graph_module.graph.nodes, program, tp=1)
     if program.stages is None:
         graphs = [(None, program.graph_module, lambda node: True)]
     else:
@@ -103,10 +96,9 @@ def _shares(program: CompiledProgram) -> list[Share]:
             name: local_numel(node.meta["val"].shape, meta.placements(node).on("dp", R), program.mesh.sizes)
             for name, node in meta.parameter_nodes(gm.graph).items()
         }
-        produced = _output_bytes([n for n in nodes if n.op == "call_function"], program, tp=tp)
         result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
                             sympy.expand(moved), forward_ops, backward_nodes, parameters,
-                            produced / total_output, sympy.expand(again["matmul"]),
+                            sympy.expand(again["matmul"]),
                             sympy.expand(again["attention"]), sympy.expand(again["bytes"]), again["ops"]))
     return result
 
@@ -125,21 +117,3 @@ def has_weight_gradient(node: fx.Node) -> bool:
         isinstance(weight, fx.Node) and meta.parameter_name(weight) is not None
         and meta.requires_grad(weight) and deferrable(weight)
     )
-
-
-def _output_bytes(nodes, program: CompiledProgram, *, tp: int) -> float:
-    """Bytes of the tensors these ops produce, at the example's sizes; sharded ones / tp."""
-    sizes = dict(program.captured.example_sizes)
-    total = 0.0
-    for node in nodes:
-        value = node.meta.get("val")
-        if node.op != "call_function" or not isinstance(value, torch.Tensor):
-            continue
-        if not isinstance(stands_for(node), torch._ops.OpOverload) or distributed_op(node) is not None:
-            continue  # collectives move data; they do not produce new activations
-        numel = sympy.Mul(*(program.captured.readable(d) for d in value.shape))
-        split = tp if isinstance(meta.placement(node, "tp"), (Shard, Partial)) else 1
-        total += float(numel.subs(sizes)) * value.dtype.itemsize / split
-    return total or 1.0
-
-

@@ -171,14 +171,6 @@ _INTEGER_MASKS = {
 }
 
 
-def _tensor_shapes(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> list[Shape]:
-    return [
-        shape_of(arg)
-        for arg in node.all_input_nodes
-        if isinstance(arg.meta.get("val"), torch.Tensor)
-    ]
-
-
 def _nbytes(node: fx.Node, shape: Shape) -> sympy.Expr:
     value = node.meta.get("val")
     return _numel(shape) * value.dtype.itemsize if isinstance(value, torch.Tensor) else 0

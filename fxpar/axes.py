@@ -19,13 +19,12 @@ bind anything with these methods (tp ranks as threads of one process, for instan
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
+from fxpar.collectives import Phase
 from fxpar.errors import BindError
-
-Phase = Literal["forward", "backward", "step"]
 
 
 class AxisBinding(Protocol):

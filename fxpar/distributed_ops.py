@@ -38,7 +38,8 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from fxpar.axes import Phase, bound
+from fxpar.axes import bound
+from fxpar.collectives import Phase
 from fxpar.deferred_linear import stands_for
 from fxpar.errors import BindError
 

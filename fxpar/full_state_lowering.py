@@ -18,15 +18,15 @@ import torch.fx as fx
 
 from fxpar import meta
 from fxpar.placement import FlatShard, R, local_numel
-from fxpar.step_program import Action, Call, Communicate, Purpose
+from fxpar.step_program import StepAction, Call, Communicate, Purpose
 
 
-def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[Action, ...]:
+def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[StepAction, ...]:
     """The actions of gathering the full state on pipeline rank `pp`'s ranks (module doc):
     the state dict (parameters and persistent buffers), or each trained parameter's gradient."""
     mesh = program.mesh
     rows = {q: _state_entries(program, q, gradients=gradients) for q in range(mesh.pp)}
-    actions: list[Action] = []
+    actions: list[StepAction] = []
     if gradients and program.plan.zero in (1, 2) and mesh.dp > 1:  # each rank holds a shard
         for stage, gm in _local_graphs(program, pp):
             nodes = meta.parameter_nodes(gm.graph)

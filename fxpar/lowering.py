@@ -50,7 +50,7 @@ from fxpar.placement import local_numel
 from fxpar.reduction_lowering import (
     backward_calls, bucket_actions, loss_actions, optimizer_actions, partial_gradient_actions,
 )
-from fxpar.step_program import Action, Call, Communicate, Compute, Exchange, Purpose, Receive
+from fxpar.step_program import StepAction, Call, Communicate, Compute, Exchange, Purpose, Receive
 
 
 def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[tuple[Call, ...], tuple[Call, ...]]:
@@ -124,7 +124,7 @@ def _local_numel(node: fx.Node, mesh: Mesh) -> sympy.Expr | int:
     return numel if isinstance(numel, int) else sympy.expand(numel)
 
 
-def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[Action]:
+def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[StepAction]:
     """What starts every step, before the first forward: on each mesh axis of more than one
     rank, one all-reduce by which the group's ranks agree on the step (`runtime.step_agreement`).
 
@@ -144,7 +144,7 @@ def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[Ac
     tied-parameter owners inside its pp group), so checking the three before the first call of
     the step covers them all.
     """
-    actions: list[Action] = []
+    actions: list[StepAction] = []
     for axis in Axis:
         n = mesh.size(axis)
         if n == 1:
@@ -166,7 +166,7 @@ def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[Ac
 SAME_BATCH = (Axis.TP, Axis.PP)
 
 
-def lower_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+def lower_row(program, pp: int, ahead: int) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     """The actions of every rank on pipeline rank `pp` (module doc), those of `runner.step` and
     those around the optimizer step; `ahead`: how many actions ahead receives are posted
     (`pipeline_program.receives_ahead`)."""
@@ -184,7 +184,7 @@ RIDES = (torch.float32, torch.float64)  # dtypes that hold a step number exactly
 COUNT_SLOTS, COUNT_RIDES_UP_TO = 2, 4096
 
 
-def ride_agreements(actions: tuple[Action, ...], *, count_may_ride: bool) -> tuple[Action, ...]:
+def ride_agreements(actions: tuple[StepAction, ...], *, count_may_ride: bool) -> tuple[StepAction, ...]:
     """`actions` with the dp step agreement riding in the first call the step makes on dp
     anyway, where that call is a sum all-reduce of a float32/64 payload: the call grows by the
     agreement's slots and the agreement's own all-reduce goes. Each extra call a step costs a
@@ -232,7 +232,7 @@ def _batch_dims(program) -> int:
     return sum(len(shape) for shape in program.captured.example_shapes)
 
 
-def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+def _single_stage_row(program) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = step_start_actions(mesh, counted=program.loss_reduction.sums,
                                  batch_dims=_batch_dims(program))
@@ -258,13 +258,13 @@ def _single_stage_row(program) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
     return tuple(actions), tuple(optimizer_actions(buckets, mesh, zero=zero))
 
 
-def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     mesh, schedule, stages, zero = program.mesh, program.schedule, program.stages, program.plan.zero
     last = len(stages) - 1
     local = [s for s in stages if schedule.rank_of(s.index) == pp]
     calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
     holds_loss = schedule.rank_of(last) == pp
-    actions: list[Action] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss,
+    actions: list[StepAction] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss,
                                                   batch_dims=_batch_dims(program))
     row = schedule.actions[pp]
 
@@ -297,7 +297,7 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[Action, ...], tup
     # gradients are deferred (zero bubble), else its B.
     completing = {s.index: "W" if deferred_weights(s.graph_module) else "B" for s in local}
 
-    def reductions(position: int) -> list[Action]:
+    def reductions(position: int) -> list[StepAction]:
         """ZeRO-2 reducing per microbatch: the buckets the action at `position` completes (and
         launches, in that order among the rank's stages), after the Exchange that sends its
         results on (the peers do not wait for them)."""

@@ -136,10 +136,6 @@ class Mesh:
         first = rank - self.coord(rank)[axis] * stride
         return tuple(first + index * stride for index in range(self.size(axis)))
 
-    def axis_groups(self, rank: int):
-        """Axis name ("tp") -> `rank`'s group on it: what an op's axis argument means there."""
-        return lambda axis: self.group(rank, Axis(axis))
-
     def groups(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
         """Every group along `axis`, ordered by smallest rank; each rank is in exactly one."""
         return tuple(

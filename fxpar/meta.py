@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxpar.placement import REPLICATED, Axis, Placement, Placements
+from fxpar.placement import REPLICATED, PlacementAxis, Placement, Placements
 
 MODULE_PATH = "fxpar.module_path"
 PARAMETER = "fxpar.parameter"
@@ -89,12 +89,12 @@ def placements(node: fx.Node) -> Placements:
     return node.meta.get(PLACEMENT, REPLICATED)
 
 
-def placement(node: fx.Node, axis: Axis) -> Placement:
+def placement(node: fx.Node, axis: PlacementAxis) -> Placement:
     """The node's placement on mesh axis `axis` ("dp" or "tp")."""
     return placements(node)[axis]
 
 
-def set_placement(node: fx.Node, axis: Axis, value: Placement) -> None:
+def set_placement(node: fx.Node, axis: PlacementAxis, value: Placement) -> None:
     """Set the node's placement on `axis`, keeping the other axes'."""
     node.meta[PLACEMENT] = placements(node).on(axis, value)
 

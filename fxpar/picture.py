@@ -40,7 +40,7 @@ from fxpar import meta
 from fxpar.collectives import Collective
 from fxpar.compiled_program import CompiledProgram
 from fxpar.payloads import axis_name, payload_text, placement_text, shape_text
-from fxpar.picture_boxes import Box, BoxKind, Call, collective_box, transfer_box
+from fxpar.picture_boxes import Box, BoxKind, BoxCall, collective_box, transfer_box
 from fxpar.picture_transfers import crossings
 from fxpar.picture_units import Detail, Unit, assign_units, check_expand
 from fxpar.placement import local_numel
@@ -247,7 +247,7 @@ class _Builder:
         box = self._add(("bucket", stage, index), Box(
             kind="step", title=f"gradient bucket {index} · {axis_name(self.mesh, rank, calls[0].group)}",
             lines=tuple(lines), stage=stage, axis="dp", primitive=reduction,
-            calls=tuple(Call(c.tag, c.kind, c.payload_bytes) for c in calls)))
+            calls=tuple(BoxCall(c.tag, c.kind, c.payload_bytes) for c in calls)))
         # Hung on the module reading the bucket's last parameter in gradient-ready order:
         # backward completes the bucket there, and its collective launches.
         for anchor in self._readers(names[-1], units, stage)[:1]:
@@ -263,7 +263,7 @@ class _Builder:
             lines.append(f"x{len(calls)} per step")
         box = self._add(self._step_key(action), Box(
             kind="step", title=f"{call.tag} · {axis}", lines=tuple(lines), axis=axis,
-            primitive=call.kind, calls=tuple(Call(c.tag, c.kind, c.payload_bytes) for c in calls)))
+            primitive=call.kind, calls=tuple(BoxCall(c.tag, c.kind, c.payload_bytes) for c in calls)))
         boxes = {u: b for u, b in self.boxes.items() if isinstance(u, Unit)}
         if action.purpose is Purpose.TIED_GRADIENT:
             anchors = self._readers(action.name, units, None)

@@ -1,7 +1,7 @@
 """The boxes of a picture and what the communicating ones say.
 
 A `Box` is one drawn node (`fxpar.picture` assembles them). The two that stand for the
-graph's own communication are labelled here, each with the calls it stands for (`Call`: the
+graph's own communication are labelled here, each with the calls it stands for (`BoxCall`: the
 tag, kind and payload `program.collectives(r)` lists):
 
     collective_box   a torch.ops.fxpar op: its forward and backward collectives, as the op's
@@ -25,13 +25,12 @@ from fxpar.compiled_program import CompiledProgram
 from fxpar.distributed_ops import COMMUNICATING, axis_of, distributed_op
 from fxpar.mesh import Axis
 from fxpar.payloads import example_numel, payload_formula, payload_text, shape_text
-from fxpar.step_program import evaluate
 
 BoxKind = Literal["input", "module", "node", "parameter", "collective", "transfer", "step", "output"]
 
 
 @dataclass(frozen=True)
-class Call:
+class BoxCall:
     """One call a box stands for, as `program.collectives(r)` lists it: its tag and kind, and
     its payload at the example's sizes (per microbatch for graph ops and transfers)."""
 
@@ -53,7 +52,7 @@ class Box:
     axis: str = ""  # collectives and transfers: the mesh axis they communicate on
     primitive: str = ""  # all_reduce, all_gather, reduce_scatter, send, ...: the box's shape
     backward_only: bool = False  # communicates only in backward (Megatron's f): dashed border
-    calls: tuple[Call, ...] = ()  # collectives and transfers: the calls it stands for
+    calls: tuple[BoxCall, ...] = ()  # collectives and transfers: the calls it stands for
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -65,7 +64,6 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
     op, axis = distributed_op(node), axis_of(node)
     mesh, captured = program.mesh, program.captured
     sources = op.sources(node)  # a ZeRO-3 op's: one flat payload of them all
-    dtype = sources[0].meta["val"].dtype
     lines, calls = [], []
     if rank is not None:
         lines.append(f"ranks {list(mesh.group(rank, Axis(axis)))}")
@@ -84,35 +82,13 @@ def collective_box(program: CompiledProgram, node: fx.Node, *, rank: int | None,
         else:
             formula = payload(node if whole_end else sources[0])
         numel = example_numel(captured, formula)
-        calls.append(Call(op.tag(axis, phase), primitive, numel * dtype.itemsize))
+        dtype = op.payload_dtype(node, phase)  # as the step program's call (`lowering.graph_calls`)
+        calls.append(BoxCall(op.tag(axis, phase), primitive, numel * dtype.itemsize))
         lines += [calls[-1].tag, f"{primitive} {payload_text(formula, numel=numel, dtype=dtype)}"]
-    rider = _riding_call(program, node, rank)
-    if rider is not None:  # the step's first call of this op carries tp's agreement too
-        numel = evaluate(rider.numel, program.example_sizes)  # as the step program resolves it
-        calls.append(Call(rider.tag, rider.kind, numel * rider.dtype.itemsize))
-        lines.append(f"first of the step: + {rider.agreement} step-number slots")
     lines += per_step(program, bool(calls))
     return Box(kind="collective", title=f"{op.name} · {axis}", lines=tuple(lines), axis=axis,
                primitive=calls[0].kind if calls else "slice",
                backward_only=op.primitive("forward") not in COMMUNICATING, calls=tuple(calls), **placed)
-
-
-def _riding_call(program: CompiledProgram, node: fx.Node, rank: int | None):
-    """The rank's step-program call (`fxpar.step_program.Call`) that carries tp's step
-    agreement (`lowering.ride_agreements`) if `node`'s op issues it: the call with agreement
-    slots comes from the first op of the graph with its module and tag (dp's rides in a
-    gradient bucket, which no op issues: its box is the step's)."""
-    calls = program.step_program(0 if rank is None else rank).calls("step")
-    rider = next((c for c in calls if c.agreement and c.where), None)
-
-    def issues(other: fx.Node) -> bool:
-        op = distributed_op(other)
-        return (op is not None and meta.module_path(other) == rider.where
-                and rider.tag in (op.tag(axis_of(other), "forward"), op.tag(axis_of(other), "backward")))
-
-    if rider is None or not issues(node):  # most boxes: no scan of the graph
-        return None
-    return rider if next(other for other in node.graph.nodes if issues(other)) is node else None
 
 
 def transfer_box(program: CompiledProgram, boundary, stage: int, *, rank: int | None) -> Box:
@@ -133,7 +109,7 @@ def transfer_box(program: CompiledProgram, boundary, stage: int, *, rank: int | 
     if len(tags) > 1:
         lines.append(f"{tags[1]} (backward)")
     lines += [f"send/recv {text}" + (" each way" if len(tags) > 1 else ""), *per_step(program, True)]
-    calls = tuple(Call(t, "send", numel * boundary.dtype.itemsize) for t in tags)
+    calls = tuple(BoxCall(t, "send", numel * boundary.dtype.itemsize) for t in tags)
     return Box(kind="transfer", title="send / recv · pp", lines=tuple(lines), axis="pp", primitive="send",
                calls=calls)
 

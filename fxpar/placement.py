@@ -93,8 +93,8 @@ Placement = Replicate | Shard | Partial | FlatShard
 R, P = Replicate(), Partial()
 
 
-Axis = Literal["dp", "tp"]
-AXES: tuple[Axis, ...] = ("dp", "tp")  # outermost first, as the mesh orders them
+PlacementAxis = Literal["dp", "tp"]
+AXES: tuple[PlacementAxis, ...] = ("dp", "tp")  # outermost first, as the mesh orders them
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,10 @@ class Placements:
     dp: Placement = R
     tp: Placement = R
 
-    def __getitem__(self, axis: Axis) -> Placement:
+    def __getitem__(self, axis: PlacementAxis) -> Placement:
         return getattr(self, axis)
 
-    def on(self, axis: Axis, placement: Placement) -> Placements:
+    def on(self, axis: PlacementAxis, placement: Placement) -> Placements:
         """These placements with `axis` set to `placement`."""
         return replace(self, **{axis: placement})
 

@@ -23,7 +23,7 @@ from fxpar.distributed_ops import BY_NAME
 from fxpar.mesh import Mesh
 from fxpar.passes.data_parallel import Bucket
 from fxpar.placement import local_numel
-from fxpar.step_program import Action, Call, Communicate, Purpose
+from fxpar.step_program import StepAction, Call, Communicate, Purpose
 
 SCATTER_TAG = BY_NAME["gather_parameters"].tag("dp", "backward")  # ZeRO-3's gradients
 
@@ -31,7 +31,7 @@ SCATTER_TAG = BY_NAME["gather_parameters"].tag("dp", "backward")  # ZeRO-3's gra
 def bucket_actions(
     buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0, carry_loss: bool = True,
     held: bool = False, microbatch: int | None = None,
-) -> list[Action]:
+) -> list[StepAction]:
     """What one data-parallel rank issues to reduce its gradients, by ZeRO stage (Rajbhandari
     et al. 2020), buckets in launch order (`held`: only the held buckets, else the others):
 
@@ -51,7 +51,7 @@ def bucket_actions(
     n = mesh.dp
     if n == 1:
         return []
-    actions: list[Action] = []
+    actions: list[StepAction] = []
     mine = [b for b in buckets if b.held == held]
 
     def add(purpose, kind, numel, dtype, tag, phase, index=0, op="sum") -> None:
@@ -75,7 +75,7 @@ def bucket_actions(
     return actions
 
 
-def optimizer_actions(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0) -> list[Action]:
+def optimizer_actions(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, stage: int = 0) -> list[StepAction]:
     """ZeRO-1/2, after the optimizer stepped its shard: each bucket's updated parameters
     all-gathered over dp into the whole flat bucket."""
     if zero not in (1, 2) or mesh.dp == 1:
@@ -88,7 +88,7 @@ def optimizer_actions(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, sta
     ]
 
 
-def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[Action]:
+def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[StepAction]:
     """The step's loss summed (dp's divisor first) over dp, where no bucket carries it."""
     if mesh.dp == 1:
         return []
@@ -96,7 +96,7 @@ def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[Action]:
     return [Communicate(Purpose.LOSS, (call,))]
 
 
-def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[Action]:
+def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[StepAction]:
     """The one all-reduce per step (and stage) that completes replicated parameters' partial
     gradients over tp (`passes.tensor_parallel`, settle_parameters_feeding_shards)."""
     names = meta.partial_gradient_parameters(gm.graph)

@@ -144,7 +144,7 @@ class Communicate:
     entries: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-Action = Compute | Exchange | Communicate
+StepAction = Compute | Exchange | Communicate
 Part = Literal["step", "optimizer", "all"]
 
 
@@ -156,10 +156,10 @@ class StepProgram:
 
     rank: int
     mesh: Mesh
-    actions: tuple[Action, ...]
+    actions: tuple[StepAction, ...]
     stage_ranks: tuple[int, ...] = ()
     tied_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    optimizer: tuple[Action, ...] = ()  # around the optimizer step (ZeRO's parameter gathers)
+    optimizer: tuple[StepAction, ...] = ()  # around the optimizer step (ZeRO's parameter gathers)
 
     def calls(self, part: Part = "all") -> list[Call]:
         """Every call of the step, in issue order: of `runner.step` ("step"), of the optimizer's
@@ -219,53 +219,3 @@ def evaluate(numel: sympy.Expr | int, sizes: Mapping[sympy.Symbol, int]) -> int:
     if not value.is_Integer:
         raise ValueError(f"payload {numel} is not a whole number of elements at {dict(sizes)}: {value}")
     return int(value)
-
-
-def drop_call(program: StepProgram, position: int) -> StepProgram:
-    """`program` without its `position`-th call (in `calls()` order): for tests that show the
-    check and the runtime both see an edited program."""
-    return _edit_call(program, position, lambda call: None)
-
-
-def resize_call(program: StepProgram, position: int, numel: int) -> StepProgram:
-    """`program` with its `position`-th call's payload set to `numel` elements."""
-    return _edit_call(program, position, lambda call: replace(call, numel=numel))
-
-
-def swap_actions(program: StepProgram, first: int, second: int) -> StepProgram:
-    """`program` with its actions at positions `first` and `second` exchanged."""
-    actions = list(program.actions)
-    actions[first], actions[second] = actions[second], actions[first]
-    return program.replace_actions(actions)
-
-
-def _edit_call(program: StepProgram, position: int, edit) -> StepProgram:
-    actions, seen = [], 0
-    for action in program.actions:
-        calls = action.calls
-        if seen <= position < seen + len(calls):
-            actions.append(_with_call(action, position - seen, edit))
-        else:
-            actions.append(action)
-        seen += len(calls)
-    if position >= seen:
-        raise IndexError(f"the step program of rank {program.rank} has {seen} calls, not {position + 1}")
-    return program.replace_actions(actions)
-
-
-def _with_call(action: Action, index: int, edit) -> Action:
-    def edited(calls: tuple[Call, ...], i: int) -> tuple[Call, ...]:
-        new = edit(calls[i])
-        return (*calls[:i], *([new] if new is not None else []), *calls[i + 1:])
-
-    if isinstance(action, Exchange):
-        if index < len(action.sends):
-            return replace(action, sends=edited(action.sends, index))
-        index -= len(action.sends)
-        receives = list(action.receives)
-        for j, receive in enumerate(receives):
-            if index < len(receive.calls):
-                receives[j] = replace(receive, calls=edited(receive.calls, index))
-                return replace(action, receives=tuple(receives))
-            index -= len(receive.calls)
-    return replace(action, calls=edited(action.calls, index))

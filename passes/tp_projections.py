@@ -62,10 +62,6 @@ class Projection:
         """The weight's parameter name, or None for a computed weight."""
         return meta.parameter_name(self.weight)
 
-    @property
-    def bias_name(self) -> str | None:
-        return meta.parameter_name(self.bias) if self.bias is not None else None
-
 
 def packet(node: fx.Node):
     """The op of a call node without its overload: aten.addmm for aten.addmm.default."""

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import BindError, PlanError
 from fxpar.collectives import Collective, check_collectives
-from fxpar.step_program import resize_call
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from gpt import GPT, GPTConfig  # noqa: E402
+from step_program_edits import resize_call  # noqa: E402
 
 CONFIG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 TOKENS = torch.randint(0, 64, (8, 16))

@@ -17,9 +17,10 @@ from fxpar import meta
 from fxpar.errors import PlanError, StepProgramError
 from fxpar.placement import Shard
 from fxpar.runtime.step_guard import StepGuard
-from fxpar.step_program import Communicate, Compute, Exchange, Purpose, drop_call, resize_call, swap_actions
+from fxpar.step_program import Communicate, Compute, Exchange, Purpose
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from step_program_edits import drop_call, resize_call, swap_actions  # noqa: E402
 from tiny_training import build_model, global_batches  # noqa: E402
 
 TOKENS, LABELS = global_batches()[0]

@@ -24,9 +24,9 @@ from fxpar.errors import PlanError
 from fxpar.passes import tensor_parallel
 from fxpar.placement import Partial, Replicate
 from fxpar.redistribution import BY_NAME, Conversion
-from fxpar.step_program import drop_call, resize_call
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from step_program_edits import drop_call, resize_call  # noqa: E402
 from tiny_training import CONFIG, build_model, global_batches  # noqa: E402  (puts examples/ on the path)
 from gpt import GPT  # noqa: E402
 

@@ -85,15 +85,18 @@ def test_the_global_view_holds_every_ranks_collectives(pipelined):
         assert {c.tag for c in pipelined.collectives(rank)} <= tags
 
 
-def test_zero3_gathers_are_the_graphs_own_collectives(captured):
+@pytest.mark.parametrize("plan", ["dp=2 zero=3", "dp=2 zero=3 precision=bf16-mixed"])
+def test_zero3_gathers_are_the_graphs_own_collectives(captured, plan):
     """ZeRO-3's per-layer gathers (and their reduce-scatters backward) are ops of the graph,
-    drawn where each layer starts, with the step program's payloads."""
-    program = fxpar.compile(captured, "dp=2 zero=3")
+    drawn where each layer starts, with the step program's payloads: under bf16-mixed the
+    gathers move bf16 and the reduce-scatters fp32 (the picture once priced both at the fp32
+    pieces' bytes)."""
+    program = fxpar.compile(captured, plan)
     gathers = [b for b in build_picture(program).boxes if b.title == "gather_parameters · dp"]
     assert len(gathers) == len(program.graph_module.meta[meta.GRAPH_PARAMETER_UNITS]) > 1
     assert {c.kind for b in gathers for c in b.calls} == {"all_gather", "reduce_scatter"}
-    predicted = {c.numel * c.dtype.itemsize for c in program.step_program(0).calls() if "gather_parameters" in c.tag}
-    assert {c.payload_bytes for b in gathers for c in b.calls} == predicted
+    predicted = {(c.kind, c.payload_bytes) for c in program.collectives(0) if "gather_parameters" in c.tag}
+    assert {(c.kind, c.payload_bytes) for b in gathers for c in b.calls} == predicted
 
 
 def test_names_with_quotes_brackets_and_braces_are_drawn_verbatim(captured, tmp_path):

@@ -310,10 +310,6 @@ class Runner(WholeState):
         every rank (`fxpar.random_streams`); a checkpoint saves it."""
         return self._random.state()
 
-    def load_rng_state(self, state: Mapping[str, int]) -> None:
-        """Draw from `rng_state()`'s seed and step from the next step on."""
-        self._random.load_state(state)
-
     def optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], *, param_groups: list[dict] | None = None,
         elementwise: bool = False, **options: Any,

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar.step_program import Communicate, Purpose, resize_call
+from fxpar.step_program import Communicate, Purpose
+from step_program_edits import resize_call
 from tiny_training import build_model, global_batches
 
 TIMEOUT_S = 3
