@@ -58,7 +58,7 @@ from fxpar.pipeline_program import node_memory, node_time, schedule_in_flight
 from fxpar.placement import Placements, Shard, local_shape
 from fxpar.plan import Plan
 from fxpar.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
-from fxpar.schedules import schedule
+from fxpar.schedules import Schedule, schedule
 from fxpar.trace import CapturedGraph
 
 
@@ -68,6 +68,9 @@ class PassList:
 
     graph: tuple[GraphPass, ...]
     stage: tuple[GraphPass, ...] = ()  # empty without a pipeline
+    # The pipeline's schedule, which the stage cut sizes its memory by and the program runs
+    # (`Program.schedule` is this object); None without a pipeline.
+    schedule: Schedule | None = None
 
     def __str__(self) -> str:
         lines = []
@@ -111,7 +114,7 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         in_flight=schedule_in_flight(pipeline),
     ))
     per_stage = (defer_weight_gradients, *last) if pipeline.splits_backward else last
-    return PassList(graph=tuple(graph), stage=per_stage)
+    return PassList(graph=tuple(graph), stage=per_stage, schedule=pipeline)
 
 
 def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]:

@@ -44,7 +44,7 @@ from fxpar.pipeline_program import (
     receives_ahead as pipeline_receives_ahead,  # collectives() has a parameter of that name
 )
 from fxpar.step_program import StepProgram
-from fxpar.schedules import Schedule, schedule
+from fxpar.schedules import Schedule
 from fxpar.plan import Plan
 from fxpar.model_io import ExampleInputs
 from fxpar.rank_specialisation import specialise
@@ -126,9 +126,7 @@ class Program:
         self.captured = captured
         self.graph_module = graph_module
         self.stages = stages  # pipeline stages, or None without a pipeline
-        self.schedule: Schedule | None = (
-            schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages) if stages else None
-        )
+        self.schedule: Schedule | None = passes.schedule if passes is not None else None  # the cut's own
         self._rows: dict[tuple, tuple] = {}  # lowered actions: (pp rank, receives ahead), state
         self._tied_groups: dict[int, dict[str, tuple[int, ...]]] | None = None
         self._edited: dict[int, StepProgram] = {}  # replace_step_program

@@ -266,3 +266,13 @@ def test_a_bind_that_fails_after_the_groups_exist_destroys_them(monkeypatch):
     with pytest.raises(fxpar.BindError, match="meta device, which is for planning only"):
         program.bind(timeout=10)
     assert not dist.is_initialized()
+
+
+def test_the_program_runs_the_schedule_the_stage_cut_was_sized_by():
+    """One schedule object per compile: the pass list builds it for the cut (its in-flight
+    microbatches size each stage's memory) and the program lowers and proves with that same
+    object, not a second one built from the plan again."""
+    program = compile_gpt("pp=2 mb=4 schedule=interleaved virtual_stages=2")
+    assert program.schedule is program.passes.schedule is not None
+    unpipelined = compile_gpt("dp=2")
+    assert unpipelined.schedule is None and unpipelined.passes.schedule is None
