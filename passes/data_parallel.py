@@ -27,7 +27,7 @@ import torch.fx as fx
 from fxpar import meta
 from fxpar.mesh import Mesh
 from fxpar.passes.contracts import broken, ensures
-from fxpar.placement import local_numel
+from fxpar.placement import flat_piece, local_numel
 
 @dataclass(frozen=True)
 class Bucket:
@@ -53,12 +53,12 @@ class Bucket:
 
     def padded(self, ranks: int) -> int:
         """Its elements rounded up to a multiple of `ranks`: a flat buffer that splits into
-        `ranks` equal shards, as a reduce-scatter needs (ZeRO)."""
-        return -(-self.numel // ranks) * ranks
+        `ranks` equal shards, as a reduce-scatter needs (ZeRO): each a FlatShard piece."""
+        return flat_piece(self.numel, ranks) * ranks
 
     def shard(self, ranks: int, index: int) -> slice:
         """Which elements of the padded flat buffer the rank at `index` of `ranks` owns."""
-        size = self.padded(ranks) // ranks
+        size = flat_piece(self.numel, ranks)
         return slice(index * size, (index + 1) * size)
 
 

@@ -30,7 +30,7 @@ from torch._guards import detect_fake_mode
 
 from fxpar import meta
 from fxpar.errors import PlanError
-from fxpar.placement import P, Placement, R, Shard
+from fxpar.placement import REPLICATED, P, Placement, R, Shard, local_shape
 
 aten = torch.ops.aten
 
@@ -54,7 +54,8 @@ def vocab_parallel_cross_entropy(
         raise PlanError(f"{meta.describe(node)}: reduction='none' is not supported under tp", field="tp")
     emit = _Emitter(graph, node, set_placement)
     grad = meta.requires_grad(logits)
-    rows = int(logits.meta["val"].shape[1]) // size
+    # The vocabulary rows of this rank's shard, as `placement` lays out every tp shard
+    rows = int(local_shape(logits.meta["val"].shape, REPLICATED.on(axis, Shard(1)), {axis: size})[1])
     localized = emit(torch.ops.fxpar.localize_indices.default, target, axis, rows, placement=[R, R])
     # Each rank's local targets differ; "R" here says only that every rank holds the whole shape.
     local_target = emit(operator.getitem, localized, 0, placement=R)

@@ -4,7 +4,9 @@ import itertools
 
 import torch
 
-from fxpar.placement import FlatShard, Placements, R, Shard, flat_range, global_tensor, local_intervals, local_slice
+from fxpar.placement import (
+    FlatShard, Placements, R, Shard, flat_range, global_tensor, local_intervals, local_shape, local_slice,
+)
 
 
 def _old_local_slice(tensor, placements, coord, sizes):
@@ -92,3 +94,17 @@ def test_a_fused_dim_is_moved_by_viewing_its_blocks_apart_and_nothing_moves_onto
     assert redistribution(Shard(2, (2, 1, 1)), Shard(1), False) == Via(R)
     assert redistribution(R, Shard(0, 2), False) is None
     assert redistribution(Shard(2, 3), Shard(2, 3), False) is None  # already there
+
+
+def test_a_buckets_shards_are_flat_shard_pieces():
+    """ZeRO's bucket shards (`Bucket.shard`, what the sharded optimizer steps) and a FlatShard
+    value's piece (`placement.local_shape`, what ZeRO-3 holds and the estimate counts) are one
+    size, rounded up the same way, at every size and degree."""
+    from fxpar.passes.data_parallel import Bucket
+
+    for numel, ranks in itertools.product((1, 7, 8, 1000, 1001), (1, 2, 3, 8)):
+        bucket = Bucket(index=0, parameters=("w",), numel=numel, dtype=torch.float32)
+        piece = local_shape((numel,), Placements(dp=FlatShard()), {"dp": ranks})
+        shards = [bucket.shard(ranks, i) for i in range(ranks)]
+        assert [(s.start, s.stop - s.start) for s in shards] == [(i * piece[0], piece[0]) for i in range(ranks)]
+        assert bucket.padded(ranks) == piece[0] * ranks
