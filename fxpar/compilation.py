@@ -65,7 +65,7 @@ def compile_graph(captured: CapturedGraph, plan: Plan, *, hardware: str) -> Comp
     mesh = Mesh.from_plan(plan)
     passes = pass_list(plan, captured, mesh=mesh, hardware=hardware)
     graph_module = run_passes(captured.graph_module, passes.graph)
-    _warn_unless_exact_loss(plan, graph_module.meta[meta.GRAPH_LOSS])
+    _warn_unless_exact_loss(plan, meta.graph_loss(graph_module))
     _warn_of_batch_statistics(plan, captured)
     if plan.zero and plan.dp == 1:
         warnings.warn(f"fxpar: plan zero={plan.zero} shards model state over the data-parallel ranks, "

@@ -30,7 +30,7 @@ def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[StepAction, 
     if gradients and program.plan.zero in (1, 2) and mesh.dp > 1:  # each rank holds a shard
         for stage, gm in _local_graphs(program, pp):
             nodes = meta.parameter_nodes(gm.graph)
-            for b in gm.meta[meta.GRAPH_BUCKETS]:
+            for b in meta.graph_buckets(gm):
                 # Gathered in the masters' dtype under bf16-mixed, as the tensors they become.
                 dtype = meta.master_dtype(nodes[b.parameters[0]]) or b.reduced_dtype
                 call = Call(kind="all_gather", numel=b.padded(mesh.dp), dtype=dtype, axis="dp",
@@ -64,7 +64,7 @@ def _state_entries(program, pp: int, *, gradients: bool) -> list[tuple[int, str,
     entries = []
     for stage, gm in _local_graphs(program, pp):
         nodes = meta.parameter_nodes(gm.graph)
-        aliases = gm.meta.get(meta.GRAPH_ALIASES, {})
+        aliases = meta.graph_aliases(gm)
         if gradients:
             trained = meta.trained_parameters(gm)
             tensors = {name: gm.get_parameter(name) for name in nodes if name in trained}

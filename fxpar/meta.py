@@ -110,6 +110,26 @@ def master_dtype(node: fx.Node | None):
     return None if node is None else node.meta.get(MASTER_DTYPE)
 
 
+def graph_aliases(gm: fx.GraphModule) -> dict[str, str]:
+    """Tied alias name -> its canonical parameter's (capture's; empty where nothing is tied)."""
+    return gm.meta.get(GRAPH_ALIASES, {})
+
+
+def graph_buckets(gm: fx.GraphModule) -> tuple:
+    """The gradient buckets (`passes.data_parallel.Bucket`) in launch order, once assigned."""
+    return gm.meta[GRAPH_BUCKETS]
+
+
+def graph_loss(gm: fx.GraphModule):
+    """How the pieces' losses combine (`passes.loss_normalisation.LossReduction`), once normalised."""
+    return gm.meta[GRAPH_LOSS]
+
+
+def graph_non_persistent(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The buffers capture keeps out of the state dict."""
+    return gm.meta.get(GRAPH_NON_PERSISTENT, ())
+
+
 def stage_of(gm: fx.GraphModule) -> int:
     """Which pipeline stage a stage's (or rank's) GraphModule computes: 0 without a pipeline."""
     return gm.meta.get(GRAPH_STAGE, 0)
@@ -118,7 +138,7 @@ def stage_of(gm: fx.GraphModule) -> int:
 def trained_parameters(gm: fx.GraphModule) -> set[str]:
     """The parameters that receive a gradient: exactly those in a gradient bucket
     (`passes.data_parallel.assign_gradient_buckets` ensures it)."""
-    return {name for bucket in gm.meta[GRAPH_BUCKETS] for name in bucket.parameters}
+    return {name for bucket in graph_buckets(gm) for name in bucket.parameters}
 
 
 def partial_gradient_parameters(graph: fx.Graph) -> list[str]:

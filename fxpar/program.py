@@ -163,12 +163,12 @@ class Program:
         """
         if self.stages is not None:
             raise AttributeError("a pipelined program has buckets per stage: program.stages[i].buckets")
-        return self.graph_module.meta[meta.GRAPH_BUCKETS]
+        return meta.graph_buckets(self.graph_module)
 
     @property
     def loss_reduction(self) -> LossReduction:
         """How the step's pieces combine into the one-device loss (passes.loss_normalisation)."""
-        return self.graph_module.meta[meta.GRAPH_LOSS]
+        return meta.graph_loss(self.graph_module)
 
     @property
     def input_names(self) -> tuple[str, ...]:

@@ -377,12 +377,12 @@ def restore_state_layout(gm: fx.GraphModule) -> None:
     A pipeline stage holds only some of the model's state: only what it holds is restored.
     """
     held = {n for n, _ in gm.named_buffers()}
-    for name in gm.meta.get(meta.GRAPH_NON_PERSISTENT, ()):
+    for name in meta.graph_non_persistent(gm):
         if name in held:
             owner_path, _, leaf = name.rpartition(".")
             gm.get_submodule(owner_path)._non_persistent_buffers_set.add(leaf)
     parameters = {n for n, _ in gm.named_parameters()}
-    for alias, name in gm.meta.get(meta.GRAPH_ALIASES, {}).items():
+    for alias, name in meta.graph_aliases(gm).items():
         if name not in parameters:
             continue
         *prefix, leaf = alias.split(".")

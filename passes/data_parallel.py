@@ -67,7 +67,7 @@ def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
     node names that bucket."""
     nodes = meta.parameter_nodes(gm.graph)
     seen: set[str] = set()
-    for bucket in gm.meta[meta.GRAPH_BUCKETS]:
+    for bucket in meta.graph_buckets(gm):
         for name in bucket.parameters:
             if name in seen or nodes[name].meta.get(meta.BUCKET) != bucket.index:
                 raise broken(f"parameter {name} is in one bucket, {bucket.index}, and says so", nodes[name])

@@ -57,7 +57,7 @@ class Stage:
     @property
     def buckets(self) -> tuple:
         """Its gradient buckets (passes.data_parallel.Bucket), once that pass ran on it."""
-        return self.graph_module.meta[meta.GRAPH_BUCKETS]
+        return meta.graph_buckets(self.graph_module)
 
     def parameter_names(self) -> list[str]:
         return list(meta.parameter_nodes(self.graph_module.graph))

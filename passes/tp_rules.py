@@ -214,7 +214,7 @@ class _StyleResolver:
     def __init__(self, gm: fx.GraphModule, styles: Mapping[str, Style]):
         self.styles = styles
         self.names: dict[str, list[str]] = {n: [n] for n in meta.parameter_nodes(gm.graph)}
-        for alias, canonical in gm.meta.get(meta.GRAPH_ALIASES, {}).items():
+        for alias, canonical in meta.graph_aliases(gm).items():
             self.names.setdefault(canonical, [canonical]).append(alias)
 
     def __call__(self, name: str, use: Use) -> Style | None:
@@ -284,7 +284,7 @@ def _disagreeing_uses(name: str, asked: dict[Placement, Use]) -> PlanError:
 def _match_rules(gm: fx.GraphModule, rules: Mapping[str, str]) -> dict[str, Style]:
     """{module path or parameter name: fxpar style} for every rule; PlanError for a rule that
     names no style fxpar honours or matches nothing."""
-    names = set(meta.parameter_nodes(gm.graph)) | set(gm.meta.get(meta.GRAPH_ALIASES, {}))
+    names = set(meta.parameter_nodes(gm.graph)) | set(meta.graph_aliases(gm))
     modules = {_module_of(n) for n in names}
     styles: dict[str, Style] = {}
     for pattern, style in rules.items():

@@ -222,7 +222,7 @@ def check_same_model(state: RankState, stored: dict, path: Path, manifest: dict)
     optimizer state names only this model's parameters. Otherwise a CheckpointError that
     names the keys."""
     captured = state.program.captured.graph_module
-    aliases = captured.meta.get(meta.GRAPH_ALIASES, {})
+    aliases = meta.graph_aliases(captured)
     expected = {k: v for k, v in captured.state_dict().items() if k not in aliases}
     saved = {k: e for k, e in stored.items() if not k.startswith((OPTIMIZER_PREFIX, RNG_PREFIX))}
     where = f"checkpoint {path} (saved under plan '{manifest['plan']}')"

@@ -79,7 +79,7 @@ class RankState:
             return {}
         first: dict[str, int] = {}
         for stage in sorted(self.program.stages, key=lambda s: s.index):
-            aliases = stage.graph_module.meta.get(meta.GRAPH_ALIASES, {})
+            aliases = meta.graph_aliases(stage.graph_module)
             for key in stage.graph_module.state_dict():
                 first.setdefault(aliases.get(key, key), stage.index)
         return first
@@ -104,7 +104,7 @@ def model_tensors(state: RankState, *, writing: bool) -> tuple[dict[str, GlobalT
     read_into: dict[str, torch.Tensor] = {}  # bf16-mixed: the fp32 tensor a load reads a parameter into
     after_load: list[Callable[[], None]] = []
     for index, module in enumerate(state.modules):
-        stage, aliases = meta.stage_of(module), module.meta.get(meta.GRAPH_ALIASES, {})
+        stage, aliases = meta.stage_of(module), meta.graph_aliases(module)
         for key, tensor in module.state_dict(keep_vars=True).items():
             if key in aliases or writers.get(key, stage) != stage:
                 continue

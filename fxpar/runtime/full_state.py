@@ -156,7 +156,7 @@ def _receive_stage(action, whole, merged, pp: RankGroup, communicator: Communica
 
 def _parameter_node(module: torch.fx.GraphModule, key: str) -> torch.fx.Node:
     """The parameter node behind state key `key` (a tied alias: its canonical's)."""
-    aliases = module.meta.get(meta.GRAPH_ALIASES, {})
+    aliases = meta.graph_aliases(module)
     return meta.parameter_nodes(module.graph)[aliases.get(key, key)]
 
 

@@ -43,7 +43,7 @@ class WholeState:
         if self._flat_parameters and self._masters:  # ZeRO: the masters are sharded over dp
             masters = self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
                                         shards=lambda owner, index, module: self._masters.shard_of(module, index))
-            aliases = self.program.captured.graph_module.meta.get(meta.GRAPH_ALIASES, {})
+            aliases = meta.graph_aliases(self.program.captured.graph_module)
             # a tied alias as its own copy, as the state program gives it (safetensors refuses shared memory)
             state.update(masters | {a: masters[n].clone() for a, n in aliases.items() if n in masters})
         return state

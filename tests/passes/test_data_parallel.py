@@ -34,7 +34,7 @@ def buckets_of(bucket_bytes: int):
     idx, targets = torch.randint(0, 16, (2, 3)), torch.randint(0, 16, (2, 3))
     captured = capture(_Chain(), (idx, targets))
     gm = run_passes(captured.graph_module, [lambda g: assign_gradient_buckets(g, bucket_bytes=bucket_bytes)])
-    return gm, gm.meta[meta.GRAPH_BUCKETS]
+    return gm, meta.graph_buckets(gm)
 
 
 def test_one_parameter_per_bucket_lists_reverse_first_use_order():
