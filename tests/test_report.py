@@ -68,7 +68,7 @@ def test_the_page_holds_plan_stages_estimate_and_collectives(program, page):
     assert "Compared with plan &#x27;dp=4&#x27;" in text and "gradient bucket # + loss" in text
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (.ci/run installs Debian's chromium)")
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (scripts/setup.sh installs Debian's chromium)")
 def test_chromium_renders_the_page(page, tmp_path):
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*command, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
