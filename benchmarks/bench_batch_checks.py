@@ -66,7 +66,7 @@ def _agreement_seconds(runner, repeats: int) -> float | None:
     call = next((c for c in program.calls() if c.batch), None)
     if call is None:
         return None
-    slots = torch.zeros(int(call.numel), dtype=call.dtype)
+    slots = torch.zeros(int(call.numel), dtype=call.dtype, device=runner.device)  # NCCL: on the GPU
     group = dist.new_group(list(program.group(call)))
     return _median_seconds(lambda: dist.all_reduce(slots, group=group), repeats, clock=time.perf_counter)
 

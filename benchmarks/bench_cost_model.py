@@ -3,8 +3,8 @@
     python benchmarks/bench_cost_model.py                      # ~1 minute on 2 CPU cores
     python benchmarks/bench_cost_model.py --models tiny --steps 10 --json out.json
 
-For each GPT size (`MODELS`) the script runs three configurations, each in its own torchrun
-job, one compute thread per rank (2 ranks on a 2-core machine):
+For each GPT size (`harness.GPT_SIZES`) the script runs three configurations, each in its own
+torchrun job, one compute thread per rank (2 ranks on a 2-core machine):
 
     dp=1, global batch B        plain single-process training
     dp=1, global batch B/2      the baseline of the one below: the same per-rank work
@@ -57,6 +57,7 @@ tensors on the device, so no "held before" term). Two ranks on one GPU need
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -74,14 +75,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from cost_model_harness import (  # noqa: E402
-    allocation_peak, cuda_peak, distinct_storage_bytes, format_table, isolated_collectives,
-    model_state_bytes, per_op_seconds, saved_activations, timed_steps,
+    allocation_peak, cuda_peak, isolated_collectives, model_state_bytes, per_op_seconds,
+    saved_activations, timed_steps,
+)
+from harness import (  # noqa: E402
+    GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, distinct_storage_bytes, format_table,
 )
 
-VOCAB, SEQ, GLOBAL_BATCH = 256, 64, 16
-# name -> (n_layer, n_embd, n_head)
-MODELS = {"tiny": (2, 64, 4), "small": (4, 128, 4), "medium": (4, 256, 8)}
-OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
+MODELS = GPT_SIZES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,15 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(name: str, args: argparse.Namespace, batch: int):
-    from gpt import GPT, GPTConfig
+    from gpt import GPT
 
-    n_layer, n_embd, n_head = MODELS[name]
-    config = GPTConfig(block_size=args.seq, vocab_size=VOCAB, n_layer=n_layer, n_head=n_head,
-                       n_embd=n_embd)
+    config = dataclasses.replace(MODELS[name], block_size=args.seq)
     torch.manual_seed(args.seed)
     model = GPT(config)
     generator = torch.Generator().manual_seed(args.seed + 1)
-    x, y = (torch.randint(0, VOCAB, (batch, args.seq), generator=generator) for _ in range(2))
+    x, y = (torch.randint(0, config.vocab_size, (batch, args.seq), generator=generator)
+            for _ in range(2))
     return model, x, y
 
 
@@ -225,8 +225,15 @@ def measure(name: str, args: argparse.Namespace, batch: int):
             for c in program.collectives(runner.rank)
         ))
 
+    # The rank module's forward takes, after the batch, the step's count of valid targets
+    # where the loss is a sum over it (`program.input_names`, passes.loss_normalisation): here
+    # the global batch's, as the runtime passes it.
+    forward_inputs = list(local)
+    if len(program.input_names) > len(local):
+        forward_inputs.append(program.loss_reduction.count_module(x, y).to(device))
+
     # The proposal's compute model, for comparison: every op of the graph timed alone.
-    op_sum = per_op_seconds(runner.module, local, sync=sync)
+    op_sum = per_op_seconds(runner.module, forward_inputs, sync=sync)
 
     # Op counts, for a per-op overhead model of time: forward ops that cost anything, and
     # the nodes of the backward graph.
@@ -235,10 +242,10 @@ def measure(name: str, args: argparse.Namespace, batch: int):
         if (cost := cost_of(node, program.captured.shape)) is not None
         and (cost.bytes != 0 or cost.matmul_flops != 0 or cost.other_flops != 0)
     )
-    backward_nodes = autograd_nodes(runner.module(*local))
+    backward_nodes = autograd_nodes(runner.module(*forward_inputs))
     result = {
         "model": name,
-        "config": dict(zip(("n_layer", "n_embd", "n_head"), MODELS[name])),
+        "config": {k: getattr(MODELS[name], k) for k in ("n_layer", "n_embd", "n_head")},
         "plan": f"dp={args.dp}",
         "global_batch": batch,
         "local_batch": batch // args.dp,

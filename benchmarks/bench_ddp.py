@@ -36,9 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fxpar
 from harness import (
-    GPT_SIZES, SEQ, comparison, write_json,
-    Side, first_mismatch, format_table, mean_over_ranks, module_step, run_interleaved, runner_step,
-    side_by_side_arguments,
+    GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, first_mismatch, format_table,
+    global_batches, mean_over_ranks, mismatch_message, module_step, progress_line, run_interleaved,
+    runner_step, side_by_side_arguments, timing_cell, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -47,9 +47,7 @@ from gpt import GPT  # noqa: E402
 if TYPE_CHECKING:
     from fxpar.runtime.runner import Runner
 
-GLOBAL_BATCH = 16
 MODELS = GPT_SIZES
-OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-5
 
 
@@ -62,15 +60,6 @@ def parse_args() -> argparse.Namespace:
                         help="DDP with gradient_as_bucket_view=True (its default is False)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def global_batches(vocab_size: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ), generator=generator)
-              for _ in range(2))
-        for _ in range(count)
-    ]
 
 
 def ddp_bucket_bytes(ddp: DistributedDataParallel) -> list[int]:
@@ -128,9 +117,7 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
         **comparison(runs, "ddp", ddp_losses, fx_losses, mismatch),
     }
     if mismatch is not None and runner.is_main:
-        step, a, b = mismatch
-        print(f"WARNING {name}: losses differ at step {step}: ddp {a!r} vs fxpar {b!r} "
-              f"(> {LOSS_RELATIVE:g} relative); the two sides did not train alike", flush=True)
+        print(mismatch_message(name, mismatch, ("ddp", "fxpar"), rel=LOSS_RELATIVE), flush=True)
     return result, runner
 
 
@@ -142,9 +129,7 @@ def main() -> int:
         result, runner = bench_model(name, args)
         results.append(result)
         if runner.is_main:
-            print(f"{name}: ddp {result['ddp']['median_ms']:.1f} ms, fxpar "
-                  f"{result['fxpar']['median_ms']:.1f} ms, ratio {result['ratio']:.3f}",
-                  flush=True)
+            print(progress_line(name, result, "ddp"), flush=True)
     is_main = runner.is_main
     runner.close()  # destroys the process group (the earlier runners share it)
     if is_main:
@@ -163,8 +148,8 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
         rows.append([
             r["model"], f"{r['parameters']:,}",
             f"{r['fxpar_buckets']}/{len(r['ddp_bucket_bytes']) or '?'}",
-            f"{ddp['median_ms']:.1f} [{ddp['p10_ms']:.1f}-{ddp['p90_ms']:.1f}]",
-            f"{fx['median_ms']:.1f} [{fx['p10_ms']:.1f}-{fx['p90_ms']:.1f}]",
+            timing_cell(ddp),
+            timing_cell(fx),
             f"{r['ratio']:.3f}",
             f"{r['paired_ratio']:.3f}",
             f"{r['ddp_cpu']['median_ms']:.1f}/{r['fxpar_cpu']['median_ms']:.1f}",

@@ -35,10 +35,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import fxpar
-from bench_ddp import GLOBAL_BATCH, OPTIMIZER, global_batches
 from harness import (
-    GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, mean_over_ranks, module_step,
-    run_interleaved, runner_step, side_by_side_arguments, write_json,
+    GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, distinct_storage_bytes,
+    first_mismatch, format_table, global_batches, mean_over_ranks, module_step, progress_line,
+    run_interleaved, runner_step, side_by_side_arguments, timing_cell, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -55,20 +55,10 @@ def parse_args() -> argparse.Namespace:
 
 def fsdp_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """FSDP2's local shards of parameters, gradients and optimizer state, each storage once."""
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
     tensors = [*model.parameters(), *(p.grad for p in model.parameters()),
                *(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = local(t).untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+    return distinct_storage_bytes(t.to_local() if isinstance(t, DTensor) else t
+                                  for t in tensors if t is not None)
 
 
 def bench_model(name: str, args: argparse.Namespace):
@@ -121,8 +111,7 @@ def main() -> int:
         result, runner = bench_model(name, args)
         results.append(result)
         if runner.is_main:
-            print(f"{name}: FSDP2 {result['torch']['median_ms']:.1f} ms, fxpar "
-                  f"{result['fxpar']['median_ms']:.1f} ms, ratio {result['ratio']:.3f}", flush=True)
+            print(progress_line(name, result, "torch", label="FSDP2"), flush=True)
         runner.close()
     if int(os.environ["RANK"]) == 0:
         report(results, args)
@@ -138,8 +127,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     header = ["model", "FSDP2 ms [p10-p90]", "fxpar ms [p10-p90]", "fxpar/FSDP2", "paired",
               "CPU ratio", "state MiB FSDP2/fxpar", "losses match"]
     rows = [[r["model"],
-             f"{r['torch']['median_ms']:.1f} [{r['torch']['p10_ms']:.1f}-{r['torch']['p90_ms']:.1f}]",
-             f"{r['fxpar']['median_ms']:.1f} [{r['fxpar']['p10_ms']:.1f}-{r['fxpar']['p90_ms']:.1f}]",
+             timing_cell(r["torch"]), timing_cell(r["fxpar"]),
              f"{r['ratio']:.3f}", f"{r['paired_ratio']:.3f}", f"{r['cpu_ratio']:.3f}",
              f"{r['torch_state_bytes'] / 2**20:.2f}/{r['fxpar_state_bytes'] / 2**20:.2f}",
              "yes" if r["losses_match"] else "NO"] for r in results]

@@ -54,10 +54,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxpar
-from bench_tp import BATCH, RULES, LocalHeadAttention, count_parameters, global_batches
+from bench_tp import BATCH, RULES, LocalHeadAttention, count_parameters
 from harness import (
-    GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, module_step, run_interleaved,
-    runner_step, write_json,
+    GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, first_mismatch, format_table, global_batches,
+    mismatch_message, module_step, progress_line, run_interleaved, runner_step,
+    side_by_side_arguments, timing_cell, write_json,
 )
 from tp_profile import breakdown
 
@@ -67,24 +68,19 @@ from gpt import GPT, MLP  # noqa: E402
 if TYPE_CHECKING:
     from fxpar.runtime.runner import Runner
 
-OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-4
 COLUMN_PARALLEL = ("attn.q", "attn.k", "attn.v", "mlp.up")  # weight and bias split by rows
 ROW_PARALLEL = ("attn.o", "mlp.down")  # weight split by columns, bias replicated
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
-    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser = side_by_side_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["small", "medium"], choices=list(GPT_SIZES))
     parser.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                         help="after the run, time the phases of STEPS more steps per side")
     parser.add_argument("--profile", action="store_true",
                         help="after the run, cProfile 3 steps of each side (rank 0 prints)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args()
 
 
@@ -206,7 +202,8 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
     tp = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(args.seed)
     model = GPT(config)
-    batches = global_batches(config.vocab_size, args.warmup + args.steps + 10, args.seed + 1)
+    batches = global_batches(config.vocab_size, args.warmup + args.steps + 10, args.seed + 1,
+                             batch=BATCH)
 
     program = fxpar.compile(copy.deepcopy(model), f"tp={tp} tp_rules={RULES}",
                             example_inputs=batches[0])
@@ -232,10 +229,8 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
         **comparison(runs, "megatron", hand_losses, fx_losses, mismatch),
     }
     if mismatch is not None and dist.get_rank() == 0:
-        step, a, b = mismatch
-        print(f"ERROR {name}: losses differ at step {step}: megatron {a!r} vs fxpar {b!r} "
-              f"(> {LOSS_RELATIVE:g} relative, max {result['max_loss_relative_difference']:.2e});"
-              " the sides did not train alike", flush=True)
+        print(mismatch_message(name, mismatch, ("megatron", "fxpar"), rel=LOSS_RELATIVE)
+              + f" (max {result['max_loss_relative_difference']:.2e})", flush=True)
 
     extra = batches[args.warmup + args.steps:]  # batches for steps after the compared ones
     if args.breakdown:
@@ -254,9 +249,7 @@ def main() -> int:
         result, runner = bench_model(name, args)
         results.append(result)
         if dist.get_rank() == 0:
-            print(f"{name}: megatron {result['megatron']['median_ms']:.1f} ms, fxpar "
-                  f"{result['fxpar']['median_ms']:.1f} ms, ratio {result['ratio']:.3f}",
-                  flush=True)
+            print(progress_line(name, result, "megatron"), flush=True)
         if not result["losses_match"]:
             break  # the comparison is void: abort
     is_main = dist.get_rank() == 0
@@ -282,9 +275,9 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
               f"{r['max_loss_relative_difference']:.1e}, loss {r['first_loss']:.4f} -> "
               f"{r['last_loss']:.4f}); max |weight diff| after training "
               f"{r['max_weight_abs_difference']:.1e}")
-        cell = lambda t: f"{t['median_ms']:.1f} [{t['p10_ms']:.1f}-{t['p90_ms']:.1f}]"  # noqa: E731
-        rows = [["hand-written", cell(r["megatron"]), cell(r["megatron_cpu"]), "1", "1", "1"],
-                ["fxpar", cell(r["fxpar"]), cell(r["fxpar_cpu"]), *(
+        rows = [["hand-written", timing_cell(r["megatron"]), timing_cell(r["megatron_cpu"]),
+                 "1", "1", "1"],
+                ["fxpar", timing_cell(r["fxpar"]), timing_cell(r["fxpar_cpu"]), *(
                     f"{r[k]:.3f}" for k in ("ratio", "paired_ratio", "cpu_ratio"))]]
         print(format_table(["side", "wall ms [p10-p90]", "CPU ms [p10-p90]", "wall / hand",
                             "paired", "CPU / hand"], rows))

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from bench_ddp import OPTIMIZER, global_batches
-from harness import GPT_SIZES, format_table
+from harness import GPT_SIZES, OPTIMIZER, format_table, global_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT  # noqa: E402

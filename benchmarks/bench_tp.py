@@ -62,8 +62,9 @@ from torch.distributed.tensor.placement_types import Replicate
 import fxpar
 from tp_profile import breakdown, profile_sides
 from harness import (
-    GPT_SIZES, SEQ, write_json,
-    Side, first_mismatch, format_table, module_step, paired_ratio, run_interleaved, runner_step,
+    GPT_SIZES, OPTIMIZER, SEQ, Side, first_mismatch, format_table, global_batches,
+    mismatch_message, module_step, paired_ratio, run_interleaved, runner_step,
+    side_by_side_arguments, timing_cell, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -74,7 +75,6 @@ if TYPE_CHECKING:
 
 BATCH = 8
 MODELS = GPT_SIZES
-OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
 LOSS_RELATIVE = 1e-4
 # Megatron's layout by hand, the same as the DTensor plan below.
 RULES = ('{"h.*.attn.[qkv]":"colwise","h.*.attn.o":"rowwise",'
@@ -83,10 +83,7 @@ SIDES = ("dtensor", "fxpar", "fxpar-auto")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per side (>= 10)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side first")
-    parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
+    parser = side_by_side_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["small", "medium"], choices=list(MODELS))
     parser.add_argument("--dtensor-shared-input", action="store_true",
                         help="also wrap each attention's input once (PrepareModuleInput, "
@@ -98,7 +95,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="after the run, profile each side (rank 0 prints the tables)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args()
 
 
@@ -147,14 +143,6 @@ def dtensor_model(model: GPT, mesh: DeviceMesh, *, shared_input: bool) -> GPT:
     return model
 
 
-def global_batches(vocab_size: int, count: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(torch.randint(0, vocab_size, (BATCH, SEQ), generator=generator) for _ in range(2))
-        for _ in range(count)
-    ]
-
-
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Whole parameters of the DTensor model (each tied group once), keyed like the GPT's."""
     return {
@@ -188,7 +176,8 @@ def bench_model(name: str, args: argparse.Namespace, mesh_box: list) -> tuple[di
     # Each side gets its own copy: fxpar's rank module reuses the model's replicated tensors.
     fx_model, auto_model = copy.deepcopy(model), copy.deepcopy(model)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batches = global_batches(config.vocab_size, args.warmup + args.steps + 10, args.seed + 1)
+    batches = global_batches(config.vocab_size, args.warmup + args.steps + 10, args.seed + 1,
+                             batch=BATCH)
 
     program = fxpar.compile(fx_model, f"tp={tp} tp_rules={RULES}", example_inputs=batches[0])
     runner = program.bind(timeout=120)
@@ -266,9 +255,8 @@ def bench_model(name: str, args: argparse.Namespace, mesh_box: list) -> tuple[di
         result[f"{side}_cpu_ratio"] = runs[side].cpu.median / runs["dtensor"].cpu.median
     for side, mismatch in mismatches.items():
         if mismatch is not None and runner.is_main:
-            step, a, b = mismatch
-            print(f"ERROR {name}: losses differ at step {step}: dtensor {a!r} vs {side} {b!r} "
-                  f"(> {LOSS_RELATIVE:g} relative); the sides did not train alike", flush=True)
+            print(mismatch_message(name, mismatch, ("dtensor", side), rel=LOSS_RELATIVE),
+                  flush=True)
 
     extra = local[steps_run + 1:]  # batches for the steps after the compared ones
     sides = {"dtensor": (dt_model, dt_optimizer, None),
@@ -311,18 +299,14 @@ def main() -> int:
 
 def report(results: list[dict], args: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
-
-    def cell(t: dict) -> str:
-        return f"{t['median_ms']:.1f} [{t['p10_ms']:.1f}-{t['p90_ms']:.1f}]"
-
     header = ["model", "params", "DTensor ms [p10-p90]", "fxpar ms (rules)", "fxpar ms (auto)",
               "rules/DTensor", "paired", "auto/DTensor", "paired", "CPU ms DT/rules/auto",
               "CPU ratio rules", "CPU ratio auto", "losses match"]
     rows = []
     for r in results:
         rows.append([
-            r["model"], f"{r['parameters']:,}", cell(r["dtensor"]), cell(r["fxpar"]),
-            cell(r["fxpar-auto"]),
+            r["model"], f"{r['parameters']:,}", timing_cell(r["dtensor"]), timing_cell(r["fxpar"]),
+            timing_cell(r["fxpar-auto"]),
             f"{r['fxpar_ratio']:.3f}", f"{r['fxpar_paired']:.3f}",
             f"{r['fxpar-auto_ratio']:.3f}", f"{r['fxpar-auto_paired']:.3f}",
             "/".join(f"{r[s + '_cpu']['median_ms']:.1f}" for s in SIDES),

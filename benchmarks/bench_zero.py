@@ -34,10 +34,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import fxpar
-from bench_ddp import GLOBAL_BATCH, OPTIMIZER, global_batches
 from harness import (
-    GPT_SIZES, SEQ, Side, comparison, first_mismatch, format_table, mean_over_ranks, module_step,
-    run_interleaved, runner_step, side_by_side_arguments, write_json,
+    GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, distinct_storage_bytes,
+    first_mismatch, format_table, global_batches, mean_over_ranks, module_step, progress_line,
+    run_interleaved, runner_step, side_by_side_arguments, timing_cell, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -55,14 +55,9 @@ def parse_args() -> argparse.Namespace:
 
 def torch_state_bytes(ddp: DistributedDataParallel, optimizer: ZeroRedundancyOptimizer) -> int:
     """The torch side's parameters, gradients (views of DDP's buckets) and local optimizer state."""
-    seen, total = set(), 0
     tensors = [*ddp.parameters(), *(p.grad for p in ddp.parameters()),
                *(t for s in optimizer.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
-    for t in tensors:
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return total
+    return distinct_storage_bytes(t for t in tensors if t is not None)
 
 
 def bench_model(name: str, zero: int, args: argparse.Namespace):
@@ -113,8 +108,7 @@ def main() -> int:
             result, runner = bench_model(name, zero, args)
             results.append(result)
             if runner.is_main:
-                print(f"{name} zero={zero}: torch {result['torch']['median_ms']:.1f} ms, fxpar "
-                      f"{result['fxpar']['median_ms']:.1f} ms, ratio {result['ratio']:.3f}", flush=True)
+                print(progress_line(f"{name} zero={zero}", result, "torch"), flush=True)
             runner.close()
     if int(os.environ["RANK"]) == 0:
         report(results, args)
@@ -130,8 +124,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     header = ["model", "zero", "torch ms [p10-p90]", "fxpar ms [p10-p90]", "fxpar/torch", "paired",
               "CPU ratio", "state MiB torch/fxpar", "losses match"]
     rows = [[r["model"], str(r["zero"]),
-             f"{r['torch']['median_ms']:.1f} [{r['torch']['p10_ms']:.1f}-{r['torch']['p90_ms']:.1f}]",
-             f"{r['fxpar']['median_ms']:.1f} [{r['fxpar']['p10_ms']:.1f}-{r['fxpar']['p90_ms']:.1f}]",
+             timing_cell(r["torch"]), timing_cell(r["fxpar"]),
              f"{r['ratio']:.3f}", f"{r['paired_ratio']:.3f}", f"{r['cpu_ratio']:.3f}",
              f"{r['torch_state_bytes'] / 2**20:.2f}/{r['fxpar_state_bytes'] / 2**20:.2f}",
              "yes" if r["losses_match"] else "NO"] for r in results]

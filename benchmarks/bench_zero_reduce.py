@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 import fxpar
-from bench_ddp import OPTIMIZER, global_batches
 from harness import (
-    GPT_SIZES, Side, first_mismatch, format_table, paired_ratio, run_interleaved, runner_step,
-    side_by_side_arguments, write_json,
+    GPT_SIZES, OPTIMIZER, Side, first_mismatch, format_table, global_batches, paired_ratio,
+    run_interleaved, runner_step, side_by_side_arguments, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

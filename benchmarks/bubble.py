@@ -1,6 +1,8 @@
 """The measured pipeline bubble: timelines, transfer waits, and the simulator's rules replayed.
 
-Used by `bench_pipeline.py` (its docstring, part 2, says what each number means).
+Used by `bench_pipeline.py` (its docstring, part 2, says what each number means). The torch
+side it measures is `torch_pipeline.TorchPipeline`: this module imports that one (for a type)
+and never `bench_pipeline.py`, which imports both, so the imports form no cycle.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fxpar.schedules import Action
 from fxpar.simulation import simulate
 
 if TYPE_CHECKING:
-    from bench_pipeline import TorchPipeline
+    from torch_pipeline import TorchPipeline
 
 
 class ReceiveWaits:
@@ -49,12 +51,6 @@ class TimedWait:
             self.pending.wait()
         finally:
             self.spans.append((start, time.perf_counter()))
-
-
-def sum_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tuple(tensor.tolist())
 
 
 def fxpar_bubble(runner, optimizer, program, batches, steps: int, warmup: int,

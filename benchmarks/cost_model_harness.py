@@ -4,7 +4,8 @@ Map: `model_state_bytes` (params, grads, optimizer state actually held), `saved_
 (bytes autograd saves in a real forward), `allocation_peak` (peak CPU bytes allocated inside
 a region, from the profiler's allocation events), `cuda_peak`, `timed_steps` (per-phase step
 times), `isolated_collectives` (the step's collectives alone, without compute),
-`per_op_seconds` (a prototype measured compute model: every op timed alone), `format_table`.
+`per_op_seconds` (a prototype measured compute model: every op timed alone). The ranks'
+timings are combined by `harness.reduce_over_ranks`, on the group's device (NCCL or gloo).
 
 Each measurement reads the real objects, never the cost model, so a term it agrees with is
 agreement, not the same code run twice:
@@ -34,19 +35,11 @@ import torch.fx as fx
 from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from harness import distinct_storage_bytes, reduce_over_ranks
+
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def model_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -152,12 +145,7 @@ def timed_steps(
             wall.append([b[0] - a[0] for a, b in zip(marks, marks[1:])])
             cpu.append([b[1] - a[1] for a, b in zip(marks, marks[1:])])
     if world_size > 1:
-        worst = torch.tensor(wall, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        wall = worst.tolist()
-        mean = torch.tensor(cpu, dtype=torch.float64)
-        dist.all_reduce(mean)
-        cpu = (mean / world_size).tolist()
+        wall, cpu = reduce_over_ranks(wall, "max"), reduce_over_ranks(cpu, "mean")
     return wall, cpu
 
 
@@ -180,9 +168,7 @@ def isolated_collectives(
             w.wait()
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
-    worst = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return statistics.median(worst.tolist())
+    return statistics.median(reduce_over_ranks(seconds, "max"))
 
 
 class _RecordingInterpreter(fx.Interpreter):
@@ -253,17 +239,3 @@ def per_op_seconds(
             timed[key] = statistics.median(seconds)
         total += timed[key]
     return {"seconds": total, "calls": len(recorder.calls), "distinct": len(timed)}
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table whose columns also line up in a terminal (first column left-aligned)."""
-    widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        padded = [str(x).ljust(w) if i == 0 else str(x).rjust(w)
-                  for i, (x, w) in enumerate(zip(cells, widths))]
-        return "| " + " | ".join(padded) + " |"
-
-    rule = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":")
-                          for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])

@@ -2,7 +2,10 @@
 
 Map: `Side` (one implementation: a name and a step function), `run_interleaved` (time the
 sides in alternating blocks), `Timing` (median, p10, p90 of one side), `paired_ratio`,
-`format_table`.
+`reduce_over_ranks` (the post-run reductions, on the group's device), and what every
+side-by-side script shares: `GPT_SIZES`, `OPTIMIZER`, `global_batches`,
+`side_by_side_arguments`, `comparison`, `first_mismatch`, `distinct_storage_bytes`,
+`format_table`, `timing_cell`, `progress_line`, `mismatch_message`, `write_json`.
 
 Both sides train the same model from the same weights on the same batches, so they are
 timed in one process, in turns, and machine noise (another job, frequency scaling, the
@@ -22,6 +25,13 @@ Each step's CPU time on the rank's main thread (`time.thread_time`) is kept too,
 quieter measure: time the thread spent waiting (for a collective, or for a core another
 process holds) does not count, so on a shared machine it shows the work each side does on
 the training thread when wall-clock medians drown in noise. Gloo's own threads are not in it.
+
+[Note: reductions on the group's device] NCCL reduces CUDA tensors only: a default group bound
+with backend "nccl" has no CPU backend, and an all-reduce of a CPU tensor on it fails ("No
+backend type associated with device type cpu"; bench_gpu_zero3.py at world 1 on an H200,
+2026-12-04, after its timing was done). Every reduction after a run therefore goes through
+`reduce_over_ranks`, which builds its tensor on `reduction_device()`: the current CUDA device
+under NCCL, the CPU under gloo (and under a "cpu:gloo,cuda:nccl" group).
 """
 
 from __future__ import annotations
@@ -34,9 +44,10 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -52,6 +63,21 @@ GPT_SIZES: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=4, n_embd=128),
     "medium": GPTConfig(block_size=SEQ, vocab_size=256, n_layer=4, n_head=8, n_embd=256),
 }
+# Sequences per training step of the data-parallel, ZeRO and pipeline scripts.
+GLOBAL_BATCH = 16
+# AdamW's settings on both sides of every CPU comparison (bench_gpu_zero3.py keeps its own).
+OPTIMIZER = dict(lr=1e-3, weight_decay=0.1)
+
+
+def global_batches(
+    vocab_size: int, count: int, seed: int, *, batch: int = GLOBAL_BATCH
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` random (tokens, targets) pairs of shape (batch, SEQ), the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randint(0, vocab_size, (batch, SEQ), generator=generator) for _ in range(2))
+        for _ in range(count)
+    ]
 
 
 def write_json(path: Path, args, results: list, **extra) -> None:
@@ -77,6 +103,25 @@ def side_by_side_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--block", type=int, default=5, help="steps per side per turn")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser
+
+
+def reduction_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must be to be all-reduced over `group` (the default group when None):
+    the current CUDA device under NCCL, the CPU otherwise ([Note: reductions on the group's
+    device])."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_over_ranks(values: Sequence, how: Literal["max", "sum", "mean"]) -> list:
+    """All-reduce `values` (floats, or lists of floats, the same shape on every rank) over the
+    default group, in float64 on `reduction_device()`; back as Python lists."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=reduction_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM)
+    if how == "mean":
+        tensor /= dist.get_world_size()
+    return tensor.tolist()
 
 
 @dataclass(frozen=True)
@@ -184,18 +229,14 @@ def run_interleaved(
             run(side, min(block, steps - len(seconds[side.name])), timed=True)
         round_index += 1
 
-    results = {}
-    for side in sides:
-        worst = torch.tensor(seconds[side.name], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        cpu = torch.tensor(cpu_seconds[side.name], dtype=torch.float64)
-        dist.all_reduce(cpu)
-        results[side.name] = SideRun(
+    return {
+        side.name: SideRun(
             losses=tuple(float(x) for x in losses[side.name]),
-            timing=Timing(tuple(worst.tolist())),
-            cpu=Timing(tuple((cpu / dist.get_world_size()).tolist())),
+            timing=Timing(tuple(reduce_over_ranks(seconds[side.name], "max"))),
+            cpu=Timing(tuple(reduce_over_ranks(cpu_seconds[side.name], "mean"))),
         )
-    return results
+        for side in sides
+    }
 
 
 def paired_ratio(a: Timing, b: Timing) -> float:
@@ -206,9 +247,22 @@ def paired_ratio(a: Timing, b: Timing) -> float:
 
 def mean_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
     """Average per-rank values (e.g. DDP's local losses) into the global-batch values."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
-    return tuple((tensor / dist.get_world_size()).tolist())
+    return tuple(reduce_over_ranks(values, "mean"))
+
+
+def sum_over_ranks(values: tuple[float, ...]) -> tuple[float, ...]:
+    """Add per-rank values (e.g. each pipeline stage's share of the loss) into the global ones."""
+    return tuple(reduce_over_ranks(values, "sum"))
+
+
+def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def first_mismatch(
@@ -222,7 +276,7 @@ def first_mismatch(
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table, columns padded to line up in a terminal too."""
+    """A Markdown table, columns right-aligned and padded to line up in a terminal too."""
     widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -230,6 +284,25 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def timing_cell(timing: dict[str, object]) -> str:
+    """A `Timing.to_dict()` as a table cell: "median [p10-p90]" in ms."""
+    return f"{timing['median_ms']:.1f} [{timing['p10_ms']:.1f}-{timing['p90_ms']:.1f}]"
+
+
+def progress_line(what: str, result: dict, native: str, *, label: str | None = None) -> str:
+    """One finished comparison (a `comparison` dict) as a line: both medians and their ratio."""
+    return (f"{what}: {label or native} {result[native]['median_ms']:.1f} ms, fxpar "
+            f"{result['fxpar']['median_ms']:.1f} ms, ratio {result['ratio']:.3f}")
+
+
+def mismatch_message(what: str, mismatch: tuple[int, float, float], names: tuple[str, str], *,
+                     rel: float) -> str:
+    """The line a script prints when `first_mismatch` found a step where the sides differ."""
+    step, a, b = mismatch
+    return (f"ERROR {what}: losses differ at step {step}: {names[0]} {a!r} vs {names[1]} {b!r} "
+            f"(> {rel:g} relative); the sides did not train alike, the comparison is void")
 
 
 def comparison(runs: dict, native: str, native_losses: list[float], fx_losses: list[float],

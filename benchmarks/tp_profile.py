@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from harness import reduce_over_ranks
+
 
 def breakdown(sides: dict, batches: list, repeats: int) -> dict:
     """Per side, median ms of each phase of a step: wall (max over ranks) and main-thread CPU
@@ -57,19 +59,14 @@ def breakdown(sides: dict, batches: list, repeats: int) -> dict:
             optimizer.zero_grad()
             record(side, "optimizer", start)
 
-    def reduce(values: list[float], op) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op)
-        return (t / (dist.get_world_size() if op == dist.ReduceOp.SUM else 1)).tolist()
-
     out = {}
     for side in sides:
         out[side] = {}
         for phase in phases:
             if not wall[side][phase]:
                 continue
-            w = reduce(wall[side][phase], dist.ReduceOp.MAX)
-            c = reduce(cpu[side][phase], dist.ReduceOp.SUM)
+            w = reduce_over_ranks(wall[side][phase], "max")
+            c = reduce_over_ranks(cpu[side][phase], "mean")
             out[side][phase] = {"wall_ms": 1e3 * statistics.median(w),
                                 "cpu_ms": 1e3 * statistics.median(c)}
     return out
