@@ -26,8 +26,10 @@ The fingerprint is a weighted sum of the batch's bits modulo the Mersenne prime
 M = 2**31 - 1: the inputs' words (a view of their bits, at most 32 each, so float inputs are
 compared exactly), word i weighted by w_i = (i + 1) * c mod M, each product reduced before
 the sum so no int64 overflows (products < 2**62, sums of up to 2**32 of them < 2**63).
-Since M is prime and every weight differs, any one changed word, and any two words swapped
-(rows in another order), change it; other differences collide with probability about 2**-31.
+Each word is first reduced mod M, so two 32-bit words that differ by a multiple of M (0 and
+2**31 - 1, or -1 and 2**31 - 2 read as int32) count as one; apart from those, since M is prime
+and every weight differs, any one changed word, and any two words swapped (rows in another
+order), change it, and other differences collide with probability about 2**-31.
 A fingerprint, not a cryptographic hash. It costs one
 elementwise pass over the batch's words on the batch's device (tokens and labels: 2 x 8 bytes
 per position, microseconds next to a step) and no host synchronisation: the agreement's
