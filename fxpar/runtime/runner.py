@@ -263,20 +263,7 @@ class Runner(WholeState):
             self._unstepped = warn_unstepped(self._unstepped)
         self._context.steps += 1  # every call counts, a failing one too (runtime.step_agreement)
         inputs = self.program.captured.arrange(local_batch, keywords)
-        check_batch(self._batch_rules, inputs, device=self.device)  # BatchError before any collective
-        if self.program.plan.sequence_parallel:  # an uneven shard would abort inside gloo
-            for length in self.program.captured.sequence_lengths(inputs):
-                self.program.plan.check_sequence(length, what="this step's sequence length")
-        microbatches = self.program.plan.microbatches
-        batch = inputs[0].shape[0]
-        if batch % microbatches:
-            raise PlanError(
-                f"this rank's batch of {batch} does not split into microbatches={microbatches}. "
-                f"Fix: make the local batch a multiple of {microbatches}",
-                field="microbatches",
-                value=microbatches,
-            )
-        chunks = list(zip(*(t.tensor_split(microbatches) for t in inputs)))
+        chunks = self._microbatches(inputs)
         shapes = tuple(t.shape for t in chunks[0])
         if shapes not in self._sizes:  # export's size symbols at this step's sizes
             self._sizes[shapes] = self.program.microbatch_sizes(chunks[0])
@@ -304,6 +291,25 @@ class Runner(WholeState):
         self.communicator.end_step()
         self._random.step += 1
         return loss
+
+    def _microbatches(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+        """`inputs` (a step's batch in graph order) checked against the program and split into
+        its microbatches: each a tuple of the inputs' pieces along dim 0. Raises before the
+        step communicates."""
+        check_batch(self._batch_rules, inputs, device=self.device)  # BatchError before any collective
+        plan = self.program.plan
+        if plan.sequence_parallel:  # an uneven shard would abort inside gloo
+            for length in self.program.captured.sequence_lengths(inputs):
+                plan.check_sequence(length, what="this step's sequence length")
+        batch = inputs[0].shape[0]
+        if batch % plan.microbatches:
+            raise PlanError(
+                f"this rank's batch of {batch} does not split into microbatches={plan.microbatches}. "
+                f"Fix: make the local batch a multiple of {plan.microbatches}",
+                field="microbatches",
+                value=plan.microbatches,
+            )
+        return list(zip(*(t.tensor_split(plan.microbatches) for t in inputs)))
 
     def rng_state(self) -> dict[str, int]:
         """What resumes this run's random draws: `{"seed": ..., "step": ...}`, the same on

@@ -75,7 +75,7 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
     if purpose is Purpose.STEP_AGREEMENT:  # settled before the next call moves data
         call = action.calls[0]
         batch = BatchIdentity.of(state.chunks, context.device) if call.batch else None
-        assert batch is None or (not state.counted and batch.block.numel() == call.batch), "batch identity layout"
+        assert batch is None or batch.block.numel() == call.batch, "the step program sized the batch identity"
         context.communicator.settle_before_data(start_agreement(
             context.communicator, groups[Axis(call.axis)], context.steps, tag=call.tag, device=context.device,
             batch=batch, names=context.input_names))
