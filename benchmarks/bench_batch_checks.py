@@ -1,4 +1,4 @@
-"""What checking a step's batch costs (`runtime.batch_checks`, `runtime.batch_identity`) against the step.
+"""What checking a step's batch costs (`runtime.step.batch_checks`, `runtime.step.batch_identity`) against the step.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_batch_checks.py --steps 10
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_batch_checks.py --plan tp=2
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.batch_rules import batch_rules
-from fxpar.runtime.batch_checks import check_batch
-from fxpar.runtime.batch_identity import BatchIdentity
+from fxpar.frontend.batch_rules import batch_rules
+from fxpar.runtime.step.batch_checks import check_batch
+from fxpar.runtime.step.batch_identity import BatchIdentity
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from gpt import factory  # noqa: E402

@@ -1,4 +1,4 @@
-"""What a checkpoint's checksums cost (`runtime.checkpoint_checksums`) against save and load time.
+"""What a checkpoint's checksums cost (`runtime.checkpoint.checksums`) against save and load time.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_checkpoint_integrity.py --gib 1 --repeats 5
 
@@ -41,10 +41,10 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from fxpar.runtime.checkpoint_checksums import check_files_present, verify_file
-from fxpar.runtime.checkpoint_manifest import MANIFEST_FILE, METADATA_FILE
-from fxpar.runtime.checkpoint_pieces import GlobalTensor, Piece
-from fxpar.runtime.dcp_io import (
+from fxpar.runtime.checkpoint.checksums import check_files_present, verify_file
+from fxpar.runtime.checkpoint.manifest import MANIFEST_FILE, METADATA_FILE
+from fxpar.runtime.checkpoint.pieces import GlobalTensor, Piece
+from fxpar.runtime.checkpoint.dcp_io import (
     CommittingWriter, PiecesLoadPlanner, PiecesSavePlanner, SafeReader, replace_folder, write_durably,
 )
 

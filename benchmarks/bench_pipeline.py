@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar import meta
+from fxpar.ir import meta
 from bubble import fxpar_bubble, p2p_latency, torch_bubble
 from harness import (
     GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, first_mismatch, format_table,

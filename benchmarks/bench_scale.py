@@ -56,8 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fxpar  # noqa: E402
-import fxpar.compilation  # noqa: E402
-import fxpar.pipeline_program  # noqa: E402
+import fxpar.compiler.compilation  # noqa: E402
+import fxpar.compiler.pipeline_program  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from harness import format_table  # noqa: E402
 
@@ -184,8 +184,8 @@ def run_plans(count: int) -> int:
     passes, stage_passes = Timer(), Timer()
     rows: list = []
     with (wrapped(torch.export, "export") as exports,
-          wrapped(fxpar.compilation, "run_passes", passes),
-          wrapped(fxpar.pipeline_program, "run_passes", stage_passes)):
+          wrapped(fxpar.compiler.compilation, "run_passes", passes),
+          wrapped(fxpar.compiler.pipeline_program, "run_passes", stage_passes)):
         capture = Timer()
         with capture:
             captured = fxpar.capture(model, inputs)

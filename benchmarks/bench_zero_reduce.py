@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_zero_reduce.py --steps 20 --warmup 3
 
 With gradient accumulation a ZeRO-2/3 step may reduce-scatter each microbatch's gradients or
-the step's sum once (`fxpar.zero_reduction`); `zero_reduce=auto` takes the mode the estimate
+the step's sum once (`fxpar.plan.zero_reduction`); `zero_reduce=auto` takes the mode the estimate
 prices faster on compile's hardware profile, per microbatch on a tie. This runs both modes of
 one plan side by side (`harness.run_interleaved`, two copies of one model, same batches and
 AdamW) and prints the measured step-time ratio next to the estimate's (on the measured "cpu"

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fxpar.schedules import Action
-from fxpar.simulation import simulate
+from fxpar.schedule.schedules import Action
+from fxpar.schedule.simulation import simulate
 
 if TYPE_CHECKING:
     from torch_pipeline import TorchPipeline

@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import fxpar  # noqa: E402
-from fxpar.charts import memory_chart, schedule_chart  # noqa: E402
-from fxpar.rank_memory import predicted_memory  # noqa: E402
+from fxpar.pictures.charts import memory_chart, schedule_chart  # noqa: E402
+from fxpar.pictures.rank_memory import predicted_memory  # noqa: E402
 from gpt import factory  # noqa: E402
 
 PLANS = {"1f1b": "tp=2 pp=2 mb=4", "zb_h1": "tp=2 pp=2 mb=4 schedule=zb-h1"}

@@ -13,19 +13,19 @@ Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `f
 (formulas), `program` (the compiled job, pure data), `runtime` (one torchrun worker).
 """
 
-import fxpar.distributed_ops  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
-import fxpar.vocab_parallel_ops  # noqa: F401
+import fxpar.ops.distributed  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
+import fxpar.ops.vocab_parallel  # noqa: F401
 from fxpar.errors import (
     BatchError, BatchMismatchError, BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
     VerifyError,
 )
-from fxpar.mesh import Mesh
-from fxpar.plan import Plan
-from fxpar.plan_diff import PlanDiff, diff
-from fxpar.program import Program, compile
-from fxpar.trace import CapturedGraph, capture
-from fxpar.verify import verify
-from fxpar.verify_report import VerifyReport
+from fxpar.ir.mesh import Mesh
+from fxpar.plan.plan import Plan
+from fxpar.tools.diff import PlanDiff, diff
+from fxpar.compiler.program import Program, compile
+from fxpar.frontend.trace import CapturedGraph, capture
+from fxpar.tools.verify import verify
+from fxpar.tools.verify_report import VerifyReport
 
 __all__ = [
     "BatchError",

@@ -1,8 +1,8 @@
-"""`python -m fxpar ...`: the `fxpar` command line (`fxpar.cli`)."""
+"""`python -m fxpar ...`: the `fxpar` command line (`fxpar.tools.cli`)."""
 
 import sys
 
-from fxpar.cli import main
+from fxpar.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,7 @@ class BatchError(FxparError, ValueError):
     tensor of another rank, dtype, device or fixed size than the example's, an empty batch, a
     sequence longer than the model's positions, or a label outside the vocabulary.
 
-    Raised by `runner.step` before the step issues any collective (`runtime.batch_checks`),
+    Raised by `runner.step` before the step issues any collective (`runtime.step.batch_checks`),
     naming the input as the example named it (its keyword, or `input i` and its parameter),
     what the program expects, what it got, and a fix.
     """
@@ -61,19 +61,19 @@ class StepProgramError(CollectiveError):
 
 
 class StepMismatchError(CollectiveError):
-    """The ranks of a group are on different steps (`runtime.step_agreement`): raised on every
+    """The ranks of a group are on different steps (`runtime.step.agreement`): raised on every
     rank of the group at the step's first collective, naming both step numbers, before any of
     the step's data is reduced."""
 
 
 class BatchMismatchError(CollectiveError):
     """The ranks of a group that must be given one batch (a tp group, a pipeline's stages)
-    were given different ones (`runtime.batch_identity`): raised on every rank of the group at
+    were given different ones (`runtime.step.batch_identity`): raised on every rank of the group at
     the step's agreement, naming the ranks and the inputs, before any of the step's data moves."""
 
 
 class VerifyError(FxparError, RuntimeError):
-    """`fxpar.verify` could not compare: a model it cannot run as given, or a parallel run that
+    """`fxpar.tools.verify` could not compare: a model it cannot run as given, or a parallel run that
     did not complete (each rank's error, or a timeout)."""
 
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpar import CaptureError
-from fxpar.attribute_writes import changed_attributes, fingerprint_attributes
-from fxpar.trace import capture
+from fxpar.frontend.attribute_writes import changed_attributes, fingerprint_attributes
+from fxpar.frontend.trace import capture
 
 X = torch.randn(8, 4)
 

@@ -1,4 +1,4 @@
-"""What a step's batch must be, read off the captured graph (`fxpar.batch_rules`): the labels
+"""What a step's batch must be, read off the captured graph (`fxpar.frontend.batch_rules`): the labels
 that feed the loss traced to their input, the vocabulary and ignore index, and the sequence
 bound a learned position table sets."""
 
@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.batch_rules import BatchRules, InputRule, LabelRule, SizeBound, batch_rules
+from fxpar.frontend.batch_rules import BatchRules, InputRule, LabelRule, SizeBound, batch_rules
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_models import builder  # noqa: E402

@@ -1,6 +1,6 @@
 """The `fxpar` command line: every command, its errors and exit status, and the README's commands.
 
-Commands run in this process through `fxpar.cli.main` (what the console script and
+Commands run in this process through `fxpar.tools.cli.main` (what the console script and
 `python -m fxpar` call), so torch is imported once; one test runs `python -m fxpar` itself to
 check the entry point, the exit status and that a usage error prints no traceback.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpar.cli import COMMANDS, main
+from fxpar.tools.cli import COMMANDS, main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "examples/gpt.py:factory", "--config", "n_layer=2", "n_embd=32", "seq=16", "batch=8"]
@@ -48,12 +48,12 @@ def test_explain_shows_stages_buckets_collectives_and_the_estimate(in_tmp, capsy
 def test_explain_reads_one_rank_and_never_checks_all_of_them(in_tmp, capsys, monkeypatch):
     """What keeps `fxpar explain` on the 175B shape at 1024 ranks near 30 s (README): it
     never matches every rank's collectives, and asks for one rank's only."""
-    import fxpar.program
+    import fxpar.compiler.program
 
     asked = []
-    collectives = fxpar.program.Program.collectives
-    monkeypatch.setattr(fxpar.program.Program, "check", lambda self: pytest.fail("explain ran check()"))
-    monkeypatch.setattr(fxpar.program.Program, "collectives",
+    collectives = fxpar.compiler.program.Program.collectives
+    monkeypatch.setattr(fxpar.compiler.program.Program, "check", lambda self: pytest.fail("explain ran check()"))
+    monkeypatch.setattr(fxpar.compiler.program.Program, "collectives",
                         lambda self, rank, **kw: asked.append(rank) or collectives(self, rank, **kw))
     status, _, _ = run(capsys, "explain", *SMALL, "--plan", "dp=2 tp=2 pp=2 mb=2", "--rank", "3")
     assert status == 0
@@ -71,12 +71,12 @@ def test_viz_and_report_write_the_file_named_by_output(in_tmp, capsys):
 def test_check_passes_and_fails_with_statuses_0_and_1(in_tmp, capsys, monkeypatch):
     status, out, _ = run(capsys, "check", *SMALL, "--plan", "dp=2 pp=2 mb=2")
     assert status == 0 and "every send has its receive" in out
-    import fxpar.program
+    import fxpar.compiler.program
 
     def mismatch(self):  # what check() raises for a plan whose ranks would hang
         raise fxpar.PlanError("collective #3 on process group [0, 1] does not match")
 
-    monkeypatch.setattr(fxpar.program.Program, "check", mismatch)
+    monkeypatch.setattr(fxpar.compiler.program.Program, "check", mismatch)
     status, _, err = run(capsys, "check", *SMALL, "--plan", "dp=2")
     assert status == 1 and err.startswith("fxpar check: FAILED: collective #3 on process group [0, 1]")
 
@@ -189,7 +189,7 @@ def test_an_output_that_cannot_be_written_exits_2_before_anything_compiles(in_tm
                                                                            output, problem):
     (in_tmp / "notes.txt").write_text("")
     (in_tmp / "out").mkdir()
-    monkeypatch.setattr("fxpar.cli._capture", lambda args: pytest.fail("captured before checking -o"))
+    monkeypatch.setattr("fxpar.tools.cli._capture", lambda args: pytest.fail("captured before checking -o"))
     status, _, err = run(capsys, command, *SMALL, "--plan", "dp=2", "-o", output)
     assert (status, err) == (2, f"fxpar {command}: error: {problem}\n")
 

@@ -1,5 +1,5 @@
 """The distributed ops do what their one description says: registered and eager forms issue
-the same collectives, which are the ones `fxpar.collectives` predicts from that description;
+the same collectives, which are the ones `fxpar.ir.collectives` predicts from that description;
 fake kernels give the real shapes; torch.library.opcheck accepts every op. ZeRO-3's two ops,
 which move a list of parameter pieces as one payload, are tested the same way at the end."""
 
@@ -9,13 +9,13 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxpar  # noqa: F401  (registers the ops)
-from fxpar import meta
-from fxpar.axes import bind_axes, unbind_axes
-from fxpar.lowering import graph_calls
-from fxpar.distributed_ops import EAGER, OPS
-from fxpar.mesh import Mesh
-from fxpar.placement import P, Placements, R, Shard
-from fxpar.step_program import evaluate
+from fxpar.ir import meta
+from fxpar.ir.axes import bind_axes, unbind_axes
+from fxpar.compiler.lowering import graph_calls
+from fxpar.ops.distributed import EAGER, OPS
+from fxpar.ir.mesh import Mesh
+from fxpar.ir.placement import P, Placements, R, Shard
+from fxpar.ir.step_program import evaluate
 
 SIZE, INDEX = 2, 1
 
@@ -64,7 +64,7 @@ def _args(op, x):
 
 
 def _predicted(op, x_shape, placements):
-    """What fxpar.collectives predicts for a graph holding this one op."""
+    """What fxpar.ir.collectives predicts for a graph holding this one op."""
     graph = fx.Graph()
     source = graph.placeholder("x")
     with FakeTensorMode() as fake:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpar.trace import capture
+from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from gpt2 import GPT2Config, GPT2LMHeadModel  # noqa: E402

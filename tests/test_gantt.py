@@ -2,9 +2,9 @@
 
 import pytest
 
-from fxpar.gantt import gantt
-from fxpar.schedules import schedule
-from fxpar.simulation import simulate
+from fxpar.schedule.gantt import gantt
+from fxpar.schedule.schedules import schedule
+from fxpar.schedule.simulation import simulate
 
 
 def test_a_simulated_step_one_column_per_time_unit():

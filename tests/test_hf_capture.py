@@ -46,7 +46,7 @@ def test_the_global_count_of_valid_targets_is_compiled_from_the_labels(llama):
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_no_model_is_refused_for_writing_state_in_train_mode(name):
-    # Capture refuses a forward that writes buffers or parameters (fxpar.state_writes); the
+    # Capture refuses a forward that writes buffers or parameters (fxpar.frontend.state_writes); the
     # transformers models, in train mode, write none (rotary tables and masks are only read).
     model, batch = BUILDERS[name]("sdpa")
     model.train()

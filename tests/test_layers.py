@@ -1,60 +1,56 @@
 """The layers of fxpar import in one direction, and no module imports itself back.
 
-    core     plan, mesh, placement, meta, the distributed ops and their table, capture,
-             schedules and the simulator: facts about the job, no policy
-    cost     fxpar.cost: formulas over graphs and step programs, taken as data
-    passes   fxpar.passes: graph rewrites, which may price with cost
-    program  compile, Program, the pipeline program and the lowering to step programs
-    runtime  fxpar.runtime: one torchrun worker
-    tools    what reads a compiled program for people: pictures, charts, the report, the plan
-             diff, the command line
+A module's layer is its folder's: `LAYERS` is the one list, bottom to top, of which folders
+make each layer, and `docs/architecture.md`'s layer map is checked against it below.
 
 A module may import its own layer and those below it. Every import counts: module level,
 inside functions and under `if TYPE_CHECKING:` (a type-only import is still a dependency a
-reader must follow, and the cycles it hides are the ones that break refactors). The one
-upward edge is the entry point `Program.bind`, a function-level import of the runner, kept
-acyclic because nothing in the runtime imports the program module. `Program.visualize` and
-`Program.report` are the same kind of entry point into the tools layer, acyclic because the
-tools take the program as data (`CompiledProgram`) and never import the program module back;
-only the command line, which nothing imports, calls `compile`.
+reader must follow, and the cycles it hides are the ones that break refactors). The upward
+edges are entry points, function-level imports kept acyclic because nothing they reach imports
+the module back: `Program.bind` into the runtime, `Program.visualize` and `Program.report`
+into the tools (which take the program as data, `ir.compiled_program.CompiledProgram`).
 """
 
 import ast
+import re
 from pathlib import Path
 
-LAYERS = ("core", "cost", "passes", "program", "runtime", "tools")
-PROGRAM = {"fxpar.program", "fxpar.lowering", "fxpar.reduction_lowering", "fxpar.full_state_lowering",
-           "fxpar.compilation", "fxpar.rank_specialisation", "fxpar.pass_list", "fxpar.pipeline_program"}
-TOOLS = {
-    "fxpar.payloads", "fxpar.picture_units", "fxpar.picture_transfers", "fxpar.picture_boxes",
-    "fxpar.picture", "fxpar.visualize", "fxpar.rank_memory", "fxpar.charts", "fxpar.plan_diff",
-    "fxpar.report", "fxpar.model_loading", "fxpar.explain", "fxpar.cli", "fxpar.__main__",
-    "fxpar.verify", "fxpar.verify_values", "fxpar.verify_report",
-}
+import fxpar
+
+PACKAGE = Path(fxpar.__file__).parent
+REPO = PACKAGE.parent
+LAYERS = (  # bottom to top: (layer, the folders under fxpar/ that make it)
+    ("core", ("ir", "plan", "frontend", "ops", "schedule", "errors.py")),
+    ("cost", ("cost",)),
+    ("passes", ("passes",)),
+    ("program", ("compiler",)),
+    ("runtime", ("runtime",)),
+    ("tools", ("pictures", "tools", "__main__.py")),
+)
 ALLOWED_UPWARD = {  # function-level entry points
-    ("fxpar.program", "fxpar.runtime.runner"),  # Program.bind
-    ("fxpar.program", "fxpar.visualize"),  # Program.visualize
-    ("fxpar.program", "fxpar.report"),  # Program.report
+    ("fxpar.compiler.program", "fxpar.runtime.runner"),  # Program.bind
+    ("fxpar.compiler.program", "fxpar.pictures.visualize"),  # Program.visualize
+    ("fxpar.compiler.program", "fxpar.tools.report"),  # Program.report
 }
+MOST_MODULES_PER_FOLDER = 20
+RANKS = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 
 
 def layer(module: str) -> str:
-    for prefix in ("fxpar.cost", "fxpar.passes", "fxpar.runtime"):
-        if module == prefix or module.startswith(prefix + "."):
-            return prefix.split(".")[1]
-    if module in TOOLS:
-        return "tools"
-    return "program" if module in PROGRAM else "core"
+    """The layer of a module, read from the first folder (or file) under fxpar/ it lives in."""
+    top = module.split(".")[1]
+    for name, folders in LAYERS:
+        if top in folders or f"{top}.py" in folders:
+            return name
+    raise AssertionError(f"{module} lives in fxpar/{top}, which no layer of LAYERS names")
 
 
 def modules() -> dict[str, Path]:
-    """Every module of the package (fxpar.passes and fxpar.cost live in top-level folders)."""
+    """Every module of the package, by dotted name."""
     found = {}
-    for package in ("fxpar", "fxpar.passes", "fxpar.cost", "fxpar.runtime"):
-        folder = Path(__import__(package, fromlist=["_"]).__file__).parent
-        for path in folder.glob("*.py"):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            found[name] = path
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -80,10 +76,27 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_graph_is_read_from_every_module():
     edges = graph()
-    assert {"fxpar.program", "fxpar.passes.tensor_parallel", "fxpar.cost.estimate",
-            "fxpar.runtime.runner", "fxpar.distributed_ops"} <= set(edges)
-    assert "fxpar.distributed_ops" in edges["fxpar.redistribution"]
-    assert TOOLS <= set(edges), f"TOOLS names modules that do not exist: {sorted(TOOLS - set(edges))}"
+    assert {"fxpar.compiler.program", "fxpar.passes.tensor_parallel.rewrite", "fxpar.cost.estimate",
+            "fxpar.runtime.runner", "fxpar.ops.distributed"} <= set(edges)
+    assert "fxpar.ops.distributed" in edges["fxpar.ops.redistribution"]
+
+
+def test_every_module_lives_in_a_layer_and_no_folder_is_crowded():
+    assert {layer(module) for module in modules() if module != "fxpar"} == {name for name, _ in LAYERS}
+    folders: dict[Path, int] = {}
+    for path in modules().values():
+        if path.name != "__init__.py":
+            folders[path.parent] = folders.get(path.parent, 0) + 1
+    crowded = {str(f.relative_to(REPO)): n for f, n in folders.items() if n > MOST_MODULES_PER_FOLDER}
+    assert not crowded, f"folders over {MOST_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+def test_the_architecture_page_lists_the_layers_as_this_test_does():
+    """docs/architecture.md's layer map is a table, one row per layer: `| **layer** | folders |`."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| \*\*(\w+)\*\* \| (.+?) \|", page, re.M)
+    written = [(name, tuple(re.findall(r"`fxpar/([\w.]+?)/?`", folders))) for name, folders in rows]
+    assert written == list(LAYERS), f"docs/architecture.md's layer map {written} != tests/test_layers.py's {LAYERS}"
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -92,7 +105,7 @@ def test_no_module_imports_a_layer_above_its_own():
         if module == "fxpar":
             continue  # the package's public face imports what it re-exports
         for target in targets:
-            if target == "fxpar" or LAYERS.index(layer(target)) > LAYERS.index(layer(module)):
+            if target == "fxpar" or RANKS[layer(target)] > RANKS[layer(module)]:
                 if (module, target) not in ALLOWED_UPWARD:
                     upward.append(f"{module} ({layer(module)}) imports {target} ({layer(target)})")
     assert not upward, "\n".join(sorted(upward))

@@ -1,11 +1,11 @@
-"""Mesh: rank <-> coordinates and process-group membership, as pure data (DESIGN.md tier 2)."""
+"""Mesh: rank <-> coordinates and process-group membership, as pure data (docs/design.md, tests tier 2)."""
 
 from __future__ import annotations
 
 import pytest
 
-from fxpar.mesh import Axis, Coord, Mesh
-from fxpar.plan import Plan
+from fxpar.ir.mesh import Axis, Coord, Mesh
+from fxpar.plan.plan import Plan
 
 MESHES = [Mesh(dp=8), Mesh(dp=2, tp=4), Mesh(dp=2, pp=2, tp=2), Mesh(pp=3, tp=2), Mesh()]
 

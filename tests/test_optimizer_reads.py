@@ -4,7 +4,7 @@ Adam steps half of a matrix as it steps that half of the whole matrix; Adafactor
 row and column moments) and Muon (an orthogonalised update) do not, so under tensor
 parallelism or ZeRO they would train something else than one device, silently. The first
 test shows the difference; the others that `runner.optimizer`'s check
-(`runtime.optimizer_reads`) refuses such an optimizer where the plan splits a parameter it
+(`runtime.state.optimizer_reads`) refuses such an optimizer where the plan splits a parameter it
 steps, naming the parameter and its placement, and takes it where every parameter is whole.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.runtime.optimizer_reads import require_elementwise_for_pieces
+from fxpar.runtime.state.optimizer_reads import require_elementwise_for_pieces
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402

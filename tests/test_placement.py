@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from fxpar.placement import (
+from fxpar.ir.placement import (
     FlatShard, Placements, R, Shard, flat_range, global_tensor, local_intervals, local_shape, local_slice,
 )
 
@@ -86,7 +86,7 @@ def test_a_fused_dim_is_moved_by_viewing_its_blocks_apart_and_nothing_moves_onto
     """The redistribution table's rows for fused dims: to Replicate by `Unfuse` (equal blocks
     viewed apart; unequal ones split, gathered and concatenated), to another Shard via
     Replicate; a fused placement is never a destination (only weights start there)."""
-    from fxpar.redistribution import Unfuse, Via, redistribution
+    from fxpar.ops.redistribution import Unfuse, Via, redistribution
 
     assert redistribution(Shard(2, 2), R, False) == Unfuse(2, (1, 1)) and Unfuse(2, (1, 1)).equal
     assert redistribution(Shard(2, (2, 1, 1)), R, True) == Unfuse(2, (2, 1, 1))
@@ -100,7 +100,7 @@ def test_a_buckets_shards_are_flat_shard_pieces():
     """ZeRO's bucket shards (`Bucket.shard`, what the sharded optimizer steps) and a FlatShard
     value's piece (`placement.local_shape`, what ZeRO-3 holds and the estimate counts) are one
     size, rounded up the same way, at every size and degree."""
-    from fxpar.passes.data_parallel import Bucket
+    from fxpar.ir.buckets import Bucket
 
     for numel, ranks in itertools.product((1, 7, 8, 1000, 1001), (1, 2, 3, 8)):
         bucket = Bucket(index=0, parameters=("w",), numel=numel, dtype=torch.float32)

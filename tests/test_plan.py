@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fxpar.errors import PlanError
-from fxpar.plan import Plan
+from fxpar.plan.plan import Plan
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -297,6 +297,7 @@ def test_zero_bubble_schedule_is_accepted() -> None:
 
 
 def test_plan_schedules_are_the_ones_fxpar_schedules_builds() -> None:
-    from fxpar import plan, schedules
+    from fxpar.plan import plan
+    from fxpar.schedule import schedules
 
     assert set(plan.SCHEDULES) == set(schedules.SCHEDULES)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fxpar.errors import FxparError, PlanError
-from fxpar.plan import Plan
+from fxpar.plan.plan import Plan
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from fxpar.errors import PlanError
-from fxpar.plan import Plan
+from fxpar.plan.plan import Plan
 
 
 def test_options_of_one_setting_are_refused_without_it() -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar import BindError, PlanError
-from fxpar.collectives import Collective, check_collectives
+from fxpar.ir.collectives import Collective, check_collectives
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
@@ -128,7 +128,7 @@ def test_plans_compiled_from_one_capture_share_its_single_export(monkeypatch):
 
 
 def test_the_pass_list_is_built_from_the_plan_and_printed():
-    """One list per compile (fxpar.pass_list): the graph's passes, then each stage's."""
+    """One list per compile (fxpar.compiler.pass_list): the graph's passes, then each stage's."""
     assert [line.split("(")[0].split()[-1] for line in str(compile_gpt("dp=2").passes).splitlines()] == [
         "normalise_loss", "place_data_parallel", "assign_gradient_buckets"]
     printed = str(compile_gpt("tp=2 pp=2 mb=2 schedule=zb-h1").passes).splitlines()

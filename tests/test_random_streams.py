@@ -1,9 +1,9 @@
-"""Randomness drawn by slice (fxpar.random_streams, fxpar.random_ops), in one process: the
+"""Randomness drawn by slice (fxpar.ops.random_streams, fxpar.ops.random_ops), in one process: the
 seed derivation, the slices rng=exact keeps, what rng=fast makes equal and different, and a
 compiled module's draws across steps and recomputes (the pass: tests/passes/test_random_draws.py).
 
 Ranks are played in this process by binding the mesh axes to plain objects with an index
-(`fxpar.axes.bind_axes`): a draw communicates nothing, so its value on rank (dp=i, tp=j) is the
+(`fxpar.ir.axes.bind_axes`): a draw communicates nothing, so its value on rank (dp=i, tp=j) is the
 op's value with those indices bound. Masks are compared exactly: the same generator state
 gives the same bits.
 """
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.axes import bind_axes, unbind_axes
+from fxpar.ir.axes import bind_axes, unbind_axes
 from fxpar.errors import BindError
-from fxpar.random_ops import DrawSlice
-from fxpar.random_streams import RandomStream, bind_random, stream_seed, unbind_random
+from fxpar.ops.random_ops import DrawSlice
+from fxpar.ops.random_streams import RandomStream, bind_random, stream_seed, unbind_random
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from tiny_training import GPT, GPTConfig, global_batches  # noqa: E402
@@ -92,7 +92,7 @@ def test_exact_pieces_tile_the_one_device_draw(stream, tp_dim, tp_parts):
         for m in range(mb):
             pieces = [on_rank(stream, random_like, local, "dropout", 0.25, 3, True, *where.args,
                               dp=(dp, i), tp=(tp, j), microbatch=m) for j in range(tp)]
-            rows.append(fxpar.placement.global_tensor(pieces, fxpar.placement.Shard(tp_dim, tp_parts)))
+            rows.append(fxpar.ir.placement.global_tensor(pieces, fxpar.ir.placement.Shard(tp_dim, tp_parts)))
     assert torch.equal(torch.cat(rows), one_device)
     kept = (one_device > 0).float().mean().item()
     assert one_device.unique().tolist() == [0.0, torch.tensor(1 / 0.75).item()] and 0.65 < kept < 0.85

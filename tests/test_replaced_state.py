@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar import BindError
-from fxpar.replaced_state import check_state_not_replaced
+from fxpar.frontend.replaced_state import check_state_not_replaced
 
 IDS = torch.randint(0, 16, (4, 6))
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 import fxpar
-from fxpar.charts import memory_chart, memory_figure, schedule_chart, schedule_figure
-from fxpar.rank_memory import TERMS, predicted_memory
-from fxpar.report import write_report
-from fxpar.simulation import simulate
+from fxpar.pictures.charts import memory_chart, memory_figure, schedule_chart, schedule_figure
+from fxpar.pictures.rank_memory import TERMS, predicted_memory
+from fxpar.tools.report import write_report
+from fxpar.schedule.simulation import simulate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from small_gpt import small_capture  # noqa: E402

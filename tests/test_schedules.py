@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import pytest
 
-from fxpar.schedules import (
+from fxpar.schedule.schedules import (
     Action,
     Schedule,
     check,
@@ -21,7 +21,7 @@ from fxpar.schedules import (
     schedule,
     zero_bubble_h1,
 )
-from fxpar.simulation import DeadlockError, simulate
+from fxpar.schedule.simulation import DeadlockError, simulate
 
 FLAT = [(2, 4), (4, 4), (4, 8), (8, 16), (3, 5)]
 INTERLEAVED = [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 2), (4, 2, 4)]
@@ -218,10 +218,10 @@ def test_grid_of_1f1b():
 
 
 def test_module_docstring_grid_is_current():
-    import fxpar.schedules
+    import fxpar.schedule.schedules
 
     grid = "\n".join("    " + line for line in str(schedule("1f1b", 2, 3)).splitlines())
-    assert grid in fxpar.schedules.__doc__
+    assert grid in fxpar.schedule.schedules.__doc__
 
 
 def test_from_text_without_header_infers_sizes():

@@ -13,8 +13,8 @@ from torch.export import Dim
 
 import fxpar
 from fxpar import CaptureError
-from fxpar.state_writes import find_state_writes
-from fxpar.trace import capture
+from fxpar.frontend.state_writes import find_state_writes
+from fxpar.frontend.trace import capture
 
 X = torch.randn(8, 4)
 

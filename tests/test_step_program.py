@@ -6,18 +6,20 @@ stops the edited rank before the call is made (the multi-rank half is in
 tests/runtime/test_failures.py).
 """
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import sympy
 import torch
 
 import fxpar
-from fxpar import meta
+from fxpar.ir import meta
 from fxpar.errors import PlanError, StepProgramError
-from fxpar.placement import Shard
-from fxpar.runtime.step_guard import StepGuard
-from fxpar.step_program import Communicate, Compute, Exchange, Purpose
+from fxpar.ir.placement import Shard
+from fxpar.runtime.step.guard import StepGuard
+from fxpar.ir.step_program import Communicate, Compute, Exchange, Purpose
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from step_program_edits import drop_call, resize_call, swap_actions  # noqa: E402
@@ -102,7 +104,7 @@ def test_payloads_are_formulas_evaluated_at_each_step_size():
     small = program.microbatch_sizes((TOKENS[:2, :8], LABELS[:2, :8]))
     agreement, *calls = step.collectives(small)
     # The step agreement has one size at every step size: a step number, a fingerprint and
-    # the four dims of the two inputs per rank (`runtime.batch_identity`).
+    # the four dims of the two inputs per rank (`runtime.step.batch_identity`).
     assert (agreement.tag, agreement.numel) == ("step agreement on tp + batch", 2 * (1 + 1 + 4))
     assert agreement == program.collectives(0)[0]
     assert [c.numel for c in calls] == [
@@ -194,7 +196,7 @@ def test_zero_lowers_reduce_scatters_then_held_buckets_then_the_optimizers_gathe
 def test_an_optimizer_that_reads_whole_tensors_is_refused_under_zero():
     from types import SimpleNamespace
 
-    from fxpar.runtime.sharded_optimizer import ShardedOptimizer
+    from fxpar.runtime.state.sharded_optimizer import ShardedOptimizer
 
     context = SimpleNamespace(buckets=[SimpleNamespace(zero=1)])
     with pytest.raises(PlanError, match="zero=1 .* LBFGS is not known to .* elementwise=True"):
@@ -232,3 +234,21 @@ def test_the_proof_costs_the_pipeline_degree_not_the_world_size():
     program = fxpar.compile(captured, "dp=256 tp=16 pp=16 mb=16")  # proves as it compiles
     program.check()
     assert program.world_size == 65_536 and time.perf_counter() - start < 30
+
+
+def test_a_transfer_call_holds_the_shape_the_executor_allocates_and_the_size_the_check_reads():
+    """The pipeline executor allocates each receive buffer from its call's `shape`; the check,
+    the guard and the cost model read its `numel`. One call carries both, derived once from
+    the boundary's placement. Under sequence parallelism the residual stream crossing the cut
+    is sharded on tp along the sequence: each rank moves (batch / mb, seq / tp, hidden)."""
+    program = fxpar.compile(build_model(), "pp=2 tp=2 sp=true mb=2", (TOKENS, LABELS))
+    half = TOKENS.shape[0] // 2
+    sizes = program.microbatch_sizes((TOKENS[:half], LABELS[:half]))  # one of the two microbatches
+    hidden = program.stages[1].inputs[0].shape[-1]
+    transfers = [c for r in range(program.world_size) for a in program.step_program(r).actions
+                 if isinstance(a, Exchange) for c in a.calls]
+    assert {c.kind for c in transfers} == {"send", "recv"}
+    for call in transfers:
+        assert math.prod(call.shape) == call.numel
+        assert tuple(int(sympy.sympify(d).subs(sizes)) for d in call.shape) == (
+            half, TOKENS.shape[1] // 2, hidden)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import fxpar
-from fxpar import meta
-from fxpar.picture import build_picture
-from fxpar.visualize import dot_source
+from fxpar.ir import meta
+from fxpar.pictures.picture import build_picture
+from fxpar.pictures.visualize import dot_source
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))

@@ -1,6 +1,6 @@
 """Tier 1: when ZeRO-2/3 reduce-scatter gradients with several microbatches, and who follows it.
 
-`fxpar.zero_reduction`: per microbatch (each backward's gradients reduce-scattered after it,
+`fxpar.plan.zero_reduction`: per microbatch (each backward's gradients reduce-scattered after it,
 only the shards accumulate) or per step (the whole gradients accumulate, one reduce-scatter),
 named by the plan's `zero_reduce` or chosen by the cost model. The step program lists the
 reductions where they happen, so the check, the estimate's bytes and (tests/runtime/
@@ -17,9 +17,9 @@ import pytest
 import fxpar
 from fxpar.cost.hardware import NOMINAL_CPU
 from fxpar.errors import PlanError
-from fxpar.explain import explain
-from fxpar.report import write_report
-from fxpar.step_program import Communicate, Compute, Exchange, Purpose
+from fxpar.tools.explain import explain
+from fxpar.tools.report import write_report
+from fxpar.ir.step_program import Communicate, Compute, Exchange, Purpose
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402

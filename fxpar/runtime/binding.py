@@ -24,29 +24,30 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from fxpar import lowering, meta
-from fxpar.compiled_program import CompiledProgram
-from fxpar.distributed_ops import lower_for_eager
+from fxpar.compiler import lowering
+from fxpar.ir import meta
+from fxpar.ir.compiled_program import CompiledProgram
+from fxpar.ops.distributed import lower_for_eager
 from fxpar.errors import BindError
-from fxpar.mesh import Axis
-from fxpar.pipeline_program import receives_ahead
-from fxpar.random_streams import RandomStream
+from fxpar.ir.mesh import Axis
+from fxpar.compiler.pipeline_program import receives_ahead
+from fxpar.ops.random_streams import RandomStream
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.flat_reads import reading_flat
-from fxpar.runtime.gradient_buckets import GradientBuckets
-from fxpar.runtime.master_weights import MasterWeights
-from fxpar.runtime.parameter_gatherer import ParameterGatherer
+from fxpar.runtime.state.gradient_buckets import GradientBuckets
+from fxpar.runtime.state.master_weights import MasterWeights
+from fxpar.runtime.state.parameter_gatherer import ParameterGatherer
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime.recompute import read_gathered_through, recomputing
-from fxpar.runtime.saved_tensors import SavedTensorMeter
-from fxpar.runtime.sharded_optimizer import flatten_parameters
-from fxpar.runtime.step_context import StepContext
-from fxpar.runtime.step_guard import StepGuard
-from fxpar.runtime.step_loss import StepLoss
-from fxpar.runtime.valid_targets import CountArrival, await_count
-from fxpar.runtime.whole_state import graph_parameters
-from fxpar.runtime.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
-from fxpar.step_program import Communicate, Purpose, StepProgram
+from fxpar.runtime.step.recompute import read_gathered_through, recomputing
+from fxpar.runtime.step.saved_tensors import SavedTensorMeter
+from fxpar.runtime.state.sharded_optimizer import flatten_parameters
+from fxpar.runtime.step.context import StepContext
+from fxpar.runtime.step.guard import StepGuard
+from fxpar.runtime.step.loss import StepLoss
+from fxpar.runtime.step.valid_targets import CountArrival, await_count
+from fxpar.runtime.checkpoint.whole_state import graph_parameters
+from fxpar.runtime.state.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
+from fxpar.ir.step_program import Communicate, Purpose, StepProgram
 
 
 def bound_device(device: torch.device | str | None, local_rank: int) -> torch.device:
@@ -168,7 +169,7 @@ def step_context(
     """The gradient buckets (with data parallelism), ZeRO's flat parameters (per module, per
     bucket; the master weights sharded to them) and the `StepContext` the executors read."""
     stages, plan, dp, buckets = program.stages, program.plan, groups[Axis.DP], []
-    per_microbatch = program.zero_reduce.per_microbatch  # ZeRO-2/3 (`fxpar.zero_reduction`)
+    per_microbatch = program.zero_reduce.per_microbatch  # ZeRO-2/3 (`fxpar.plan.zero_reduction`)
     # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
     for module in modules if dp.size > 1 and plan.zero < 3 else ():
         stage = meta.stage_of(module)

@@ -4,10 +4,10 @@
 bytes per collective kind (all_reduce: its tensor; all_gather: its output; reduce_scatter: its
 input; broadcast: its tensor), the quantities the cost model predicts. `log` keeps the current
 step's calls as `Collective`s, the same record `Program.collectives(rank)` predicts, so tests
-compare them call for call. Gathering the full state (`runtime.full_state`) happens outside any
+compare them call for call. Gathering the full state (`runtime.checkpoint.full_state`) happens outside any
 step: its all-gathers count in the stats and stay out of the step's log.
 
-During a step every call is first shown to the step's guard (`runtime.step_guard`), which
+During a step every call is first shown to the step's guard (`runtime.step.guard`), which
 holds it to the rank's step program: a call the program does not list fails before it is made.
 """
 
@@ -24,12 +24,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from fxpar.collectives import Collective, CollectiveKind
+from fxpar.ir.collectives import Collective, CollectiveKind
 from fxpar.errors import CollectiveError, clipped
 from fxpar.runtime.collective_failures import describe_failure
-from fxpar.runtime import step_numbers
+from fxpar.runtime.step import numbers as step_numbers
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime.step_guard import StepGuard
+from fxpar.runtime.step.guard import StepGuard
 
 
 def _all_reduce(tensor: torch.Tensor, group: RankGroup, op: dist.ReduceOp) -> dist.Work:
@@ -113,7 +113,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class AxisOnGroup:
-    """A mesh axis bound to this rank's process group on it (`fxpar.axes.AxisBinding`): what a
+    """A mesh axis bound to this rank's process group on it (`fxpar.ir.axes.AxisBinding`): what a
     rank module's `torch.ops.fxpar` ops resolve their axis name to, through the communicator."""
 
     group: RankGroup
@@ -149,12 +149,12 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward",
                    agreement: bool = False) -> PendingCollective:
         """Start a sum all-reduce of `tensor` in place over `group`; an `agreement` (a step
-        agreement's, `runtime.step_agreement`) leaves the agreements in flight unsettled.
+        agreement's, `runtime.step.agreement`) leaves the agreements in flight unsettled.
 
         Where the step program says this call carries the step agreement (a gradient bucket,
         `lowering.ride_agreements`), `tensor`'s last elements are the room its caller left for
         the slots: they get this rank's step number here, and `wait()` checks the sums before
-        the caller reads anything (`runtime.step_numbers`)."""
+        the caller reads anything (`runtime.step.numbers`)."""
         slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
         then = None
         if slots:
@@ -189,7 +189,7 @@ class Communicator:
         """All-reduce `tensor` in place (sum or max) and wait for it; `log=False` outside a
         step. Where the step program says this call carries the step agreement
         (`lowering.ride_agreements`), the ranks' step numbers ride at its end and are checked
-        before `tensor` gets the sum (`runtime.step_numbers`)."""
+        before `tensor` gets the sum (`runtime.step.numbers`)."""
         slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
         payload = tensor if not slots else torch.cat((
             tensor.reshape(-1), step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
@@ -272,7 +272,7 @@ class Communicator:
     def start_step(self, guard: StepGuard | None = None, step: int = 0) -> None:
         """Start one step's log (a long run does not grow it without bound); with a `guard`
         (already started at the step's sizes), hold every call to the step program; `step`:
-        the rank's step number, for an agreement riding in a call (`runtime.step_numbers`)."""
+        the rank's step number, for an agreement riding in a call (`runtime.step.numbers`)."""
         self.log.clear()
         self._guard, self._step = guard, step
 

@@ -40,7 +40,7 @@ def reading_flat(module: fx.GraphModule) -> fx.GraphModule:
         if node.op == "call_module":
             attributes[node.target] = module.get_submodule(node.target)
         elif node.op == "get_attr":
-            value = operator.attrgetter(node.target)(module)  # as `runtime.recompute` reads it
+            value = operator.attrgetter(node.target)(module)  # as `runtime.step.recompute` reads it
             if isinstance(value, torch.Tensor):
                 if node.target not in flat:
                     flat[node.target] = _unique("fxpar_" + node.target.replace(".", "_"), attributes)

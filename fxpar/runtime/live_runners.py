@@ -1,7 +1,7 @@
 """The runners bound in this process, and what a second `bind()` and a `close()` may do.
 
 A runner is *live* from `program.bind()` until `close()`. While live it owns what bind set up
-on its parameters: one post-accumulate-grad hook per parameter (`runtime.gradient_buckets`),
+on its parameters: one post-accumulate-grad hook per parameter (`runtime.state.gradient_buckets`),
 which all-reduces its bucket as soon as backward has filled it. The rules:
 
 1. **One live runner per parameter.** Binding a program whose parameters a live runner already
@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch.fx as fx
 
-from fxpar.compiled_program import CompiledProgram
+from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.errors import BindError
 
 

@@ -5,9 +5,9 @@
     grads       bytes of gradient storage held: the buckets' buffers, ZeRO-2's reduced
                 shards, any gradient outside a bucket
     optimizer   bytes of the optimizers' state tensors (Adam's two moments, its step counts)
-                and, under bf16-mixed, of the fp32 master weights (`runtime.master_weights`)
+                and, under bf16-mixed, of the fp32 master weights (`runtime.state.master_weights`)
     activations (added by the runner) bytes held for backward at their peak during the last
-                step, measured by `runtime.saved_tensors`
+                step, measured by `runtime.step.saved_tensors`
     peak        the allocator's peak on a CUDA device since the last reset (None on the CPU)
 
 Each storage is counted once, however many tensors view it (a parameter and its flat

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fxpar.errors import BindError, clipped
-from fxpar.mesh import Axis, Mesh
+from fxpar.ir.mesh import Axis, Mesh
 from fxpar.runtime.collective_failures import describe_failure
 
 

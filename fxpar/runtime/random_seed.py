@@ -9,7 +9,7 @@
                       equalities tensor parallelism relies on)
 
 One scalar collective over the whole world, at bind, outside any step (so in no step program).
-`fxpar.random_streams` derives each op's generator from it.
+`fxpar.ops.random_streams` derives each op's generator from it.
 """
 
 from __future__ import annotations

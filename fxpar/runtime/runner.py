@@ -29,37 +29,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar import meta
-from fxpar.axes import bind_axes, unbind_axes
-from fxpar.batch_rules import batch_rules
+from fxpar.ir import meta
+from fxpar.ir.axes import bind_axes, unbind_axes
+from fxpar.frontend.batch_rules import batch_rules
 from fxpar.errors import BindError, PlanError
-from fxpar.mesh import Axis
-from fxpar.compiled_program import CompiledProgram
-from fxpar.runtime.batch_checks import check_batch
+from fxpar.ir.mesh import Axis
+from fxpar.ir.compiled_program import CompiledProgram
+from fxpar.runtime.step.batch_checks import check_batch
 from fxpar.runtime.binding import (
     all_tied_groups, backend_for, bound_device, parameters_of, place_state, step_context, synchronise_copies,
 )
-from fxpar.runtime.checkpoint_optimizers import record_maker
+from fxpar.runtime.checkpoint.optimizers import record_maker
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
 from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
-from fxpar.runtime.gradient_accumulation import EarlierGradients
-from fxpar.runtime.gradient_norm import clip_grad_norm_
-from fxpar.runtime.master_weights import MasterWeights, MixedPrecisionOptimizer
+from fxpar.runtime.step.gradient_accumulation import EarlierGradients
+from fxpar.runtime.state.gradient_norm import clip_grad_norm_
+from fxpar.runtime.state.master_weights import MasterWeights, MixedPrecisionOptimizer
 from fxpar.runtime.memory_stats import model_state_bytes
-from fxpar.runtime.module_executor import ModuleExecutor
-from fxpar.runtime.parameter_groups import ParameterGroups, warn_unstepped
-from fxpar.runtime.pipeline_executor import PipelineExecutor
-from fxpar.random_streams import RandomStream, bind_random, unbind_random
+from fxpar.runtime.step.module_executor import ModuleExecutor
+from fxpar.runtime.state.parameter_groups import ParameterGroups, warn_unstepped
+from fxpar.runtime.step.pipeline_executor import PipelineExecutor
+from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.process_groups import RankGroup, init_process_groups
-from fxpar.runtime.saved_tensors import SavedTensorMeter
-from fxpar.runtime.optimizer_reads import require_elementwise_for_pieces
-from fxpar.runtime.sharded_optimizer import ShardedOptimizer
-from fxpar.runtime.step_context import StepContext
-from fxpar.runtime.step_guard import StepGuard
-from fxpar.runtime.step_loss import StepLoss
-from fxpar.runtime.whole_state import WholeState
+from fxpar.runtime.step.saved_tensors import SavedTensorMeter
+from fxpar.runtime.state.optimizer_reads import require_elementwise_for_pieces
+from fxpar.runtime.state.sharded_optimizer import ShardedOptimizer
+from fxpar.runtime.step.context import StepContext
+from fxpar.runtime.step.guard import StepGuard
+from fxpar.runtime.step.loss import StepLoss
+from fxpar.runtime.checkpoint.whole_state import WholeState
 
 
 class Runner(WholeState):
@@ -248,20 +248,20 @@ class Runner(WholeState):
         The batch comes as the example did: tensors in order, a dict, or keywords. Gradients
         are left in the parameters' `.grad`, ready for the optimizer: exactly one device's
         over the global batch when the loss is a mean cross entropy, however many valid
-        targets each piece holds (`runtime.step_loss`); for another loss, the average of the
+        targets each piece holds (`runtime.step.loss`); for another loss, the average of the
         pieces' gradients. Without `opt.zero_grad()` since the last step they are added to
-        that step's, as one device's second backward adds (`runtime.gradient_accumulation`).
+        that step's, as one device's second backward adds (`runtime.step.gradient_accumulation`).
         Every call counts as a step, a failing one too: the ranks agree on the count before
         the step moves any data, or stop with StepMismatchError naming both steps
-        (`runtime.step_agreement`). A batch unlike the example (an input missing, of another
+        (`runtime.step.agreement`). A batch unlike the example (an input missing, of another
         rank, dtype, device or fixed size, empty, longer than the model's positions, or a
         label outside the vocabulary) is a BatchError on every rank given it, before the step
-        communicates (`runtime.batch_checks`).
+        communicates (`runtime.step.batch_checks`).
         """
         self._require_open("step")
         if self._unstepped:  # once per set of optimizers
             self._unstepped = warn_unstepped(self._unstepped)
-        self._context.steps += 1  # every call counts, a failing one too (runtime.step_agreement)
+        self._context.steps += 1  # every call counts, a failing one too (runtime.step.agreement)
         inputs = self.program.captured.arrange(local_batch, keywords)
         chunks = self._microbatches(inputs)
         shapes = tuple(t.shape for t in chunks[0])
@@ -287,7 +287,7 @@ class Runner(WholeState):
             earlier.put_back()
             self.communicator.end_step(check=False)  # a failed step leaves no guard behind
             raise
-        earlier.add_back()  # one device's accumulation (`runtime.gradient_accumulation`)
+        earlier.add_back()  # one device's accumulation (`runtime.step.gradient_accumulation`)
         self.communicator.end_step()
         self._random.step += 1
         return loss
@@ -313,7 +313,7 @@ class Runner(WholeState):
 
     def rng_state(self) -> dict[str, int]:
         """What resumes this run's random draws: `{"seed": ..., "step": ...}`, the same on
-        every rank (`fxpar.random_streams`); a checkpoint saves it."""
+        every rank (`fxpar.ops.random_streams`); a checkpoint saves it."""
         return self._random.state()
 
     def optimizer(
@@ -321,11 +321,11 @@ class Runner(WholeState):
         elementwise: bool = False, **options: Any,
     ):
         """`optimizer_class` over this rank's parameters (each tied group once); under ZeRO-1/2
-        over this rank's shards of them (`runtime.sharded_optimizer`). Where it would step a
+        over this rank's shards of them (`runtime.state.sharded_optimizer`). Where it would step a
         piece of a parameter (ZeRO, tp shards) it must be elementwise, which `elementwise=True`
-        vouches for a class fxpar does not know (`runtime.optimizer_reads`). `options` are the
+        vouches for a class fxpar does not know (`runtime.state.optimizer_reads`). `options` are the
         defaults; `param_groups`, as torch.optim takes them but naming the compiled model's
-        Parameters or their names, gives groups their own (`runtime.parameter_groups`)."""
+        Parameters or their names, gives groups their own (`runtime.state.parameter_groups`)."""
         self._require_open("optimizer")
         captured = self.program.captured
         groups = (ParameterGroups.whole(captured.parameters, captured.aliases) if param_groups is None
@@ -352,7 +352,7 @@ class Runner(WholeState):
         """`torch.nn.utils.clip_grad_norm_` over the whole model: the norm of all its gradients
         as one device has them (each element once, however this rank holds it), every rank's
         gradients scaled by the same coefficient; returns that norm. Call it after `step()`,
-        before `optimizer.step()`, on every rank (`runtime.gradient_norm`)."""
+        before `optimizer.step()`, on every rank (`runtime.state.gradient_norm`)."""
         self._require_open("clip_grad_norm_")
         return clip_grad_norm_(self._rank_state(), self.communicator, max_norm, norm_type,
                                sharded=bool(self._flat_parameters))
@@ -361,7 +361,7 @@ class Runner(WholeState):
         """Bytes this rank holds: `params`, `grads`, `optimizer` (the state of the optimizers
         `runner.optimizer` made), counted from its tensors, `activations` (held for backward at
         their peak during the last measured step, the first at each input size or every one with
-        `record_memory = True`: `runtime.saved_tensors`) and the allocator's `peak`
+        `record_memory = True`: `runtime.step.saved_tensors`) and the allocator's `peak`
         on CUDA (`runtime.memory_stats`); `program.estimate().memory` predicts them."""
         stats = model_state_bytes(self.modules, self._context.buckets, self._optimizers, self.device,
                                   masters=self._masters.tensors())
@@ -375,7 +375,7 @@ class Runner(WholeState):
         return self.communicator.stats()
 
     def comm_log(self) -> list:
-        """The collectives of the last step, in issue order, as `fxpar.collectives.Collective`."""
+        """The collectives of the last step, in issue order, as `fxpar.ir.collectives.Collective`."""
         return list(self.communicator.log)
 
     def reset_comm_stats(self) -> None:

@@ -11,14 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar import meta
+from fxpar.ir import meta
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.estimate import graph_compute, mfu
 from fxpar.cost.hardware import PROFILES
 from fxpar.cost.layout import shares
 from fxpar.cost.ops import cost_of, op_counts
-from fxpar.symbols import BATCH, SEQ
-from fxpar.trace import capture
+from fxpar.ir.symbols import BATCH, SEQ
+from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -71,7 +71,7 @@ def test_total_memory_without_buckets_is_the_larger_end_of_backward():
 
 def test_zero2_whole_gradients_come_in_backward_with_one_microbatch_and_stay_with_several():
     """ZeRO-2's reduced shards live all step; its whole gradients (4P fp32) exist from a
-    bucket's first gradient to its reduction (`runtime.gradient_buckets`): one microbatch's
+    bucket's first gradient to its reduction (`runtime.state.gradient_buckets`): one microbatch's
     come as the activations go, several microbatches' are kept through the later forwards."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (8, 32))

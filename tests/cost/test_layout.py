@@ -9,7 +9,7 @@ import sympy
 
 import fxpar
 from fxpar.cost.layout import shares
-from fxpar.simulation import simulate
+from fxpar.schedule.simulation import simulate
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402

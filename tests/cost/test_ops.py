@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import fxpar
 from fxpar.cost.ops import cost_of
-from fxpar.trace import capture
+from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_models import BUILDERS, build  # noqa: E402

@@ -10,11 +10,11 @@ import sympy
 import torch
 
 import fxpar
-from fxpar import meta
+from fxpar.ir import meta
 from fxpar.cost.ops import cost_of
-from fxpar.distributed_ops import distributed_op
+from fxpar.ops.distributed import distributed_op
 from fxpar.errors import PlanError
-from fxpar.recompute_regions import block_lists, block_of, segments
+from fxpar.ir.recompute_regions import block_lists, block_of, segments
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -64,7 +64,7 @@ def test_selective_marks_the_sdpa_call_or_the_explicit_core():
     core = [n.target for n in gm.graph.nodes if meta.recompute_region(n) == "blocks.0.attn:core"]
     aten = torch.ops.aten
     # Dropout is x * random_like(detach(x)) once fxpar draws it (`passes.random_draws`): the
-    # draw is recomputed too, from the same stream seed (`fxpar.random_streams`).
+    # draw is recomputed too, from the same stream seed (`fxpar.ops.random_streams`).
     assert core == [aten.matmul.default, aten.div.Tensor, aten.masked_fill.Scalar, aten.softmax.int,
                     aten.detach.default, torch.ops.fxpar.random_like.default, aten.mul.Tensor,
                     aten.matmul.default]

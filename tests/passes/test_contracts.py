@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 import fxpar
-from fxpar import meta
+from fxpar.ir import meta
 from fxpar.passes.contracts import ContractError, checking
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.infra import run_passes
-from fxpar.passes.tensor_parallel import every_tensor_placed
+from fxpar.passes.tensor_parallel.rewrite import every_tensor_placed
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402

@@ -10,10 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar import PlanError, meta
+from fxpar import PlanError
+from fxpar.ir import meta
 from fxpar.passes.contracts import ContractError
 from fxpar.passes.mixed_precision import cast_to_bf16, computes_in_bf16
-from fxpar.runtime.master_weights import MasterWeights
+from fxpar.runtime.state.master_weights import MasterWeights
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402

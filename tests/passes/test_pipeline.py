@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import fxpar
-from fxpar import PlanError, meta
-from fxpar.pipeline_program import issue_order, receives_ahead, shared_parameters
+from fxpar import PlanError
+from fxpar.ir import meta
+from fxpar.compiler.pipeline_program import issue_order, receives_ahead, shared_parameters
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402
@@ -88,7 +89,7 @@ def test_a_stage_holding_more_microbatches_gets_fewer_layers():
     """1F1B's first stage keeps p microbatches of activations: memory balance moves its cut."""
     from fxpar.passes.infra import copy_graph_module
     from fxpar.passes.pipeline import assign_stages
-    from fxpar.trace import capture
+    from fxpar.frontend.trace import capture
 
     graph = capture(build_model("gpt"), (TOKENS, LABELS)).graph_module
 

@@ -1,5 +1,5 @@
 """passes.random_draws: each random op of the captured graph becomes a draw of
-fxpar.random_ops, numbered in graph order, its slice read from its placements; what the pass
+fxpar.ops.random_ops, numbered in graph order, its slice read from its placements; what the pass
 cannot draw by slice is refused; rng=exact's extra draws are priced."""
 
 import sys
@@ -10,8 +10,8 @@ import torch
 
 import fxpar
 from fxpar.errors import CaptureError
-from fxpar.random_ops import DrawSlice
-from fxpar.random_streams import RandomStream, bind_random, unbind_random
+from fxpar.ops.random_ops import DrawSlice
+from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import GPT, GPTConfig, global_batches  # noqa: E402

@@ -11,12 +11,13 @@ import torch
 import torch.nn as nn
 
 import fxpar
-from fxpar import PlanError, meta
-from fxpar.passes.tp_rules import infer_styles, placement_for
-from fxpar.placement import Placements, R, Shard, global_tensor, local_slice
-from fxpar.axes import bind_axes, unbind_axes
-from fxpar.mesh import Axis
-from fxpar.trace import capture
+from fxpar import PlanError
+from fxpar.ir import meta
+from fxpar.passes.tensor_parallel.rules import infer_styles, placement_for
+from fxpar.ir.placement import Placements, R, Shard, global_tensor, local_slice
+from fxpar.ir.axes import bind_axes, unbind_axes
+from fxpar.ir.mesh import Axis
+from fxpar.frontend.trace import capture
 
 ops = SimpleNamespace(**{  # the ops the passes insert, as graph targets
     name: getattr(torch.ops.fxpar, name).default
@@ -138,7 +139,7 @@ def test_an_op_without_a_rule_on_a_shard_names_node_module_and_fix():
     message = str(error.value)
     assert "no placement rule for op aten.cumsum.default" in message
     assert "(module '<root module>')" in message and "linear: S(1)" in message
-    assert "tp_propagation.RULES" in message
+    assert "tensor_parallel.propagation.RULES" in message
 
 
 def test_tp_collectives_are_predicted_per_microbatch():

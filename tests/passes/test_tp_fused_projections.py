@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import fxpar
-from fxpar import meta
-from fxpar.placement import Shard
+from fxpar.ir import meta
+from fxpar.ir.placement import Shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_threads import LAYERS, assert_equals_one_device, captured, compiled, kinds, layer_collectives  # noqa: E402

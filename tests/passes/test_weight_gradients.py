@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.deferred_linear import LINEAR
+from fxpar.ops.deferred_linear import LINEAR
 from fxpar.passes.weight_gradients import deferred_weights
-from fxpar import deferred_linear
-from fxpar.runtime.weight_gradients import WeightGradientStore
+from fxpar.ops import deferred_linear
+from fxpar.runtime.step.weight_gradients import WeightGradientStore
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402
@@ -111,7 +111,7 @@ def test_a_weight_also_read_by_another_op_keeps_its_gradient_in_b():
             return F.linear(h, self.embed.weight).sum()
 
     from fxpar.passes.weight_gradients import defer_weight_gradients
-    from fxpar.trace import capture
+    from fxpar.frontend.trace import capture
 
     module = defer_weight_gradients(capture(Tied(), (torch.tensor([[1, 2, 3]]),)).graph_module)
     assert deferred_weights(module) == ["other.weight"]

@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 
 import fxpar
-from fxpar import meta
-from fxpar.axes import bind_axes, unbind_axes
-from fxpar.placement import global_tensor
-from fxpar.trace import capture
+from fxpar.ir import meta
+from fxpar.ir.axes import bind_axes, unbind_axes
+from fxpar.ir.placement import global_tensor
+from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_models import build  # noqa: E402
@@ -33,7 +33,7 @@ LAYERS = 2  # of every model in tests/hf_models.py
 
 
 class ThreadedCollectives:
-    """Mesh axis "tp" for tp ranks that are threads of one process (`fxpar.axes.AxisBinding`):
+    """Mesh axis "tp" for tp ranks that are threads of one process (`fxpar.ir.axes.AxisBinding`):
     each collective is a meeting at a barrier where every rank posts its tensor and reads all
     the others'. A thread's rank is its index on the axis."""
 

@@ -13,7 +13,7 @@ momentum on some), and is compared with its own checkpoint=none run:
   because torch's checkpoint restores the RNG state before recomputing (each plan starts
   from the same RNG state, so its masks are the same draws too).
 * `memory_stats()["activations"]`, the bytes held for backward at their peak in the first
-  step (`runtime.saved_tensors`), equals the prediction for the rank
+  step (`runtime.step.saved_tensors`), equals the prediction for the rank
   (`rank_memory.predicted_memory`, the estimate's terms per pipeline coordinate) to the
   byte, and checkpointing lowers it: full below selective below none. The same equality
   holds under ZeRO-3 (with and without re-gathering for backward), metered only.

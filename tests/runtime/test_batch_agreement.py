@@ -1,6 +1,6 @@
 """The ranks of a tp group or a pipeline hold one batch, or every one of them says which differ.
 
-`runtime.batch_identity`: each rank's step agreement on tp and pp carries a fingerprint of its
+`runtime.step.batch_identity`: each rank's step agreement on tp and pp carries a fingerprint of its
 batch and the batch's sizes, in a call of one size whatever the batch. The fingerprint's
 properties are checked here in one process; the multi-rank launch gives rank 1 other rows (a
 loader sharded by global rank: before, tp trained silently to another loss) or fewer rows
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fxpar.errors import BatchMismatchError
-from fxpar.mesh import Axis
-from fxpar.runtime.batch_identity import BatchIdentity
+from fxpar.ir.mesh import Axis
+from fxpar.runtime.step.batch_identity import BatchIdentity
 from fxpar.runtime.process_groups import RankGroup
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""A step's batch checked against the compiled program (`runtime.batch_checks`): each bad
+"""A step's batch checked against the compiled program (`runtime.step.batch_checks`): each bad
 input a BatchError naming the input, the expected, the got and a fix, raised by
 `runner.step` before the step communicates. Single-process: the checks are called directly
 (they read `batch_rules(program.captured)`, the same under every plan) and through a runner
@@ -15,8 +15,8 @@ import torch
 
 import fxpar
 from fxpar import BatchError
-from fxpar.batch_rules import batch_rules
-from fxpar.runtime.batch_checks import check_batch
+from fxpar.frontend.batch_rules import batch_rules
+from fxpar.runtime.step.batch_checks import check_batch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from small_gpt import small_capture  # noqa: E402
@@ -39,7 +39,7 @@ def check(*inputs: torch.Tensor, device: torch.device = CPU) -> None:
 @pytest.fixture(scope="module")
 def vocabulary_256():
     """The example GPT with a vocabulary of 256 under tp=2 (its cross entropy vocabulary-
-    parallel, `passes.tp_vocab_loss`) and dp=2."""
+    parallel, `passes.tensor_parallel.vocab_loss`) and dp=2."""
     model, inputs = factory(n_layer=1, n_head=2, n_embd=16, vocab_size=256, seq=16, batch=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -146,7 +146,7 @@ def runner(monkeypatch):
 
 def test_runner_step_raises_before_the_step_and_goes_on_after(runner):
     """Torch raised IndexError from inside the loss here; now the step stops at its top (each
-    call still counts as a step, `runtime.step_agreement`), and the next batch trains."""
+    call still counts as a step, `runtime.step.agreement`), and the next batch trains."""
     labels = TOKENS.clone()
     labels[2, 7] = 64
     with pytest.raises(BatchError, match=re.escape("targets[2, 7] = 64 (indices")):

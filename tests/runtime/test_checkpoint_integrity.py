@@ -1,4 +1,4 @@
-"""Checkpoints that cannot lie (`runtime.checkpoint`'s list): damage, a bad manifest, a second
+"""Checkpoints that cannot lie (`runtime.checkpoint.save_load`'s list): damage, a bad manifest, a second
 writer, a full disk and optimizer state left behind are each a clear error or warning.
 
 Single-process: the small GPT bound in a world of one (real DCP, real collectives of one
@@ -25,10 +25,10 @@ import xxhash
 
 import fxpar
 from fxpar.errors import CheckpointError
-from fxpar.runtime.checkpoint import verify_checkpoint
-from fxpar.runtime.checkpoint_checksums import ChecksummingFileSystem
-from fxpar.runtime.checkpoint_lock import LOCK_FILE, Holder, take_lock
-from fxpar.runtime.checkpoint_manifest import validate_manifest
+from fxpar.runtime.checkpoint.save_load import verify_checkpoint
+from fxpar.runtime.checkpoint.checksums import ChecksummingFileSystem
+from fxpar.runtime.checkpoint.lock import LOCK_FILE, Holder, take_lock
+from fxpar.runtime.checkpoint.manifest import validate_manifest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from small_gpt import small_capture  # noqa: E402
@@ -286,7 +286,7 @@ def test_a_failed_read_names_its_cause(bound, tmp_path, monkeypatch):
     def failing_read(self, file, sinfo):
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(folder / sinfo.relative_path))
 
-    monkeypatch.setattr("fxpar.runtime.dcp_io.SafeReader._slice_file", failing_read)
+    monkeypatch.setattr("fxpar.runtime.checkpoint.dcp_io.SafeReader._slice_file", failing_read)
     with pytest.raises(CheckpointError, match=re.escape(
             f"loading checkpoint {folder} failed on rank 0: Input/output error (EIO) at {folder}/__0_0.distcp. "
             "The model and optimizer may be partly loaded: load again before training. Fix: check the storage")):
@@ -297,7 +297,7 @@ def test_a_failed_read_names_its_cause(bound, tmp_path, monkeypatch):
 
 
 def test_a_resumed_run_draws_the_dropout_masks_the_uninterrupted_one_draws(bound, tmp_path):
-    """Dropout's masks come from the random stream's seed and step (`fxpar.random_streams`),
+    """Dropout's masks come from the random stream's seed and step (`fxpar.ops.random_streams`),
     which the manifest carries: a step after a load draws what the same step drew before it.
     Before, the stream kept counting, so the repeated step drew another mask (and a restarted
     job began again at step 0, repeating the first steps' masks)."""

@@ -41,7 +41,7 @@ def test_an_edited_step_program_is_refused_by_check_and_stopped_by_the_runtime(t
 def test_a_rank_that_carries_on_after_a_failed_step_is_stopped_naming_both_steps(torchrun):
     """Rank 1's second step raises before communicating (a bad batch) and it carries on to its
     third while rank 0 is in its second: the first collective of the step, on each axis, holds
-    every rank's step number (`runtime.step_agreement`), so both ranks stop there, naming both
+    every rank's step number (`runtime.step.agreement`), so both ranks stop there, naming both
     steps, at once (no timeout), before the two steps' data is mixed."""
     plans = ("dp=2", "tp=2", "pp=2 mb=2")  # riding in dp's first bucket; tp's and pp's own calls
     zero, one = torchrun("skip_worker.py", 2, *plans, timeout=180)

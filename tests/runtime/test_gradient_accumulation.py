@@ -4,7 +4,7 @@ One 2-rank launch (tests/workers/accumulation_worker.py) runs the worker's `SCRI
 plan: steps on batches 0 and 1 with no `zero_grad` between them, then `zero_grad(set_to_none=
 False)` and a step on batch 1, `zero_grad()` and steps on batches 0 and 1 again, reading the
 whole gradients (`runner.full_gradients`) after each step, then one SGD step. One device runs
-the same script: `.grad` after the second backward is g0 + g1 (`runtime.gradient_accumulation`
+the same script: `.grad` after the second backward is g0 + g1 (`runtime.step.gradient_accumulation`
 says why a distributed step must set the earlier gradients aside to get it). Before the fix the
 accumulated gradient of dp, ZeRO-1/2, tp with sp, pp and bf16-mixed was off by up to 70%
 (the bucket's all-reduce summed the held g0 over the ranks and divided it by the second step's
@@ -33,11 +33,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fxpar.mesh import Axis
-from fxpar.passes.data_parallel import Bucket
+from fxpar.ir.mesh import Axis
+from fxpar.ir.buckets import Bucket
 from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.gradient_accumulation import EarlierGradients
-from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.step.gradient_accumulation import EarlierGradients
+from fxpar.runtime.state.gradient_buckets import GradientBuckets
 from fxpar.runtime.process_groups import RankGroup
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))

@@ -1,10 +1,10 @@
 """Gradient buckets on a world of one real gloo group: when ZeRO-2's whole gradients exist.
 
-`runtime.gradient_buckets` allocates a ZeRO-2 bucket's whole buffer at its first gradient in
+`runtime.state.gradient_buckets` allocates a ZeRO-2 bucket's whole buffer at its first gradient in
 backward and frees it once the bucket is reduced, so a one-microbatch step never holds the
 whole gradients beside the forward's activations (what `cost.memory.peak_bytes` prices);
 with two microbatches they accumulate over both backwards and are reduced once, or, reducing
-per microbatch (`fxpar.zero_reduction`), each microbatch's are reduced after its backward and
+per microbatch (`fxpar.plan.zero_reduction`), each microbatch's are reduced after its backward and
 freed, and only the reduced shards accumulate.
 """
 
@@ -15,10 +15,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fxpar.mesh import Axis
-from fxpar.passes.data_parallel import Bucket
+from fxpar.ir.mesh import Axis
+from fxpar.ir.buckets import Bucket
 from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.gradient_buckets import GradientBuckets
+from fxpar.runtime.state.gradient_buckets import GradientBuckets
 from fxpar.runtime.process_groups import RankGroup
 
 

@@ -1,7 +1,7 @@
 """Tier 3: `runner.clip_grad_norm_` is `torch.nn.utils.clip_grad_norm_` on one device, for every plan.
 
 The global norm runs over every gradient element once, however the ranks hold them
-(`runtime.gradient_norm`): in pieces (tp shards, ZeRO-1/2's bucket shards, ZeRO-3's flat
+(`runtime.state.gradient_norm`): in pieces (tp shards, ZeRO-1/2's bucket shards, ZeRO-3's flat
 pieces, pipeline stages) and in copies (replicated over dp or tp, the tiny GPT's embedding tied
 to its head across two pipeline stages). One four-rank launch trains the tiny GPT for 5 AdamW
 steps, clipping to a 2-norm of 0.4 before each (the one-device norms run 0.56-1.13, so every

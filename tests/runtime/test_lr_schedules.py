@@ -2,7 +2,7 @@
 
 torch's schedulers accept only a `torch.optim.Optimizer` and set the `lr` of its groups. Under
 ZeRO-1/2 (`ShardedOptimizer`) and bf16-mixed (`MixedPrecisionOptimizer`) the optimizer the
-user holds steps another over fxpar's own tensors (`runtime.wrapped_optimizer`); the groups a
+user holds steps another over fxpar's own tensors (`runtime.state.wrapped_optimizer`); the groups a
 scheduler writes must be the ones that optimizer reads. One launch trains the example Llama for 5
 AdamW steps under `tiny_training.lr_scheduler` (StepLR, the rate halved each step) with each
 kind of optimizer, and compares with one device trained under the same schedule:
@@ -72,7 +72,7 @@ def test_a_loaded_checkpoint_gives_back_the_schedulers_initial_lr():
     """`runner.load(path, optimizer=...)` restores the saved groups' options as torch's
     `load_state_dict` does, keys the fresh optimizer lacks included: a scheduler made after the
     load to resume (`last_epoch=k`) reads `initial_lr`, which only the saved groups hold."""
-    from fxpar.runtime.checkpoint import _restore_options
+    from fxpar.runtime.checkpoint.save_load import _restore_options
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
     _restore_options(optimizer, [{"lr": 2.5e-3, "initial_lr": 1e-2, "betas": [0.8, 0.95]}])

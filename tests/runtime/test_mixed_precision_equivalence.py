@@ -1,6 +1,6 @@
 """Tier 3: precision=bf16-mixed trains as one device does, within bf16's precision, for every plan.
 
-bf16-mixed (`passes.mixed_precision`, `runtime.master_weights`) computes with bf16 working
+bf16-mixed (`passes.mixed_precision`, `runtime.state.master_weights`) computes with bf16 working
 weights and activations, keeps fp32 master weights and AdamW state, reduces gradients over dp
 in `reduce_dtype` and reports an fp32 loss. Three launches train for 5 AdamW steps
 (tests/workers/train_worker.py): the example Llama on one device and on two ranks (dp with

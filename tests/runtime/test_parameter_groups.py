@@ -2,7 +2,7 @@
 
 nanoGPT, Hugging Face's Trainer and most recipes step biases and norm weights without weight
 decay. `runner.optimizer(cls, param_groups=[...])` takes torch.optim's groups, naming the
-compiled model's Parameters or their names (`runtime.parameter_groups`).
+compiled model's Parameters or their names (`runtime.state.parameter_groups`).
 `tiny_training.parameter_groups` decays the matrices and steps the rest without decay at a
 tenth of the rate, so a parameter stepped in the wrong group moves far more than any
 tolerance here (asserted on one device). Each plan trains 5 AdamW steps and is compared with
@@ -35,9 +35,9 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.runtime.full_checkpoint import load_full_optimizer_state, optimizer_path, write_full
-from fxpar.runtime.parameter_groups import ParameterGroups
-from fxpar.trace import capture
+from fxpar.runtime.checkpoint.full_file import load_full_optimizer_state, optimizer_path, write_full
+from fxpar.runtime.state.parameter_groups import ParameterGroups
+from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import (  # noqa: E402
@@ -239,7 +239,7 @@ def test_a_list_of_optimizers_checkpoints_under_one_plan_and_resumes_under_anoth
 def test_zero_1_and_2_refuse_groups_that_leave_a_trained_parameter_out():
     from types import SimpleNamespace
 
-    from fxpar.runtime.sharded_optimizer import ShardedOptimizer
+    from fxpar.runtime.state.sharded_optimizer import ShardedOptimizer
 
     bucket = SimpleNamespace(bucket=SimpleNamespace(parameters=["h.0.w", "h.0.b"]))
     context = SimpleNamespace(buckets=[SimpleNamespace(zero=2, states=[bucket])])
@@ -250,14 +250,14 @@ def test_zero_1_and_2_refuse_groups_that_leave_a_trained_parameter_out():
 
 
 def test_a_trained_parameter_no_optimizer_steps_is_warned_of():
-    from fxpar.runtime.parameter_groups import warn_unstepped
+    from fxpar.runtime.state.parameter_groups import warn_unstepped
 
     with pytest.warns(UserWarning, match=r"'h.0.b' \(and 1 more\) is in no group.*requires_grad=False"):
         assert warn_unstepped(["h.0.b", "h.1.b"]) == []
 
 
 def test_a_load_is_given_the_optimizers_the_checkpoint_holds(tmp_path):
-    from fxpar.runtime.checkpoint import _saved_optimizers
+    from fxpar.runtime.checkpoint.save_load import _saved_optimizers
 
     manifest = {"optimizer": [{"class": "Muon", "param_groups": [{}]}, {"class": "AdamW", "param_groups": [{}]}]}
     adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
@@ -273,7 +273,7 @@ def test_a_shard_is_cut_where_the_group_of_its_parameters_changes():
     padding alone is one run in the group of the bucket's last parameter."""
     from types import SimpleNamespace
 
-    from fxpar.runtime.sharded_optimizer import group_runs
+    from fxpar.runtime.state.sharded_optimizer import group_runs
 
     def buckets(spans, parameters=("w", "b", "v")):
         return SimpleNamespace(shard_spans=lambda index: iter(spans),

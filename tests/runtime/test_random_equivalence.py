@@ -8,7 +8,7 @@ every process having seeded its own generator differently before bind.
 
 rng=exact is compared with one device: fxpar's program for one rank (plan "rng=exact"),
 trained here by hand with the same seed, which draws each random value whole from the same
-stream (`fxpar.random_streams`). Tolerances as in the dropout-free tiers (fp32, rel 1e-5: the
+stream (`fxpar.ops.random_streams`). Tolerances as in the dropout-free tiers (fp32, rel 1e-5: the
 same per-sample values summed in another order), gradients with a floor of 1e-6 x the largest
 gradient norm for the key bias's exactly-zero true gradient, parameters compared all together
 (tiny_training.OPTIMIZER says why).
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.random_streams import RandomStream, bind_random, unbind_random
+from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from random_worker import MODELS, STEPS, model_and_plan  # noqa: E402

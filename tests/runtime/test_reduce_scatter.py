@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxpar.mesh import Axis
+from fxpar.ir.mesh import Axis
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
 

@@ -1,10 +1,10 @@
-"""The count of valid targets as float digits (`runtime.riding_count`): summed over ranks in a
+"""The count of valid targets as float digits (`runtime.step.riding_count`): summed over ranks in a
 float32 bucket, the digits give back the exact sum of the counts, beyond float32's 2**24."""
 
 import torch
 
-from fxpar.lowering import COUNT_RIDES_UP_TO, COUNT_SLOTS
-from fxpar.runtime import riding_count
+from fxpar.compiler.lowering import COUNT_RIDES_UP_TO, COUNT_SLOTS
+from fxpar.runtime.step import riding_count
 
 
 def test_digits_summed_in_float32_over_the_most_ranks_give_the_exact_total():

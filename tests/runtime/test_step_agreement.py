@@ -1,6 +1,6 @@
 """The step agreement in flight: settled before the next call that moves data, never later.
 
-`runtime.step_agreement` starts each step's agreement on tp and pp without waiting for it;
+`runtime.step.agreement` starts each step's agreement on tp and pp without waiting for it;
 the communicator settles it (`Communicator.settle_before_data`) before the first call that is
 not itself an agreement, or at the end of the step. `test_failures.py` runs the multi-rank
 case (a rank carries on after a failed step: every rank names both steps); here one process,
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from fxpar.errors import StepMismatchError
-from fxpar.mesh import Axis
+from fxpar.ir.mesh import Axis
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime import step_numbers
-from fxpar.runtime.step_agreement import start_agreement
+from fxpar.runtime.step import numbers as step_numbers
+from fxpar.runtime.step.agreement import start_agreement
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_a_failed_step_leaves_its_agreement_to_complete_on_its_own(group):
 
 
 def test_step_numbers_riding_in_a_float_payload_are_exact_modulo_2_to_the_24():
-    """A float32 slot holds a step number exactly below 2**24 (`runtime.step_numbers`)."""
+    """A float32 slot holds a step number exactly below 2**24 (`runtime.step.numbers`)."""
     member = RankGroup(axis=Axis.TP, ranks=(0, 1), handle=None, rank=1)
     step = 2**24 + 5
     vector = step_numbers.slots(member, step, dtype=torch.float32, device=torch.device("cpu"))

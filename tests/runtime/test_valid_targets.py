@@ -1,4 +1,4 @@
-"""The step's count of valid targets arrives during the forward (`runtime.valid_targets`):
+"""The step's count of valid targets arrives during the forward (`runtime.step.valid_targets`):
 the bound graph waits for it right where the loss reads it, once a step, and a graph without
 a count is left alone. (That the values and the step agreement are the blocking path's is
 the multi-rank tests': test_data_parallel_equivalence, test_failures.)"""
@@ -6,8 +6,8 @@ the multi-rank tests': test_data_parallel_equivalence, test_failures.)"""
 import torch
 import torch.fx as fx
 
-from fxpar.passes.loss_normalisation import COUNT_INPUT
-from fxpar.runtime.valid_targets import ARRIVED, CountArrival, await_count
+from fxpar.ir.loss_reduction import COUNT_INPUT
+from fxpar.runtime.step.valid_targets import ARRIVED, CountArrival, await_count
 
 
 def _loss_graph() -> fx.GraphModule:

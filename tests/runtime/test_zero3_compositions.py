@@ -23,7 +23,7 @@ state: 4P/N fp32 pieces, 4P/N fp32 gradients, 8P/N AdamW moments (`cost.memory`)
 the estimate; the step program's calls say bf16 for the gathers and fp32 for the
 reduce-scatters, and are what each step issued (`comm_stats` equal to the estimate).
 
-Activation checkpointing with ZeRO-3 (`runtime.recompute`). Exact against checkpoint=none
+Activation checkpointing with ZeRO-3 (`runtime.step.recompute`). Exact against checkpoint=none
 under the same ZeRO-3 plan (rel 1e-5, the project's tolerance; measured bitwise) and
 against one device (`assert_equivalent`, rel 1e-5), full and selective, with and without
 re-gathering for backward, and under bf16-mixed (bitwise as the same plan without

@@ -2,7 +2,7 @@
 
 Each rank keeps AdamW's state for its shard of every flat gradient bucket (ZeRO-1), and
 under ZeRO-2 only its shard of the reduced gradients; the updated parameters are gathered
-back after each step (`runtime.sharded_optimizer`). Compared with the single-device
+back after each step (`runtime.state.sharded_optimizer`). Compared with the single-device
 reference as the data-parallel tests are (tests/runtime/test_data_parallel_equivalence.py:
 loss of every step, every gradient of the first step, all parameters after 5 AdamW steps,
 relative 1e-5 for the reasons given there), with dp alone and composed with microbatches,
@@ -12,7 +12,7 @@ Every step's collectives, the optimizer's gathers included, are the step program
 (`passes.zero3`): each rank stores a flat piece of every parameter, gathered per layer by the
 graph, prefetched and gathered again for backward by default; the same compositions. With
 microbatches both ways of reducing run (`zero_reduce`: per microbatch, named in the plan, and
-per step, what auto picks on the CPU; `fxpar.zero_reduction`), interleaved stages included.
+per step, what auto picks on the CPU; `fxpar.plan.zero_reduction`), interleaved stages included.
 """
 
 import sys

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar.step_program import Communicate, Purpose
+from fxpar.ir.step_program import Communicate, Purpose
 from step_program_edits import resize_call
 from tiny_training import build_model, global_batches
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar.rank_memory import predicted_memory
+from fxpar.pictures.rank_memory import predicted_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import OPTIMIZER, batches, builder  # noqa: E402

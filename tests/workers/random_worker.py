@@ -27,11 +27,11 @@ import sympy
 import torch
 
 import fxpar
-from fxpar import meta
+from fxpar.ir import meta
 from fxpar.errors import BindError
-from fxpar.placement import Replicate, local_shape
-from fxpar.random_ops import DrawSlice
-from fxpar.random_streams import bound_random
+from fxpar.ir.placement import Replicate, local_shape
+from fxpar.ops.random_ops import DrawSlice
+from fxpar.ops.random_streams import bound_random
 from tiny_training import GPT, OPTIMIZER, GPTConfig, global_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

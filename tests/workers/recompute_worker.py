@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar.rank_memory import predicted_memory
+from fxpar.pictures.rank_memory import predicted_memory
 from explicit_attention import ExplicitAttentionGPT
 from tiny_training import OPTIMIZER, build_model, global_batches
 
@@ -44,7 +44,7 @@ for argument in arguments:
     torch.manual_seed(1)  # dropout's masks: the same draws under every plan
     for tokens, labels in global_batches()[:4]:
         # Copies: a rank's slice of the global batch is a view of all of it, and the meter
-        # counts a saved tensor's whole storage (runtime.saved_tensors).
+        # counts a saved tensor's whole storage (runtime.step.saved_tensors).
         local = [t.to(runner.device).clone() for t in runner.local_batch(tokens, labels)]
         losses.append(runner.step(*local))
         if first_grads is None:

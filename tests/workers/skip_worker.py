@@ -5,7 +5,7 @@
 For each plan (two ranks on one axis: dp, tp or pp) both ranks bind, take one good step, then
 rank 1 is handed a batch without its labels: its second `runner.step` raises before any
 collective, it catches that and goes on to its third, while rank 0 is in its second. The
-step agreement (`runtime.step_agreement`) must stop both, naming both step numbers, at the
+step agreement (`runtime.step.agreement`) must stop both, naming both step numbers, at the
 first collective of the step. Each rank saves, per plan, what it caught and how long its
 failing step took; then closes the runner and binds the next plan's (the groups are intact:
 the agreement's all-reduce completed).

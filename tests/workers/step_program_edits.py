@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fxpar.step_program import StepAction, Call, Exchange, StepProgram
+from fxpar.ir.step_program import StepAction, Call, Exchange, StepProgram
 
 
 def drop_call(program: StepProgram, position: int) -> StepProgram:

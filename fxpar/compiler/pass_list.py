@@ -1,0 +1,185 @@
+"""The passes a plan compiles with: one list built from the plan, printable, run by `run_passes`.
+
+`pass_list(plan, captured, mesh=..., hardware=...)` is the only place that decides which
+passes run and in which order; `compile` runs `graph` on the captured graph, and, with a
+pipeline, splits the result into stages and runs `stage` on each (every pass, on either side
+of the split, a `GraphModule -> GraphModule` whose contract `run_passes` checks). Options are
+bound with `functools.partial`, so `print(program.passes)` shows the whole pipeline:
+
+    graph: normalise_loss
+           cast_to_bf16                          (precision=bf16-mixed)
+           shard_tensor_parallel(placements=..., tp=2, sequence_parallel=False, ...)
+           place_data_parallel(batch=frozenset({s35}))
+           draw_from_streams(exact=False, dp=2, tp=2, microbatches=1)   (a model that draws)
+           assign_stages(stages=2, split=(), cost=..., memory=..., in_flight=(2.0, 1.0))
+    stage: defer_weight_gradients
+           assign_gradient_buckets(bucket_bytes=1048576, mesh=Mesh(dp=2, pp=2, tp=2))
+           mark_recomputation(mode='full', blocks=('h',))
+
+[Note: pass order] The loss becomes sum / global count first, so that every later rewrite
+(the vocabulary-parallel loss, the pipeline's last stage) works on the sum. Mixed precision
+follows: every later pass, and the ops it inserts, sees the dtypes a rank computes in. Tensor
+parallelism runs next: it decides which parameters are split, and gradient buckets are sized
+by the shards each rank really holds. Placements on the dp axis follow, over the ops tensor
+parallelism inserted too. Random ops are given their streams once both axes are placed (a
+draw's slice is read from its placements) and before the cut, so that they are numbered in
+the whole graph's order (`passes.random_draws`). The pipeline cut comes after: stages hold tensor-parallel shards,
+and each stage's buckets hold only that stage's parameters, so buckets are a stage pass; a
+zero-bubble stage defers its linear weights' gradients before its buckets are drawn up.
+Activation checkpointing marks its regions last, on the graph each rank runs, so that what
+earlier passes inserted is marked too and their collectives are left out
+(`passes.activation_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from fxpar.cost.collectives import MiB, gradient_bucket_bytes
+from fxpar.cost.profiles import hardware_profile
+from fxpar.errors import PlanError
+from fxpar.ir.mesh import Mesh
+from fxpar.passes.activation_checkpoint import mark_recomputation
+from fxpar.passes.data_parallel import assign_gradient_buckets
+from fxpar.passes.dp_placement import place_data_parallel
+from fxpar.passes.infra import GraphPass, pass_name
+from fxpar.passes.loss_normalisation import normalise_loss
+from fxpar.passes.mixed_precision import cast_to_bf16
+from fxpar.passes.pipeline import assign_stages
+from fxpar.passes.random_draws import draw_from_streams, draws_randomness
+from fxpar.passes.tensor_parallel.rewrite import shard_tensor_parallel
+from fxpar.passes.tensor_parallel.rules import parameter_placements
+from fxpar.passes.weight_gradients import defer_weight_gradients
+from fxpar.passes.zero3 import shard_parameters
+from fxpar.compiler.pipeline_program import node_memory, node_time, schedule_in_flight
+from fxpar.ir.placement import Placements, Shard, local_shape
+from fxpar.plan.plan import Plan
+from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
+from fxpar.schedule.schedules import Schedule, schedule
+from fxpar.frontend.trace import CapturedGraph
+
+
+@dataclass(frozen=True)
+class PassList:
+    """The passes of one compile: on the whole graph, then on each pipeline stage."""
+
+    graph: tuple[GraphPass, ...]
+    stage: tuple[GraphPass, ...] = ()  # empty without a pipeline
+    # The pipeline's schedule, which the stage cut sizes its memory by and the program runs
+    # (`Program.schedule` is this object); None without a pipeline.
+    schedule: Schedule | None = None
+
+    def __str__(self) -> str:
+        lines = []
+        for side, passes in (("graph", self.graph), ("stage", self.stage)):
+            for i, graph_pass in enumerate(passes):
+                lines.append(f"{side + ':' if i == 0 else '':<7}{pass_name(graph_pass)}")
+        return "\n".join(lines)
+
+
+def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str) -> PassList:
+    """The passes `plan` compiles `captured` with, in order (module doc)."""
+    graph: list[GraphPass] = [normalise_loss]
+    if plan.precision == "bf16-mixed":
+        graph.append(cast_to_bf16)
+    if plan.tp > 1:
+        placements = parameter_placements(captured.graph_module, _tensor_parallel_rules(plan, captured), tp=plan.tp)
+        graph.append(partial(
+            shard_tensor_parallel, placements=placements, tp=plan.tp,
+            sequence_parallel=plan.sequence_parallel, seq=frozenset(captured.export_symbols("seq")),
+            gathered_outputs=placements.gathered_outputs,
+        ))
+    graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
+    if draws_randomness(captured.graph_module):
+        graph.append(partial(draw_from_streams, exact=plan.rng == "exact", dp=plan.dp, tp=plan.tp,
+                             microbatches=plan.microbatches))
+    buckets = partial(assign_gradient_buckets, bucket_bytes=_bucket_bytes(plan, mesh, hardware), mesh=mesh,
+                      hold=plan.zero >= 1, **_reduce_dtype(plan))
+    # ZeRO-3 after the buckets (which say what is trained); with dp=1 nothing is sharded.
+    zero3 = (partial(shard_parameters, mesh=mesh, reshard_after_forward=plan.reshard_after_forward,
+                     **_reduce_dtype(plan)),
+             ) if plan.zero == 3 and mesh.dp > 1 else ()
+    last = (buckets, *zero3, *_recomputation(plan, captured))
+    stages = plan.pp * plan.virtual_stages
+    if stages == 1:
+        return PassList(graph=(*graph, *last))
+    pipeline = schedule(plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages)
+    graph.append(partial(
+        assign_stages, stages=stages, split=plan.split,
+        cost=node_time(captured, hardware_profile(hardware, measured=False), precision=plan.compute_precision),
+        memory=node_memory(captured, microbatch=_rank_microbatch(plan, captured, mesh), plan=plan),
+        in_flight=schedule_in_flight(pipeline),
+    ))
+    per_stage = (defer_weight_gradients, *last) if pipeline.splits_backward else last
+    return PassList(graph=tuple(graph), stage=per_stage, schedule=pipeline)
+
+
+def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]:
+    """The checkpoint pass for the plan's `checkpoint`, with the model's block lists found on
+    the whole captured graph (a pipeline stage holds only some blocks); a PlanError where the
+    model has nothing to checkpoint."""
+    if plan.checkpoint == "none":
+        return ()
+    graph = captured.graph_module.graph
+    blocks = block_lists(graph)
+    if plan.checkpoint == FULL and not blocks:
+        raise PlanError(
+            "plan checkpoint=full recomputes each transformer block, and this model has no "
+            "block list: no module whose children are named 0, 1, 2, ... (at least two) and "
+            "are all of one class, as GPT-2's transformer.h or Llama's model.layers. Fix: keep "
+            "the repeated layers in an nn.ModuleList, or checkpoint=selective (attention's "
+            "core only), or checkpoint=none",
+            field="checkpoint",
+            value=plan.checkpoint,
+        )
+    if plan.checkpoint == SELECTIVE and not attention_cores(graph):
+        raise PlanError(
+            "plan checkpoint=selective recomputes attention's core (QK^T, softmax, dropout, "
+            "attention over V, or one scaled_dot_product_attention), and this model has none. "
+            "Fix: checkpoint=full (every block) or checkpoint=none",
+            field="checkpoint",
+            value=plan.checkpoint,
+        )
+    return (partial(mark_recomputation, mode=plan.checkpoint, blocks=blocks),)
+
+
+def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:
+    """A rank's share of one microbatch of the example's batch (`placement.local_shape`)."""
+    (batch,) = local_shape((captured.example_batch // plan.microbatches,), Placements(dp=Shard(0)), mesh.sizes)
+    return batch
+
+
+def _reduce_dtype(plan: Plan) -> dict[str, torch.dtype]:
+    """bf16-mixed's gradients (bf16) are reduced over dp in the plan's `reduce_dtype`."""
+    if plan.precision != "bf16-mixed":
+        return {}
+    return {"reduce_dtype": torch.bfloat16 if plan.reduce_dtype == "bf16" else torch.float32}
+
+
+def _bucket_bytes(plan: Plan, mesh: Mesh, hardware: str) -> int:
+    """The plan's `bucket_mb`, or the cost model's size for the dp degree (`cost.collectives`)."""
+    if plan.bucket_mb is not None:
+        return int(plan.bucket_mb * MiB)
+    # Nominal, never measured, constants: every rank must choose the same buckets.
+    return gradient_bucket_bytes(mesh.dp, hardware_profile(hardware, measured=False).intra_node)
+
+
+def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str] | str:
+    """The plan's tp_rules with the model's own plans in place of "auto" and "model"."""
+    declared = captured.declared_plans
+    if plan.tp_rules == "auto":
+        return dict(declared.base) or "infer"
+    if plan.tp_rules == "model":
+        if not declared.whole:
+            raise PlanError(
+                "plan tp_rules=model asks for the model's own tensor-parallel plan, and this "
+                "model declares none (no Hugging Face base_model_tp_plan or _tp_plan). Fix: "
+                "tp_rules=auto (Megatron's layout, inferred) or a mapping of module globs to styles",
+                field="tp_rules",
+                value="model",
+            )
+        return dict(declared.whole)
+    return plan.tp_rules

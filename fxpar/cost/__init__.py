@@ -1,0 +1,1 @@
+"""The cost model: sympy formulas for compute, communication and memory per rank."""

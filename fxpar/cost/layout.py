@@ -1,0 +1,119 @@
+"""How a plan divides one step among ranks: each rank's share of compute, state and activations.
+
+The whole-step FLOPs come from the captured graph (`estimate.graph_compute`). What one rank
+does comes from the graphs it runs: the tensor-parallel graph, or its pipeline stages. An op
+whose output is sharded or partial over the tp group does 1/tp of the op's work on each rank;
+a replicated op (a norm without sequence parallelism, the residual adds) is done whole by
+every rank. A stage counts only the ops it computes (`meta.STAGE`), not the shape
+arithmetic every stage recomputes.
+
+Weight gradients: in a schedule that splits each backward into B and W (`fxpar.schedule.schedules`,
+[Note: B and W]), W is the gradient of the weights of the stage's linears whose weight is a
+trainable parameter no other op reads (`has_weight_gradient`): grad_out^T x, 2 x rows x in x
+out FLOPs, the linear's own forward matmul FLOPs (`cost.ops`'s `linear` rule), so half the
+linear's backward (Qi et al. 2024, Sec. 2). Every other op's backward (norms, embeddings,
+biases, attention) stays in B.
+
+Activations are not shared out here: `cost.activations` runs each rank's own graphs forward
+on fake tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch.fx as fx
+
+from fxpar.ir import meta
+from fxpar.cost.memo import memoised
+from fxpar.cost.ops import cost_of, op_counts
+from fxpar.ir.compiled_program import CompiledProgram
+from fxpar.ops.deferred_linear import LINEAR, deferrable, linear as deferred_linear, stands_for
+from fxpar.ir.placement import Partial, R, Shard, local_numel
+
+
+
+@dataclass(frozen=True)
+class Share:
+    """One stage's (or the whole graph's) forward work on one tensor-parallel rank."""
+
+    stage: int | None
+    matmul_flops: sympy.Expr  # over the global batch; divide by dp for one rank
+    attention_flops: sympy.Expr
+    weight_gradient_flops: sympy.Expr  # the part of the backward (2 x matmul_flops) run as W
+    other_bytes: sympy.Expr
+    forward_ops: int
+    backward_nodes: int
+    parameters: dict[str, int]  # this rank's parameter elements by name
+    # What activation checkpointing runs again in backward: the forward of the nodes it marks
+    # (`fxpar.ir.recompute_regions`), counted like the forward's terms above.
+    recompute_matmul_flops: sympy.Expr = sympy.Integer(0)
+    recompute_attention_flops: sympy.Expr = sympy.Integer(0)
+    recompute_bytes: sympy.Expr = sympy.Integer(0)
+    recompute_ops: int = 0
+
+
+def shares(program: CompiledProgram) -> list[Share]:
+    """One Share per pipeline stage, or one for a program without a pipeline (memoised with
+    the program's graph: `cost.memo`)."""
+    return memoised(program.graph_module, "shares", lambda: _shares(program))
+
+
+def _shares(program: CompiledProgram) -> list[Share]:
+    tp = program.plan.tp
+    if program.stages is None:
+        graphs = [(None, program.graph_module, lambda node: True)]
+    else:
+        graphs = [
+            (s.index, s.graph_module, lambda node, i=s.index: node.meta.get(meta.STAGE) == i)
+            for s in program.stages
+        ]
+    result = []
+    for stage, gm, mine in graphs:
+        nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
+        matmul = attention = weight = moved = sympy.Integer(0)
+        again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "bytes": sympy.Integer(0), "ops": 0}
+        for node in nodes:
+            cost = cost_of(node, program.captured.shape)
+            if cost is None:
+                continue
+            split = tp if isinstance(meta.placement(node, "tp"), (Shard, Partial)) else 1
+            matmul += cost.matmul_flops / split
+            attention += cost.attention_flops / split
+            if has_weight_gradient(node):
+                weight += cost.matmul_flops / split
+            if cost.matmul_flops == 0:
+                moved += cost.bytes / split
+            if meta.recompute_region(node) is not None:
+                again["matmul"] += cost.matmul_flops / split
+                again["attention"] += cost.attention_flops / split
+                again["bytes"] += cost.bytes / split if cost.matmul_flops == 0 else 0
+                again["ops"] += 1
+        forward_ops, backward_nodes = op_counts(gm)
+        # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
+        parameters = {
+            name: local_numel(node.meta["val"].shape, meta.placements(node).on("dp", R), program.mesh.sizes)
+            for name, node in meta.parameter_nodes(gm.graph).items()
+        }
+        result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
+                            sympy.expand(moved), forward_ops, backward_nodes, parameters,
+                            sympy.expand(again["matmul"]),
+                            sympy.expand(again["attention"]), sympy.expand(again["bytes"]), again["ops"]))
+    return result
+
+
+def has_weight_gradient(node: fx.Node) -> bool:
+    """Whether a split schedule runs `node`'s weight gradient as W: `node` is a linear that
+    `passes.weight_gradients` deferred, or would (a trainable weight only linears read; a
+    parameter also read by another op, an embedding tied to the head in the same stage, gets
+    its whole gradient in B)."""
+    if node.op != "call_function" or stands_for(node) is not LINEAR or len(node.args) < 2:
+        return False
+    if node.target is deferred_linear:
+        return True
+    weight = node.args[1]
+    return (
+        isinstance(weight, fx.Node) and meta.parameter_name(weight) is not None
+        and meta.requires_grad(weight) and deferrable(weight)
+    )

@@ -1,0 +1,301 @@
+"""Compute rules: FLOPs and bytes of each aten op, one table keyed by op, one rule a line.
+
+Conventions (they decide what an MFU figure means, so they are stated, not implied):
+
+* a matmul-like op costs 2mnk FLOPs: one multiply and one add per term (`linear`, `mm`,
+  `addmm`, `bmm`, `matmul`, `baddbmm`); a bias add is counted under `other`;
+* `scaled_dot_product_attention` costs 4 x batch x heads x s_q x s_k x head_dim forward
+  (QK^T and attention x V), with no causal discount: the convention of Megatron-LM and of
+  Korthikanti et al. 2022, so MFU figures compare with theirs. These FLOPs count as matmul
+  FLOPs (MFU needs them there) and again as `attention_flops`, because an attention kernel
+  runs well below the matmul rate (`Hardware.attention_efficiency`);
+* elementwise, norm, softmax and loss ops cost a few FLOPs per element (`_PER_ELEMENT`);
+* views, shape queries and metadata ops are free;
+* copies and creations cost bytes, no FLOPs, and so do comparisons, logical ops, `diff` and
+  `cumsum` on integer and boolean tensors: the masks and position ids of Hugging Face models;
+* backward costs 2x forward for every op (Narayanan et al. 2021, appendix), so a training
+  step is 3x the forward FLOPs;
+* bytes are the sizes of the op's tensor inputs and output: what it reads and writes once.
+
+An op with no rule is not silently free: `cost_of` returns its bytes as a memory-bound cost
+with `costed=False`, and the estimate lists it under `uncosted`.
+
+Besides FLOPs and bytes every op pays a fixed overhead (`Hardware.op_overhead`), once in the
+forward and once per node of the backward graph; `op_counts` counts both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+import fxpar.ops.vocab_parallel  # noqa: F401  (the torch.ops.fxpar lookups priced below)
+import fxpar.ops.random_ops
+from fxpar.ir import meta
+from fxpar.ops.deferred_linear import stands_for
+from fxpar.ops.distributed import distributed_op
+
+aten = torch.ops.aten
+Shape = tuple[sympy.Expr, ...]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Forward cost of one node: matmul FLOPs, other FLOPs, bytes read plus written."""
+
+    matmul_flops: sympy.Expr
+    other_flops: sympy.Expr
+    bytes: sympy.Expr
+    costed: bool = True
+    attention_flops: sympy.Expr = sympy.Integer(0)  # the part of matmul_flops in attention
+
+
+def _numel(shape: Shape) -> sympy.Expr:
+    return sympy.Mul(*shape) if shape else sympy.Integer(1)
+
+
+def _linear(inputs: list[Shape], out: Shape, args) -> tuple:
+    x, w = inputs[0], inputs[1]
+    rows = _numel(x[:-1])
+    bias = rows * w[0] if len(inputs) > 2 else 0
+    return 2 * rows * x[-1] * w[0], bias
+
+
+def _mm(inputs, out, args) -> tuple:
+    a = inputs[-2]  # (..., m, k) @ (..., k, n): 2 m n k per output batch
+    extra = _numel(out) if len(inputs) == 3 else 0  # addmm / baddbmm add their input
+    return 2 * _numel(out) * a[-1], extra
+
+
+def _matmul(inputs, out, args) -> tuple:
+    a = inputs[0]
+    return 2 * _numel(out) * a[-1], 0
+
+
+def _attention(inputs, out, args) -> tuple:
+    q, k, v = inputs[0], inputs[1], inputs[2]
+    scores = _numel(q[:-1]) * k[-2]  # batch x heads x s_q x s_k
+    return 2 * scores * q[-1] + 2 * scores * v[-1], 0
+
+
+# op -> rule giving (matmul FLOPs, other FLOPs) from input shapes, output shape and args.
+MATMUL_RULES: dict[object, Callable] = {
+    aten.linear: _linear,
+    aten.mm: _mm,
+    aten.addmm: _mm,
+    aten.bmm: _mm,
+    aten.baddbmm: _mm,
+    aten.matmul: _matmul,
+    aten.scaled_dot_product_attention: _attention,
+    torch.ops.fxpar.attention_with_dropout_mask: _attention,  # sdpa with dropout (passes.random_draws)
+}
+_ATTENTION = {aten.scaled_dot_product_attention, torch.ops.fxpar.attention_with_dropout_mask}
+# Random draws (fxpar.ops.random_ops): FLOPs per element drawn (the draw and the test against p).
+# Under rng=exact a rank draws the whole value, `DrawSlice.whole_factor` times its piece: the
+# stated price of drawing one device's values.
+_DRAWS = {torch.ops.fxpar.random_like, torch.ops.fxpar.attention_dropout_mask}
+_DRAW_FLOPS = 2
+
+# op -> FLOPs per output element (per input element for reductions and losses).
+_PER_ELEMENT: dict[object, int] = {
+    aten.add: 1, aten.sub: 1, aten.mul: 1, aten.div: 1, aten.neg: 1, aten.where: 1,
+    aten.pow: 1, aten.rsqrt: 1, aten.sqrt: 1, aten.exp: 1, aten.reciprocal: 1,
+    aten.maximum: 1, aten.minimum: 1, aten.clamp: 1, aten.masked_fill: 1,
+    aten.relu: 1, aten.sigmoid: 4, aten.tanh: 4, aten.silu: 5, aten.gelu: 8,
+    aten.cos: 1, aten.sin: 1,
+    aten.dropout: 2,  # draw the mask, multiply by it and rescale
+    aten.sum: 1, aten.mean: 1, aten.amax: 1, aten.var_mean: 3,
+    aten.layer_norm: 5,  # mean, variance, normalise, scale, shift
+    aten.rms_norm: 4,  # square, mean, normalise, scale
+    aten.softmax: 5, aten._softmax: 5, aten.log_softmax: 5, aten._log_softmax: 5,
+    aten.cross_entropy_loss: 6,  # log-softmax and the target pick, per logit
+    aten.nll_loss: 1, aten.mse_loss: 3,  # difference, square, mean
+    aten.abs: 1, aten.log: 1, aten.erf: 1, aten.square: 1, aten.addcmul: 2,
+    aten.linalg_vector_norm: 2,
+}
+_REDUCING = {
+    aten.sum, aten.mean, aten.amax, aten.var_mean, aten.cross_entropy_loss, aten.nll_loss,
+    aten.mse_loss, aten.linalg_vector_norm,
+}
+
+# Free: views and metadata. Copies and creations cost their bytes, no FLOPs.
+_FREE = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.transpose, aten.permute, aten.t,
+    aten.expand, aten.unsqueeze, aten.squeeze, aten.slice, aten.select, aten.split,
+    aten.split_with_sizes, aten.chunk, aten.unbind, aten.alias, aten.detach, aten.sym_size,
+    aten.sym_numel, aten.sym_stride, aten.flatten, aten.unflatten, aten.view_as,
+    aten._assert_scalar, aten._assert_tensor_metadata, aten.lift_fresh_copy,
+    aten.broadcast_tensors, aten.expand_as,
+}
+_MEMORY_ONLY = {
+    aten.embedding, aten.clone, aten.contiguous, aten.cat, aten.stack, aten.arange,
+    aten.zeros, aten.ones, aten.full, aten.empty, aten.zeros_like, aten.ones_like,
+    aten.full_like, aten.empty_like, aten.copy, aten._to_copy, aten.to, aten.index_select,
+    aten.gather, aten.repeat_interleave, aten.repeat, aten.tril, aten.triu, aten.scalar_tensor,
+    aten.type_as,
+    aten.index,  # a gather; in transformers' mask functions, per-(batch, q, kv) lookups
+    aten.pad,  # ForCausalLMLoss shifts labels by padding one -100
+    torch.ops.fxpar.vocab_parallel_embedding,  # an embedding on a vocabulary shard
+    torch.ops.fxpar.localize_indices,
+    aten.constant_pad_nd,
+    aten.new_ones,
+    aten.new_zeros,
+    aten.new_full,
+    aten.new_empty,
+}
+# Bytes only on integer and boolean tensors, where they build attention masks, position ids
+# and loss targets (transformers' `create_causal_mask`, `find_packed_sequence_indices`): no
+# FLOPs, as integer work is not floating-point work. On floating data they do arithmetic and
+# have no rule yet, so they are listed as uncosted.
+_INTEGER_MASKS = {
+    aten.eq,  # q_idx and kv_idx in the same packed sequence
+    aten.ne,  # where position ids jump: a packed sequence starts
+    aten.lt,
+    aten.le,  # causal: kv_idx <= q_idx
+    aten.gt,  # sliding window: kv_idx > q_idx - window
+    aten.ge,  # BERT's padding mask
+    aten.__and__,  # combine the causal, window, padding and packing masks
+    aten.__or__,
+    aten.bitwise_and,
+    aten.bitwise_or,
+    aten.bitwise_not,
+    aten.logical_and,
+    aten.logical_or,
+    aten.logical_not,
+    aten.diff,  # position ids: differences between neighbours
+    aten.cumsum,  # packed-sequence index of each token
+}
+
+
+def _nbytes(node: fx.Node, shape: Shape) -> sympy.Expr:
+    value = node.meta.get("val")
+    return _numel(shape) * value.dtype.itemsize if isinstance(value, torch.Tensor) else 0
+
+
+def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | None:
+    """The forward cost of a call_function node, or None for nodes that are not ops."""
+    target = stands_for(node)
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if distributed_op(node) is not None:
+        return None  # communication: priced per collective (cost.collectives), not as compute
+    packet = target.overloadpacket
+    if packet in _FREE:
+        return OpCost(sympy.Integer(0), sympy.Integer(0), sympy.Integer(0))
+    inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    in_shapes = [shape_of(a) for a in inputs]
+    value = node.meta.get("val")
+    out_shape = shape_of(node) if isinstance(value, torch.Tensor) else ()
+    moved = sum((_nbytes(a, s) for a, s in zip(inputs, in_shapes)), sympy.Integer(0))
+    moved += _nbytes(node, out_shape) if isinstance(value, torch.Tensor) else 0
+    if packet in MATMUL_RULES:
+        matmul, other = MATMUL_RULES[packet](in_shapes, out_shape, node.args)
+        matmul = sympy.sympify(matmul)
+        attention = matmul if packet in _ATTENTION else sympy.Integer(0)
+        return OpCost(matmul, sympy.sympify(other), moved, attention_flops=attention)
+    if packet in _DRAWS:
+        return OpCost(sympy.Integer(0), _DRAW_FLOPS * _numel(out_shape), moved)
+    if packet in _PER_ELEMENT:
+        counted = in_shapes[0] if packet in _REDUCING and in_shapes else out_shape
+        return OpCost(sympy.Integer(0), _PER_ELEMENT[packet] * _numel(counted), moved)
+    if packet in _MEMORY_ONLY:
+        return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
+    if packet in _INTEGER_MASKS:
+        tensors = [a.meta["val"] for a in inputs]
+        tensors += [value] if isinstance(value, torch.Tensor) else []
+        if not any(t.is_floating_point() for t in tensors):
+            return OpCost(sympy.Integer(0), sympy.Integer(0), moved)
+    return OpCost(sympy.Integer(0), sympy.Integer(0), moved, costed=False)
+
+
+@dataclass(frozen=True)
+class ExactDraw:
+    """A draw of rng=exact: `numel` values of the whole step's (global batch) value, of which
+    each rank keeps `1 / pieces` (`fxpar.ops.random_ops.DrawSlice.whole_factor`) per microbatch."""
+
+    stage: int | None
+    numel: sympy.Expr
+    pieces: int
+    microbatches: int
+
+    @property
+    def extra_flops(self) -> sympy.Expr:
+        """What drawing the whole value for every piece adds to the whole step's FLOPs
+        (counted as the captured graph's are: work repeated on tp peers of a replicated
+        value counts once)."""
+        return _DRAW_FLOPS * self.numel * (self.pieces - 1)
+
+    def extra_per_rank(self) -> sympy.Expr:
+        """Values one rank draws in a step beyond its own pieces': the whole value for each of
+        its microbatches, instead of its 1/pieces share of the whole step."""
+        return self.numel * self.microbatches - self.numel * self.microbatches / self.pieces
+
+
+def exact_draws(gm: fx.GraphModule, shape_of: Callable[[fx.Node], Shape]) -> list[ExactDraw]:
+    """The draws of `gm` (the compiled global graph) made under rng=exact."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _DRAWS and node.args[4]:
+            where = fxpar.ops.random_ops.DrawSlice(*node.args[5:11])
+            found.append(ExactDraw(node.meta.get(meta.STAGE),
+                                   _numel(shape_of(node)), where.whole_factor, where.microbatches))
+    return found
+
+
+def op_counts(gm: fx.GraphModule) -> tuple[int, int]:
+    """(forward ops, backward nodes) of one forward and backward of `gm`, eager autograd.
+
+    Forward ops are the aten calls that return tensors (views included: each is a dispatch;
+    shape queries and asserts are not). Backward nodes are the forward ops whose output
+    needs a gradient (an input is a trainable parameter or needs one itself), plus one
+    `AccumulateGrad` per trainable parameter. It undercounts: a composite op may record
+    several nodes (`linear` on a 3-d input records a view, a transpose and an addmm), which
+    the graph does not show. For the example GPT this counts 86 backward nodes of the 123
+    autograd records (tiny, RESULTS.md).
+    """
+    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    needs_grad: set[fx.Node] = set()
+    accumulated: set[str] = set()  # parameters, each once: one AccumulateGrad node each
+    forward = backward = 0
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in trainable:
+            needs_grad.add(node)
+            accumulated.add(node.target)
+        if node.op != "call_function":
+            continue
+        value = node.meta.get("val")
+        differentiable = not isinstance(value, torch.Tensor) or value.is_floating_point()
+        if differentiable and any(a in needs_grad for a in node.all_input_nodes):
+            needs_grad.add(node)  # also tuples and their getitems: the grad flows through
+        if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
+            forward += 1
+            backward += node in needs_grad
+    return forward, backward + len(accumulated)
+
+
+def op_name(node: fx.Node) -> str:
+    """`aten.linear.default` for an OpOverload target."""
+    return str(node.target)
+
+
+
+
+def node_seconds(node: fx.Node, shape_of: Callable[[fx.Node], Shape], device, *, precision: str) -> sympy.Expr:
+    """Forward + backward seconds of one node, priced as the estimate prices a whole graph:
+    3 x `Hardware.kernel_seconds` of its cost, plus `op_overhead` for its forward op and, when
+    its output needs a gradient, its backward node (`op_counts`' criteria). A formula in the
+    graph's symbols; the pipeline cut sums it per stage."""
+    cost = cost_of(node, shape_of)
+    if cost is None:
+        return sympy.Integer(0)
+    streamed = cost.bytes if cost.matmul_flops == 0 else 0
+    kernels = device.kernel_seconds(cost.matmul_flops, cost.attention_flops, streamed, precision)
+    value = node.meta.get("val")
+    ops = 0
+    if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
+        ops = 1 + bool(node.meta.get(meta.REQUIRES_GRAD, False))
+    return 3 * kernels + ops * device.op_overhead

@@ -1,0 +1,69 @@
+"""A rank's step time, piece by piece: the compute of each share of the work, and the
+communication the step leaves exposed. The rules are `cost.estimate`'s (its module doc, "Time
+model"); they live here so that the estimate and `estimate.exposed_comm_seconds`, which
+prices ZeRO's two ways of reducing (`fxpar.plan.zero_reduction`), read one implementation.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from fxpar.cost.collectives import collective_time, wire_bytes
+from fxpar.cost.hardware import Hardware
+from fxpar.ir.step_program import Compute, StepProgram
+
+
+def piece_seconds(piece, plan, device: Hardware, precision: str, narrow):
+    """Forward, backward, weight-gradient and recompute seconds of one share of the work
+    (`cost.layout`) over this rank's share of the batch; `weight` is the part of `backward`
+    that is weight gradients of linears (W in a split schedule)."""
+    share = sympy.Rational(1, plan.dp)
+    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, narrow * piece.other_bytes, precision)
+    overhead = plan.microbatches * sympy.Float(device.op_overhead)
+    forward = kernels + piece.forward_ops * overhead
+    backward = 2 * kernels + piece.backward_nodes * overhead
+    weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
+    recompute = share * device.kernel_seconds(
+        piece.recompute_matmul_flops, piece.recompute_attention_flops, narrow * piece.recompute_bytes, precision,
+    ) + piece.recompute_ops * overhead
+    return forward, backward, weight, recompute
+
+
+def comm_terms(program, rank: int, device: Hardware, forward, backward):
+    """`rank`'s exposed communication seconds (a formula, given its forward and backward
+    seconds) and its table of calls per kind (`cost.estimate`'s module doc, "comm")."""
+    comm: dict[str, dict[str, float]] = {}
+    # Backward calls hide under the backward they are issued in or after (`backward_windows`).
+    windows, backwards = backward_windows(program.step_program(rank))
+    phase_calls: dict[tuple[str, int], list[sympy.Expr]] = {}
+    for call, window in zip(program.collectives(rank), windows):
+        payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
+        n = len(call.group)
+        entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
+        entry["count"] += 1
+        entry["payload_bytes"] += float(payload)
+        entry["wire_bytes"] += float(wire_bytes(call.kind, payload, n))
+        key = (call.phase, window if call.phase == "backward" else 0)
+        phase_calls.setdefault(key, []).append(collective_time(call.kind, payload, n, device.link(call.group)))
+    exposed = sympy.Integer(0)
+    for (phase, _), times in phase_calls.items():
+        window = {"forward": forward, "backward": backward / backwards, "step": 0}[phase]
+        if device.comm_overlap == 0 or phase == "step":
+            exposed += sum(times)
+        else:
+            exposed += sympy.Max(times[-1], sum(times) - device.comm_overlap * window)
+    return exposed, comm
+
+
+def backward_windows(step: StepProgram) -> tuple[list[int], int]:
+    """For each call of `step` (in `StepProgram.calls()` order), the backward compute it can
+    hide under: the last B (or W) action at or before it, counted from 0; and how many there
+    are. A microbatch's calls hide under its own backward, so gradients reduced once per step
+    hide only under the last one, and those reduced per microbatch each under theirs
+    (`fxpar.plan.zero_reduction`)."""
+    windows, seen = [], 0
+    for action in (*step.actions, *step.optimizer):
+        if isinstance(action, Compute) and action.kind in ("B", "W"):
+            seen += 1
+        windows += [max(seen - 1, 0)] * len(action.calls)
+    return windows, max(seen, 1)

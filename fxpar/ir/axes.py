@@ -1,0 +1,74 @@
+"""Mesh axes by name: what a distributed op's `axis` argument means in this process.
+
+A rank module names the mesh axis it communicates on (`torch.ops.fxpar.all_reduce(x, "tp")`)
+and holds no group or communicator: the compiled program is data. `Program.bind()` connects
+each axis name to this rank's process group on that axis, for the whole process, as
+torch.distributed's own functional collectives resolve a group name through a process-wide
+registry (`_c10d_functional.all_reduce(x, "sum", group_name)`): under torchrun one process is
+one rank, so one binding per process is the model, not a shortcut. `Runner.close()` unbinds.
+
+    bind_axes({"tp": runner_axis})        # Runner.create, after the process groups exist
+    bound("tp").size, bound("tp").index   # inside an op's kernel
+    unbind_axes()                          # Runner.close
+
+What an op needs of an axis is `AxisBinding`; the runtime's is a process group plus the
+communicator that counts and logs every call (`runtime.communicator.AxisOnGroup`), a test may
+bind anything with these methods (tp ranks as threads of one process, for instance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from fxpar.ir.collectives import Phase
+from fxpar.errors import BindError
+
+
+class AxisBinding(Protocol):
+    """This rank's view of one mesh axis: its size, its index on it, and the collectives."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def index(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str, tag: str, phase: Phase) -> None:
+        """Reduce `tensor` in place over the axis (op "sum" or "max") and wait."""
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: Phase) -> None:
+        """Concatenate every rank's `tensor` along dim 0 into `output`, in axis order, and wait."""
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: Phase) -> None:
+        """Sum `tensor` over the axis and keep this rank's dim-0 slice in `output`, and wait."""
+
+
+_bindings: dict[str, AxisBinding] = {}  # see the module doc for why this is process-wide
+
+
+def bind_axes(bindings: Mapping[str, AxisBinding]) -> None:
+    """Connect axis names to this process's bindings (replacing any earlier ones)."""
+    _bindings.clear()
+    _bindings.update(bindings)
+
+
+def unbind_axes(bindings: Mapping[str, AxisBinding] | None = None) -> None:
+    """Forget the bindings; given `bindings`, only while they are the ones bound (a runner
+    closing must not unbind another's)."""
+    if bindings is None or all(_bindings.get(axis) is b for axis, b in bindings.items()):
+        _bindings.clear()
+
+
+def bound(axis: str) -> AxisBinding:
+    """The binding of `axis`; BindError when the program was not bound in this process."""
+    try:
+        return _bindings[axis]
+    except KeyError:
+        raise BindError(
+            f"a rank module communicates on mesh axis {axis!r}, which is not bound in this "
+            "process. Fix: run it through `program.bind()` inside torchrun (or bind the axes "
+            "with fxpar.ir.axes.bind_axes for a test)"
+        ) from None

@@ -1,0 +1,170 @@
+"""The device mesh as pure data: rank <-> coordinates, and the ranks that share a process group.
+
+Map of this module:
+
+- `Axis`        the mesh axes, outermost first: data, pipeline, tensor
+- `Coord`       one rank's position on the mesh: `Coord(dp=1, pp=0, tp=1)`
+- `Mesh`        the degrees, with `coord(rank)`, `rank(coord)`, `group(rank, axis)`, `groups(axis)`
+
+No process group is created here: the runtime builds one group per tuple that `groups(axis)`
+returns, so the compiler can reason about rank 517 of a 1024-rank job on a laptop.
+
+Rank order (docs/design.md, "Mesh and ranks") puts tensor parallelism innermost, where links are
+fastest, then pipeline, then data::
+
+    rank = (dp_i * pp + pp_i) * tp + tp_i
+
+so for `Mesh(dp=2, pp=2, tp=2)`::
+
+    rank  dp  pp  tp
+       0   0   0   0      tp groups: (0, 1) (2, 3) (4, 5) (6, 7)   neighbouring ranks
+       1   0   0   1      pp groups: (0, 2) (1, 3) (4, 6) (5, 7)   stride tp
+       2   0   1   0      dp groups: (0, 4) (1, 5) (2, 6) (3, 7)   stride pp * tp
+       3   0   1   1
+       4   1   0   0
+       5   1   0   1
+       6   1   1   0
+       7   1   1   1
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fxpar.plan.plan import Plan
+
+
+class Axis(enum.Enum):
+    """A mesh axis. Iterating over `Axis` gives them outermost first: DP, PP, TP."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+
+
+@dataclass(frozen=True)
+class Coord:
+    """A rank's index along each axis; `coord[Axis.TP]` is the same as `coord.tp`."""
+
+    dp: int
+    pp: int
+    tp: int
+
+    def __getitem__(self, axis: Axis) -> int:
+        return getattr(self, Axis(axis).value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """`dp * pp * tp` ranks laid out with tensor parallelism innermost.
+
+    >>> mesh = Mesh(dp=2, tp=4)
+    >>> mesh.coord(5), mesh.group(5, Axis.TP), mesh.group(5, Axis.DP)
+    (Coord(dp=1, pp=0, tp=1), (4, 5, 6, 7), (1, 5))
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in Axis:
+            size = getattr(self, axis.value)
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise ValueError(
+                    f"mesh size along {axis.value} must be a positive integer, got {size!r}. "
+                    f"Fix: use {axis.value}=1 for an axis the plan does not split."
+                )
+            object.__setattr__(self, axis.value, int(size))
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Mesh:
+        """The mesh of a plan's degrees; a degree the plan does not have yet counts as 1."""
+        return cls(**{axis.value: getattr(plan, axis.value, 1) for axis in Axis})
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: `dp * pp * tp`."""
+        return math.prod(self.size(axis) for axis in Axis)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Axis name -> degree, `{"dp": 2, "pp": 1, "tp": 2}`: what `placement.local_shape` reads."""
+        return {axis.value: getattr(self, axis.value) for axis in Axis}
+
+    def size(self, axis: Axis) -> int:
+        """The number of ranks along `axis` (its degree)."""
+        return getattr(self, Axis(axis).value)
+
+    def stride(self, axis: Axis) -> int:
+        """How far apart in rank two neighbours along `axis` are: tp 1, pp tp, dp pp * tp."""
+        return {Axis.DP: self.pp * self.tp, Axis.PP: self.tp, Axis.TP: 1}[Axis(axis)]
+
+    def coord(self, rank: int) -> Coord:
+        """Where `rank` sits: the inverse of `rank = (dp_i * pp + pp_i) * tp + tp_i`."""
+        self._check_rank(rank)
+        rest, tp_i = divmod(rank, self.tp)
+        dp_i, pp_i = divmod(rest, self.pp)
+        return Coord(dp=dp_i, pp=pp_i, tp=tp_i)
+
+    def rank(self, coord: Coord) -> int:
+        """The rank at `coord`: `(dp_i * pp + pp_i) * tp + tp_i`."""
+        for axis in Axis:
+            index = coord[axis]
+            if not _is_index(index, self.size(axis)):
+                raise ValueError(
+                    f"coordinate {axis.value}={index!r} is outside {self}: it must be an integer "
+                    f"in 0..{self.size(axis) - 1}."
+                )
+        return (coord.dp * self.pp + coord.pp) * self.tp + coord.tp
+
+    def rank_of(self, *, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        """`rank(Coord(dp=dp, pp=pp, tp=tp))`, with 0 for the axes left out."""
+        return self.rank(Coord(dp=dp, pp=pp, tp=tp))
+
+    def group(self, rank: int, axis: Axis) -> tuple[int, ...]:
+        """The ranks that share every coordinate with `rank` but `axis`, in that axis' order.
+
+        These are the ranks of `rank`'s process group along `axis`; the tuple is sorted.
+        """
+        stride = self.stride(axis)
+        first = rank - self.coord(rank)[axis] * stride
+        return tuple(first + index * stride for index in range(self.size(axis)))
+
+    def groups(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
+        """Every group along `axis`, ordered by smallest rank; each rank is in exactly one."""
+        return tuple(
+            self.group(rank, axis)
+            for rank in range(self.world_size)
+            if self.coord(rank)[axis] == 0
+        )
+
+    def describe(self, *, max_ranks: int = 64) -> str:
+        """A text table of rank -> (dp, pp, tp), cut after `max_ranks` rows; for docs and logs."""
+        width = max(len(str(self.world_size - 1)), 4)
+        lines = [f"{self}", f"{'rank':>{width}}" + "".join(f"{a.value:>4}" for a in Axis)]
+        for rank in range(min(self.world_size, max_ranks)):
+            coord = self.coord(rank)
+            lines.append(f"{rank:>{width}}" + "".join(f"{coord[a]:>4}" for a in Axis))
+        if self.world_size > max_ranks:
+            lines.append(f"... (ranks {max_ranks}..{self.world_size - 1} left out)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+
+    def _check_rank(self, rank: int) -> None:
+        if not _is_index(rank, self.world_size):
+            raise ValueError(
+                f"rank {rank!r} is not on {self}: ranks are integers 0..{self.world_size - 1}."
+            )
+
+
+def _is_index(value: object, size: int) -> bool:
+    """True for an int (not a bool) in 0..size-1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size

@@ -1,0 +1,318 @@
+"""The collectives a pass inserts, as registered operators that name a mesh axis.
+
+Each is a `torch.library` custom op in the `fxpar` namespace with a fake kernel (so a rank
+module traces under FakeTensorMode, torch.export and torch.compile) and a registered
+autograd formula: its backward is the dual collective (Shoeybi et al. 2019, Sec. 3;
+Korthikanti et al. 2022, Sec. 4.2.2). Rank module code reads as aten plus these:
+
+    copy_to_region = torch.ops.fxpar.copy_to_region.default(layer_norm, 'tp')
+
+    op                 forward          backward          where
+    all_reduce         all-reduce       identity          g: leaving a row-parallel linear
+    all_reduce_max     all-reduce max   (none)            vocab-parallel loss: the max logit
+    copy_to_region     identity         all-reduce        f: entering column-parallel math
+    split_to_shard     local slice      all-gather        a replicated value meets a shard
+    all_gather         all-gather       local slice       a shard must become whole
+    gather_to_region   all-gather       reduce-scatter    sequence parallelism's f
+    reduce_scatter     reduce-scatter   all-gather        sequence parallelism's g
+    gather_parameters  all-gather       reduce-scatter    ZeRO-3: a layer's parameter shards
+                                                          (`fxpar.ops.parameter_gathers`)
+    regather_parameters identity        all-gather        ZeRO-3: the layer's again, for
+                                                          backward (reshard_after_forward)
+
+`DistributedOp` is the one description of each: the kernels are built from its two
+primitives, and `fxpar.ir.collectives` predicts a step's calls from the same two, so what the
+check and the cost model count is what runs. The axis is resolved when the op runs
+(`fxpar.ir.axes.bound`); the group size rides in the op for the fake kernels, as in torch's own
+functional collectives.
+
+torch's functional collectives are not used: their all_reduce also all-reduces the gradient,
+which multiplies the gradient of a replicated loss by the group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.fx as fx
+
+from fxpar.ir.axes import bound
+from fxpar.ir.collectives import Phase
+from fxpar.ops.deferred_linear import stands_for
+from fxpar.errors import BindError
+
+Primitive = Literal["identity", "all_reduce", "all_gather", "reduce_scatter", "slice"]
+COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class DistributedOp:
+    """One registered op: its forward and backward primitives (None: no gradient flows)."""
+
+    name: str
+    forward: Primitive
+    backward: Primitive | None
+    reduce: Literal["sum", "max"] = "sum"
+    takes_dim: bool = False  # (x, axis, size, dim) rather than (x, axis)
+    many: bool = False  # a list of tensors moved as one flat payload, argument `shards_arg`
+    shards_arg: int = 0
+
+    def sources(self, node: fx.Node) -> list[fx.Node]:
+        """The values whose pieces the op's call moves: its input, or a `many` op's list."""
+        return list(node.args[self.shards_arg]) if self.many else [node.args[0]]
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops.fxpar, self.name).default
+
+    def primitive(self, phase: Phase) -> Primitive | None:
+        return self.forward if phase == "forward" else self.backward
+
+    def payload_dtype(self, node: fx.Node, phase: Phase) -> torch.dtype:
+        """The dtype the op's `phase` collective moves: its sources' dtype, except that a
+        ZeRO-3 op with a `dtype` gathers in that dtype (bf16-mixed's compute dtype) while its
+        gradients are reduce-scattered in the pieces' own (`fxpar.ops.parameter_gathers`)."""
+        pieces = self.sources(node)[0].meta["val"].dtype
+        if self.many and self.primitive(phase) == "all_gather":
+            return node.kwargs.get("dtype") or pieces
+        return pieces
+
+    def tag(self, axis: str, phase: Phase) -> str:
+        """What the runtime's log calls this op's collective, and what the prediction says."""
+        return f"{axis} {self.name}" + (" (backward)" if phase == "backward" else "")
+
+
+OPS = (
+    DistributedOp("all_reduce", "all_reduce", "identity"),
+    DistributedOp("all_reduce_max", "all_reduce", None, reduce="max"),
+    DistributedOp("copy_to_region", "identity", "all_reduce"),
+    DistributedOp("split_to_shard", "slice", "all_gather", takes_dim=True),
+    DistributedOp("all_gather", "all_gather", "slice", takes_dim=True),
+    DistributedOp("gather_to_region", "all_gather", "reduce_scatter", takes_dim=True),
+    DistributedOp("reduce_scatter", "reduce_scatter", "all_gather", takes_dim=True),
+    DistributedOp("gather_parameters", "all_gather", "reduce_scatter", many=True),
+    DistributedOp("regather_parameters", "identity", "all_gather", many=True, shards_arg=1),
+)
+BY_NAME = {op.name: op for op in OPS}
+
+
+def distributed_op(node: fx.Node) -> DistributedOp | None:
+    """The DistributedOp a call_function node runs, else None."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "fxpar":
+        return BY_NAME.get(target.overloadpacket.__name__)
+    return None
+
+
+def axis_of(node: fx.Node) -> str:
+    """The mesh axis a distributed op's node names."""
+    op = distributed_op(node)
+    return node.args[op.shards_arg + 1] if op is not None and op.many else node.args[1]
+
+
+# -- kernels -------------------------------------------------------------------------------------
+
+
+def _run(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, reduce: str,
+         tag: str, phase: Phase, in_place: bool = False) -> torch.Tensor:
+    """One primitive on this rank's `x`. Custom ops may not return an alias of an input, so the
+    identity and the slice copy; `in_place`: an all-reduce may overwrite `x` (contiguous)."""
+    if primitive == "identity":
+        return x.clone()
+    binding = bound(axis)
+    if primitive != "all_reduce" and binding.size != size:
+        raise BindError(f"an op was compiled for {size} ranks on axis {axis!r}, bound to {binding.size}")
+    if primitive == "all_reduce":
+        out = x if in_place else x.clone(memory_format=torch.contiguous_format)
+        binding.all_reduce(out, op=reduce, tag=tag, phase=phase)
+        return out
+    if primitive == "slice":
+        return x.chunk(size, dim=dim)[binding.index].clone(memory_format=torch.contiguous_format)
+    moved = x.movedim(dim, 0).contiguous()
+    if primitive == "all_gather":
+        out = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
+        binding.all_gather(out, moved, tag=tag, phase=phase)
+    else:
+        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+        binding.reduce_scatter(out, moved, tag=tag, phase=phase)
+    return out.movedim(0, dim).contiguous()
+
+
+def _fake(primitive: Primitive, x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    if primitive == "all_gather":
+        shape[dim] = shape[dim] * size
+    elif primitive in ("slice", "reduce_scatter"):
+        shape[dim] = shape[dim] // size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op(
+    "fxpar::backward_collective", mutates_args=(),
+    schema="(Tensor grad, str axis, int size, int dim, str primitive, str tag) -> Tensor",
+)
+def _backward_collective(grad, axis, size, dim, primitive, tag):
+    """The backward half of a DistributedOp, itself an op so that a traced backward keeps it."""
+    return _run(primitive, grad, axis, size, dim, "sum", tag, "backward")
+
+
+@_backward_collective.register_fake
+def _(grad, axis, size, dim, primitive, tag):
+    return _fake(primitive, grad, size, dim)
+
+
+def _register(op: DistributedOp) -> None:
+    schema = "(Tensor x, str axis, int size, int dim) -> Tensor" if op.takes_dim else "(Tensor x, str axis) -> Tensor"
+
+    def kernel(x, axis, size=1, dim=0):
+        return _run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward")
+
+    def fake(x, axis, size=1, dim=0):
+        return _fake(op.forward, x, size, dim)
+
+    registered = torch.library.custom_op(f"fxpar::{op.name}", kernel, mutates_args=(), schema=schema)
+    registered.register_fake(fake)
+    if op.backward is None:
+        return
+
+    def setup_context(ctx, inputs, output):
+        ctx.axis = inputs[1]
+        ctx.size, ctx.dim = (inputs[2], inputs[3]) if op.takes_dim else (1, 0)
+
+    def backward(ctx, grad):
+        if op.backward != "identity":
+            grad = torch.ops.fxpar.backward_collective(
+                grad, ctx.axis, ctx.size, ctx.dim, op.backward, op.tag(ctx.axis, "backward")
+            )
+        return (grad, None, None, None) if op.takes_dim else (grad, None)
+
+    registered.register_autograd(backward, setup_context=setup_context)
+
+
+for _op in OPS:
+    if not _op.many:  # the ZeRO-3 ops register in fxpar.ops.parameter_gathers
+        _register(_op)
+
+
+# -- the eager lowering --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _EagerCall:
+    """What one eager call of a DistributedOp fixes besides its tensor: made once per (op,
+    in_place, axis, size, dim) by `_eager_function`, so a step's calls pass one argument to
+    autograd (each argument of `Function.apply` costs a Python pass) and format no tags."""
+
+    op: DistributedOp
+    axis: str
+    size: int
+    dim: int
+    in_place: bool  # the all-reduce (g's forward, f's backward) may overwrite its tensor
+    forward_tag: str
+    backward_tag: str
+
+
+def _all_reduces_in_place(op: DistributedOp, in_place: bool, x: torch.Tensor) -> bool:
+    """Whether the eager op's forward all-reduce runs on `x` itself: allowed at the node
+    (`reduces_in_place`) and `x` contiguous."""
+    return in_place and op.forward == "all_reduce" and x.is_contiguous()
+
+
+class _Eager(torch.autograd.Function):
+    """A DistributedOp as one autograd.Function: the same primitives as the registered op,
+    without its trip through the dispatcher (see `lower_for_eager`). With `in_place`, the
+    all-reduce of the op (g's forward, f's backward) reduces its tensor where it lies, as
+    Megatron does, instead of into a copy: `lower_for_eager` says when that is safe."""
+
+    @staticmethod
+    def forward(ctx, x, call: _EagerCall):
+        ctx.call = call
+        op = call.op
+        if op.forward == "identity":
+            return x.view_as(x)  # an autograd.Function may return a view: no copy
+        in_place = _all_reduces_in_place(op, call.in_place, x)
+        if in_place:
+            ctx.mark_dirty(x)
+        return _run(op.forward, x, call.axis, call.size, call.dim, op.reduce, call.forward_tag, "forward", in_place)
+
+    @staticmethod
+    def backward(ctx, grad):
+        call = ctx.call
+        primitive = call.op.backward
+        if primitive is None:
+            return None, None
+        if primitive != "identity":
+            in_place = call.in_place and primitive == "all_reduce"
+            grad = _run(primitive, grad.contiguous() if in_place else grad, call.axis, call.size, call.dim,
+                        "sum", call.backward_tag, "backward", in_place)
+        return grad, None
+
+
+def _eager_function(op: DistributedOp, *, in_place: bool):
+    calls: dict[tuple[str, int, int], _EagerCall] = {}  # by (axis, size, dim): a graph has few
+
+    def run(x, axis, size=1, dim=0):
+        call = calls.get((axis, size, dim))
+        if call is None:
+            call = calls[axis, size, dim] = _EagerCall(
+                op, axis, size, dim, in_place, op.tag(axis, "forward"), op.tag(axis, "backward"))
+        return _Eager.apply(x, call)
+
+    run.__name__ = run.__qualname__ = op.name + ("_in_place" if in_place else "")
+    run.__module__ = __name__ + ".eager"
+    return run
+
+
+EAGER = {(op.overload, in_place): _eager_function(op, in_place=in_place)
+         for op in OPS if not op.many for in_place in (False, True)}
+# Ops whose output is a fresh tensor, and whose input gradient is one: a matmul of x.
+_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
+            torch.ops.aten.bmm.default}
+
+
+def reduces_in_place(node: fx.Node, op: DistributedOp) -> bool:
+    """Whether the eager op at `node` may all-reduce without a copy: its forward all-reduce's
+    input is a matmul's fresh output that nothing else reads (g after a row-parallel linear),
+    or its backward all-reduce's gradient comes from matmuls that read the op's output as
+    their input (f before column-parallel linears), which autograd hands over fresh."""
+    if op.forward == "all_reduce":
+        source = node.args[0]
+        return isinstance(source, fx.Node) and len(source.users) == 1 and stands_for(source) in _MATMULS
+    if op.backward == "all_reduce":
+        return bool(node.users) and all(
+            stands_for(user) in _MATMULS and user.args[0] is node and node not in user.args[1:]
+            for user in node.users
+        )
+    return False
+
+
+def shares_storage_at_run_time(node: fx.Node, x: torch.Tensor) -> bool:
+    """Whether the eager op at `node` returns a tensor on its input `x`'s storage (`_Eager`):
+    an identity forward (a view), or an all-reduce in place. The registered op always copies
+    (a custom op may not alias); what autograd saves is counted by storage, so the cost
+    model's fake forward shares it too (`cost.activations`)."""
+    op = distributed_op(node)
+    if op is None or op.many:
+        return False
+    return op.forward == "identity" or _all_reduces_in_place(op, reduces_in_place(node, op), x)
+
+
+def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
+    """Point every distributed op of `gm` at its eager form, in place; returns `gm`.
+
+    The registered op is the IR: what compile writes, what fake tensors, torch.export and
+    torch.compile see, what the prediction reads. In eager training each call through the
+    dispatcher costs about 45 us of Python (custom-op wrapper, autograd and redispatch
+    layers, measured here on 2 loaded cores, against 25 us for a bare autograd.Function),
+    paid by every f and g of every layer and microbatch; a step of the small GPT under tp=2
+    has dozens. The runtime therefore runs the same primitives through `_Eager`, built from
+    the same `DistributedOp`, so what runs is still what the check and the cost model read.
+    Where the graph shows it is safe (`reduces_in_place`), the all-reduce skips its copy.
+    """
+    for node in gm.graph.nodes:
+        if (op := distributed_op(node)) is not None and not op.many:
+            node.target = EAGER[(node.target, reduces_in_place(node, op))]
+    gm.recompile()
+    return gm

@@ -1,0 +1,2 @@
+"""Pictures of a compiled program: the partitioned graph (graphviz) and the charts (matplotlib).
+"""

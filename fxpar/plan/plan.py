@@ -1,0 +1,386 @@
+"""The plan: which parallelism fxpar applies, as a frozen dataclass of data.
+
+Map of this module:
+
+- `Plan`                      the dataclass: `Plan(dp=2, microbatches=4)`
+- `Plan.parse`                from the text form, a dict, a JSON/YAML file, or a `Plan`
+- `Plan.from_file`            from a JSON/YAML file, read as untrusted input (`fxpar.plan.file`)
+- `str(plan)`, `Plan.to_dict`, `Plan.to_json`, `Plan.from_json`   exact round trips
+- `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
+- `Plan.check_batch`          the plan against the global batch
+- `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
+- `fxpar.plan.checks`        those three checks
+- `fxpar.plan.text`          the field table and the text form, with their errors
+- `fxpar.plan.file`          plan files read as untrusted input (size cap, no repeated keys or
+                              YAML aliases, nothing of the file echoed)
+- `fxpar.plan.world`         the valid plans `check_world_size` suggests for another world
+
+The text form is what a command line or a config string holds::
+
+    dp=2 mb=4 bucket_mb=25      # entries `key=value`, separated by spaces, commas or both
+    dp=2,mb=4                   # `mb` is short for `microbatches`
+    ""                          # the default plan: one replica, no gradient accumulation
+
+`str(plan)` writes the canonical form (default-valued fields left out, "dp=1" for the default
+plan) and `Plan.parse(str(plan)) == plan`. A JSON or YAML file holds the same keys as a mapping,
+`{"dp": 2, "mb": 4}`.
+
+Every mistake raises `PlanError` (a `ValueError`) with `field` and `value` set and a message that
+names the field, the value, the rule it broke and a fix. For a malformed entry (`"dp"`, `"=2"`,
+`"dp=2=3"`) `field` is the key as written ("plan" when there is none) and `value` is the entry.
+A message shows at most 80 characters of any value, and none of a plan file's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from os import PathLike
+from pathlib import Path
+
+from fxpar.plan import checks as plan_checks
+from fxpar.errors import PlanError, shown
+from fxpar.plan.file import FILE_SUFFIXES, describe_file, parse_mapping, read_plan_file
+from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
+    DEGREE_FIELDS,
+    FIELD_OF_KEY,
+    FIELDS,
+    LOOKS_LIKE_PATH,
+    CHECKPOINTS,
+    PRECISIONS,
+    REDUCE_DTYPES,
+    RNG_MODES,
+    SCHEDULES,
+    TP_RULE_SOURCES,
+    ZERO_STAGES,
+    ZERO_REDUCES,
+    InvalidPlanValue,
+    Precision,
+    given_twice,
+    invalid_value,
+    is_bucket_size,
+    is_positive_int,
+    split_entries,
+    text_of,
+    unknown_key,
+    value_from_text,
+)
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How to parallelise one training step.
+
+    >>> plan = Plan.parse("dp=2 mb=4")
+    >>> plan.world_size, str(plan)
+    (2, 'dp=2 mb=4')
+
+    Each of the `dp` replicas takes `batch / dp` samples of the global batch and splits them into
+    `microbatches` microbatches whose gradients accumulate before one gradient synchronisation.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    # Which modules tensor parallelism splits: "auto" (a Hugging Face model's own base-model
+    # plan, else Megatron's pairs inferred from the graph), "model" (the model's whole
+    # declared plan, its head's included), "infer" (Megatron's pairs inferred from the graph)
+    # or {module-path glob: style}; see fxpar.passes.tensor_parallel.rules. A Hugging Face
+    # `base_model_tp_plan` dict works as is.
+    tp_rules: str | Mapping[str, str] = "auto"
+    sequence_parallel: bool = False  # Korthikanti et al. 2022: norms on sequence shards
+    # Pipeline: the order of microbatch forwards and backwards (fxpar.schedule.schedules; "zb-h1" splits
+    # each backward, Qi et al. 2024), model chunks per rank (Narayanan et al. 2021's
+    # interleaving), and optional stage starts by module.
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    split: tuple[str, ...] = ()
+    microbatches: int = 1
+    bucket_mb: float | None = None
+    # ZeRO stage (Rajbhandari et al. 2020): 1 shards optimizer state over dp, 2 also gradients,
+    # 3 also parameters (passes.zero3: each layer gathered by one graph op before use).
+    zero: int = 0
+    # ZeRO-2/3 with several microbatches: reduce-scatter each microbatch's gradients after its
+    # backward (only the shards accumulate) or the step's sum once (the whole gradients
+    # accumulate); "auto" takes what the cost model prices cheaper (`fxpar.plan.zero_reduction`).
+    zero_reduce: str = "auto"
+    # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
+    # gathered, and whether the gathered parameters are freed after forward and gathered again
+    # for backward (every layer's but the root's, as FSDP2's default).
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients
+    # are reduced over dp in `reduce_dtype` (passes.mixed_precision, runtime.state.master_weights).
+    precision: Precision = "fp32"
+    reduce_dtype: str = "fp32"
+    # Activation checkpointing (Korthikanti et al. 2022): "full" recomputes every transformer
+    # block in backward, "selective" only attention's core (`fxpar.ir.recompute_regions`).
+    checkpoint: str = "none"
+    # Dropout's randomness: "fast" draws per rank from one seed, consistently where the math
+    # needs it (Megatron's RNG tracker); "exact" draws the values one device draws.
+    rng: str = "fast"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
+            if not is_positive_int(value := getattr(self, name)):
+                raise invalid_value(name, value)
+            object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON
+        if (size := self.bucket_mb) is not None:
+            if not is_bucket_size(size):
+                raise invalid_value("bucket_mb", size)
+            object.__setattr__(self, "bucket_mb", float(size))
+        if self.schedule not in SCHEDULES:
+            raise invalid_value("schedule", self.schedule)
+        split = self.split
+        if not isinstance(split, (tuple, list)) or not all(isinstance(m, str) for m in split):
+            raise invalid_value("split", split)
+        object.__setattr__(self, "split", tuple(split))
+        self._check_pipeline()
+        if not isinstance(self.sequence_parallel, bool):
+            raise invalid_value("sequence_parallel", self.sequence_parallel)
+        rules = self.tp_rules
+        if rules not in TP_RULE_SOURCES and not (
+            isinstance(rules, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in rules.items())
+        ):
+            raise invalid_value("tp_rules", rules)
+        if isinstance(rules, Mapping):
+            object.__setattr__(self, "tp_rules", dict(rules))
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError(
+                "plan field sequence_parallel (sp) needs tensor parallelism: it shards along the "
+                "sequence over the tp group, and tp=1. Fix: add tp=2 (or more), or drop sp.",
+                field="sequence_parallel",
+                value=True,
+            )
+        zero = self.zero
+        if isinstance(zero, bool) or not isinstance(zero, numbers.Integral) or zero not in ZERO_STAGES:
+            raise invalid_value("zero", self.zero)
+        object.__setattr__(self, "zero", int(self.zero))
+        for name, accepted in (
+            ("precision", PRECISIONS),
+            ("reduce_dtype", REDUCE_DTYPES),
+            ("checkpoint", CHECKPOINTS),
+            ("rng", RNG_MODES),
+            ("zero_reduce", ZERO_REDUCES),
+        ):
+            if getattr(self, name) not in accepted:
+                raise invalid_value(name, getattr(self, name))
+        prefetch = self.prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
+            raise invalid_value("prefetch", prefetch)
+        object.__setattr__(self, "prefetch", int(prefetch))
+        if not isinstance(self.reshard_after_forward, bool):
+            raise invalid_value("reshard_after_forward", self.reshard_after_forward)
+        self._check_options_apply()
+
+    def _check_options_apply(self) -> None:
+        """Options that only one setting uses are refused without it: never silently ignored."""
+        if self.reduce_dtype != "fp32" and self.precision != "bf16-mixed":
+            raise PlanError(
+                f"plan reduce_dtype={self.reduce_dtype} sets the dtype bf16-mixed training "
+                f"reduces gradients in, and precision={self.precision}. Fix: add "
+                "precision=bf16-mixed, or drop reduce_dtype",
+                field="reduce_dtype",
+                value=self.reduce_dtype,
+            )
+        if self.zero_reduce != "auto" and self.zero not in (2, 3):
+            raise PlanError(
+                f"plan zero_reduce={self.zero_reduce} says when ZeRO-2 and 3 reduce-scatter "
+                f"gradients, and zero={self.zero}"
+                + (": ZeRO-1 keeps every gradient whole and reduces once per step" if self.zero == 1 else "")
+                + ". Fix: zero=2 or zero=3, or drop zero_reduce",
+                field="zero_reduce",
+                value=self.zero_reduce,
+            )
+        if self.zero == 2 and self.zero_reduce == "microbatch" and self.schedule == "zb-h1" and self.pp > 1:
+            raise PlanError(
+                "plan zero=2 zero_reduce=microbatch with schedule=zb-h1: the zero-bubble schedule "
+                "runs a later microbatch's B (its bias and norm gradients) before an earlier one's "
+                "W (its weight gradients), so no point of the step holds exactly one microbatch's "
+                "gradients to reduce-scatter. Fix: zero_reduce=step, or schedule=1f1b",
+                field="zero_reduce",
+                value=self.zero_reduce,
+            )
+        for name, default in (("prefetch", 1), ("reshard_after_forward", True)):
+            if getattr(self, name) != default and self.zero != 3:
+                raise PlanError(
+                    f"plan {name}={text_of(getattr(self, name))} tunes how ZeRO-3 gathers "
+                    f"parameters, and zero={self.zero}. Fix: add zero=3, or drop {name}",
+                    field=name,
+                    value=getattr(self, name),
+                )
+
+    def _check_pipeline(self) -> None:
+        interleaved = self.schedule == "interleaved"
+        if interleaved != (self.virtual_stages > 1):
+            raise PlanError(
+                f"schedule={self.schedule} with virtual_stages={self.virtual_stages}: the "
+                "interleaved schedule needs virtual_stages >= 2, and only it uses them. Fix: "
+                "schedule=interleaved virtual_stages=2, or virtual_stages=1",
+                field="virtual_stages",
+                value=self.virtual_stages,
+            )
+        stages = self.pp * self.virtual_stages
+        if self.pp > 1 and self.schedule in ("1f1b", "interleaved", "zb-h1") and self.microbatches < self.pp:
+            raise PlanError(
+                f"schedule={self.schedule} with pp={self.pp} needs at least {self.pp} microbatches "
+                f"(one in flight per stage), got mb={self.microbatches}. Fix: mb={self.pp} or "
+                f"more (GPipe Sec. 2.3: the bubble is negligible from mb >= 4 pp = {4 * self.pp})",
+                field="microbatches",
+                value=self.microbatches,
+            )
+        if interleaved and self.microbatches % self.pp:
+            raise PlanError(
+                f"the interleaved schedule processes microbatches in groups of pp={self.pp}; "
+                f"mb={self.microbatches} is not a multiple. Fix: mb={self.microbatches + self.pp - self.microbatches % self.pp}",
+                field="microbatches",
+                value=self.microbatches,
+            )
+        if self.split and len(self.split) != stages - 1:
+            raise PlanError(
+                f"split names {len(self.split)} stage starts, but pp x virtual_stages = {stages} "
+                f"stages need {stages - 1}. Fix: name {stages - 1} module paths",
+                field="split",
+                value=list(self.split),
+            )
+
+    # -- the degrees -----------------------------------------------------------------------------
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The parallel degrees by name, outermost first: `{"dp": 2}`."""
+        return {name: getattr(self, name) for name in DEGREE_FIELDS}
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the plan needs: the product of its parallel degrees."""
+        return math.prod(self.degrees.values())
+
+    @property
+    def compute_precision(self) -> str:
+        """What matmuls run in: "bf16" under bf16-mixed, else "fp32" (the cost model's key)."""
+        return "bf16" if self.precision == "bf16-mixed" else "fp32"
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @classmethod
+    def parse(cls, spec: Plan | str | PathLike[str] | Mapping[str, object]) -> Plan:
+        """A plan from its text form, a mapping, a JSON/YAML file, or a `Plan` (returned as is).
+
+        >>> Plan.parse("dp=2, mb=4") == Plan.parse({"dp": 2, "microbatches": 4})
+        True
+
+        A path (`os.PathLike`) is read with `from_file`, and so is a `str` that looks like one
+        (it ends in .json, .yaml or .yml, or is one word with a suffix, such as `plan.toml`),
+        which is refused unless it names an existing plan file: nothing else is ever read. The
+        text `auto` is refused: automatic planning is not available yet.
+        """
+        if isinstance(spec, Plan):
+            return spec
+        if isinstance(spec, PathLike):
+            return cls.from_file(spec)
+        if isinstance(spec, Mapping):
+            return cls._from_entries(spec.items())
+        if not isinstance(spec, str):
+            raise TypeError(
+                f"Plan.parse takes a Plan, text, a mapping or a path, not a "
+                f"{type(spec).__name__} ({shown(spec)})"
+            )
+        text = spec.strip()
+        if text.lower() == "auto":
+            raise PlanError(
+                "plan 'auto' asks for automatic planning, which is not available in this fxpar "
+                "version yet. Fix: give explicit degrees such as 'dp=2'.",
+                field="plan",
+                value=spec,
+            )
+        if text.lower().endswith(FILE_SUFFIXES) or LOOKS_LIKE_PATH.fullmatch(text):
+            return cls.from_file(text)
+        return cls._from_entries(split_entries(text))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The plan `to_json` wrote (any JSON object of plan keys works)."""
+        mapping = parse_mapping(text, language="JSON", where="plan JSON", value=text)
+        return cls._from_entries(mapping.items())
+
+    @classmethod
+    def from_file(cls, path: str | PathLike[str]) -> Plan:
+        """The plan a JSON (.json) or YAML (.yaml, .yml) file holds: a mapping of plan keys.
+
+            Plan.from_file("plan.yaml")    # plan.yaml holds two lines, "dp: 2" and "mb: 4"
+
+        The file is untrusted input (`fxpar.plan.file`): at most 1 MiB of UTF-8 is read, a key
+        given twice and YAML anchors or aliases are refused, and an error names the file, the
+        key and the rule, never a value the file holds.
+        """
+        path = Path(path)
+        mapping, _ = read_plan_file(path)
+        try:
+            return cls._from_entries(mapping.items(), echo=False)
+        except PlanError as error:  # say which file the bad entry is in
+            if isinstance(error, InvalidPlanValue):  # made again without the file's value
+                error = invalid_value(error.field, error.value, echo=False)
+            where = describe_file(path)
+            raise PlanError(f"{where}: {error}", field=error.field, value=error.value) from None
+
+    @classmethod
+    def _from_entries(cls, entries: Iterable[tuple[object, object]], *, echo: bool = True) -> Plan:
+        """The plan from (key, value) pairs; a str value is parsed ("2" -> 2, "0.5" -> 0.5).
+
+        With `echo=False` (a file's entries) messages name keys but show no value."""
+        values: dict[str, object] = {}
+        written: dict[str, tuple[str, object]] = {}
+        for key, raw in entries:
+            key = str(key)
+            if key not in FIELD_OF_KEY:
+                raise unknown_key(key, raw, echo=echo)
+            name = FIELD_OF_KEY[key]
+            if name in values:
+                raise given_twice(name, written[name], (key, raw), echo=echo)
+            values[name] = value_from_text(name, raw, echo=echo) if isinstance(raw, str) else raw
+            written[name] = (key, raw)
+        return cls(**values)  # type: ignore[arg-type]  # __post_init__ checks every value
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, object]:
+        """All fields under their canonical (field) names: `{"dp": 2, "microbatches": 4, ...}`."""
+        return asdict(self) | {"split": list(self.split)}
+
+    def to_json(self) -> str:
+        """`to_dict` as JSON; `Plan.from_json(plan.to_json()) == plan`."""
+        return json.dumps(self.to_dict())
+
+    def __str__(self) -> str:
+        """The canonical text form: `dp=2 mb=4`, default-valued fields left out."""
+        default = Plan().to_dict()
+        entries = [
+            f"{FIELDS[name][0]}={text_of(value)}"
+            for name, value in self.to_dict().items()
+            if value != default[name]
+        ]
+        return " ".join(entries) or "dp=1"
+
+    # -- checks against the launch and the data (`fxpar.plan.checks`) ---------------------------
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's);
+        the message suggests plans that do (`plan_checks.check_world_size`)."""
+        plan_checks.check_world_size(self, world_size)
+
+    def check_batch(self, batch: int) -> None:
+        """Raise `PlanError` unless the global `batch` splits into dp * microbatches equal parts.
+
+        >>> Plan(dp=2, microbatches=4).check_batch(16)  # 2 replicas x 4 microbatches of 2
+        """
+        plan_checks.check_batch(self, batch)
+
+    def check_sequence(self, length: int, *, what: str = "the sequence length") -> None:
+        """Raise `PlanError` unless sequence parallelism can split `length` tokens over tp.
+
+        >>> Plan(tp=2, sequence_parallel=True).check_sequence(16)  # 8 tokens per tp rank
+        """
+        plan_checks.check_sequence(self, length, what=what)

@@ -1,0 +1,3 @@
+"""One training step at run time: the executors, the actions they run, and the checks
+and agreements around them.
+"""

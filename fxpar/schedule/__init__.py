@@ -1,0 +1,2 @@
+"""Pipeline schedules as data, and the simulator that puts one on a clock.
+"""

@@ -1,0 +1,2 @@
+"""What people run: the command line, `explain`, `diff`, `verify` and the HTML report.
+"""
