@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu_zero3.py
     torchrun --standalone --nproc-per-node 1 benchmarks/bench_gpu_zero3.py --model tiny --batch 4 --seq 64 --device cpu
 
-The CUDA check of ZeRO-3 (FORMULAS.md's FSDP2 figure: 1.48x eager at world 1): GPT-2 124M
+The CUDA check of ZeRO-3 (docs/design.md's FSDP2 baseline: 1.48x eager at world 1): GPT-2 124M
 (examples/gpt.py's defaults) in bf16 mixed precision, batch 16, sequence 1024, one rank on
 NCCL. Three sides train the same weights on the same batches, timed in alternating blocks
 (`harness.run_interleaved`), each step ending in `torch.cuda.synchronize()`:

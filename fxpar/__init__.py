@@ -9,8 +9,10 @@
     program.visualize("plan.svg"); program.report("plan.html")                 # see the plan
     print(fxpar.diff(program, fxpar.compile(captured, "dp=2")))                # compare two
 
-Map: `plan` (what to do), `trace` (capture), `fxpar.passes` (graph rewrites), `fxpar.cost`
-(formulas), `program` (the compiled job, pure data), `runtime` (one torchrun worker).
+Map (docs/architecture.md): `plan` (what to do), `frontend` (capture), `ir` (the data every
+layer reads), `ops` (the operators rank modules call), `passes` (graph rewrites), `cost`
+(formulas), `compiler` (the compiled job, pure data), `runtime` (one torchrun worker),
+`pictures` and `tools` (what people read and run).
 """
 
 import fxpar.ops.distributed  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call

@@ -294,10 +294,3 @@ def test_zero_bubble_schedule_is_accepted() -> None:
     plan = Plan.parse("pp=2 mb=4 schedule=zb-h1")
     assert (plan.pp, plan.microbatches, plan.schedule, plan.virtual_stages) == (2, 4, "zb-h1", 1)
     assert Plan.parse({"pp": 2, "mb": 2, "schedule": "zb-h1"}).microbatches == 2  # mb == pp is enough
-
-
-def test_plan_schedules_are_the_ones_fxpar_schedules_builds() -> None:
-    from fxpar.plan import plan
-    from fxpar.schedule import schedules
-
-    assert set(plan.SCHEDULES) == set(schedules.SCHEDULES)

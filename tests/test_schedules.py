@@ -1,7 +1,7 @@
 """Pipeline schedules: the published bubble and memory figures, printed forms, checks, errors.
 
 Costs are exact (ints and Fractions), so bubble fractions are compared with `==`: forward 1,
-backward 2, no communication (FORMULAS.md "Pipeline bubble"); ZB-H1 with F = B = W = 1 (Qi et
+backward 2, no communication (docs/design.md, "Pipeline bubble"); ZB-H1 with F = B = W = 1 (Qi et
 al. 2024, Sec. 3.1).
 """
 
@@ -276,7 +276,7 @@ def test_errors_give_numbers_and_fix():
         schedule("1f1b", 4, 2)
     with pytest.raises(ValueError, match=r"m=6, p=4, m % p = 2; use m=8 or m=4"):
         schedule("interleaved", 4, 6, v=2)
-    with pytest.raises(ValueError, match="valid names are gpipe, 1f1b, interleaved, zb-h1"):
+    with pytest.raises(ValueError, match="valid names are 1f1b, gpipe, interleaved, zb-h1"):
         schedule("zero-bubble", 4, 8)
     with pytest.raises(ValueError, match=r"zb-h1 needs .* m=2 < p=4; use m >= 4 or the 'gpipe'"):
         schedule("zb-h1", 4, 2)

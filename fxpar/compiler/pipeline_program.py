@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import sympy
-import torch
 import torch.fx as fx
 
 from fxpar.ir import meta
+from fxpar.cost.activations import captured_saved_bytes_by_node
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.ops import node_seconds
 from fxpar.errors import PlanError
@@ -161,15 +161,19 @@ def node_memory(captured, *, microbatch: int, plan) -> callable:
 
     State: what `cost.memory.model_state_bytes` says one parameter costs under the plan's
     precision and ZeRO stage with AdamW (the estimate's default optimizer; 16 bytes in fp32
-    without ZeRO), charged to the parameter's first user. Activations: the node's output at
-    one microbatch, a proxy for what backward keeps (`cost.activations` has the exact
-    whole-model figure).
+    without ZeRO), charged to the parameter's first user. Activations: what autograd saves for
+    backward of the node's op at one microbatch, from the estimate's own fake forward of the
+    captured graph under the plan's checkpointing (`cost.activations`): global values, so a
+    tensor-parallel split scales every stage alike and leaves the shares the cut compares. A
+    node a pass inserted saves nothing there; the collectives and casts passes add are small.
     """
     per_parameter = float(sum(model_state_bytes(
         1, precision=plan.precision, optimizer="adamw", zero=plan.zero, dp=plan.dp,
         reduce_dtype=plan.reduce_dtype,
     ).values()))
     sizes = {s: (microbatch if s.name == "batch" else v) for s, v in captured.example_sizes.items()}
+    saved = {name: float(sympy.sympify(b).subs(sizes))
+             for name, b in captured_saved_bytes_by_node(captured, checkpoint=plan.checkpoint).items()}
     first_users: dict[int, dict[fx.Node, float]] = {}  # per graph: node -> its parameters' bytes
 
     def state_of(graph: fx.Graph) -> dict[fx.Node, float]:
@@ -185,12 +189,7 @@ def node_memory(captured, *, microbatch: int, plan) -> callable:
         return first_users[id(graph)]
 
     def memory(node: fx.Node) -> tuple[float, float]:
-        value = node.meta.get("val")
-        activation = 0.0
-        if isinstance(value, torch.Tensor):
-            numel = sympy.Mul(*(captured.readable(d) for d in value.shape))
-            activation = float(numel.subs(sizes)) * value.dtype.itemsize
-        return state_of(node.graph).get(node, 0.0), activation
+        return state_of(node.graph).get(node, 0.0), saved.get(node.name, 0.0)
 
     return memory
 

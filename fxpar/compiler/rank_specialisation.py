@@ -1,6 +1,6 @@
 """Rank specialisation: a stage's template GraphModule -> the one a given rank runs.
 
-The last, pure step of compilation (STYLE.md point 5): `Program.stage_modules(rank)` copies
+The last, pure step of compilation (docs/design.md, decision 2): `Program.stage_modules(rank)` copies
 the template (global values, every rank's) and puts the rank and its mesh coordinate in the
 copy's meta; each tensor-parallel parameter becomes a new Parameter holding this rank's slice
 (`placement.local_slice` of its placements at the rank's coordinate), while replicated ones

@@ -87,6 +87,7 @@ class _FakeStateInterpreter(fx.Interpreter):
         # meter counts. The root's layer is not gathered again: what it saves counts.
         self.regathered = {tuple(n.args[1]) for n in gm.graph.nodes if n.target is _REGATHER}
         self.gathered: list[torch.Tensor] = []
+        self.running: fx.Node | None = None  # whose op autograd is saving for
 
     def get_attr(self, target, args, kwargs):
         return self.state[target]
@@ -98,6 +99,7 @@ class _FakeStateInterpreter(fx.Interpreter):
             return super().call_function(target, args, kwargs)
 
     def run_node(self, node: fx.Node):
+        self.running = node
         value = self._run_node(node)
         source = node.args[0] if node.op == "call_function" and node.args else None
         if isinstance(source, fx.Node) and isinstance(x := self.env.get(source), torch.Tensor) \
@@ -123,7 +125,7 @@ class _FakeStateInterpreter(fx.Interpreter):
         if node is run[-1]:
             outputs = [value if n is node else self.env[n] for n in segment_outputs(run)]
             if any(isinstance(o, torch.Tensor) and o.requires_grad for o in outputs):
-                self.kept += list(self.inputs.values())
+                self.kept += [(value, node) for value in self.inputs.values()]
         return value
 
 
@@ -160,6 +162,17 @@ def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, 
 def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none") -> sympy.Expr:
     """Bytes saved for backward by one forward of the captured graph over the example's
     (symbolic) global batch, under activation checkpointing `checkpoint` (module doc)."""
+    return _total(captured_saved_bytes_by_node(captured, checkpoint=checkpoint))
+
+
+def captured_saved_bytes_by_node(captured: CapturedGraph, *, checkpoint: str = "none") -> dict[str, sympy.Expr]:
+    """`saved_activation_bytes` per node name of the captured graph, whose op saved them
+    (memoised with the capture: every plan compiled from it asks the same)."""
+    return memoised(captured.graph_module, f"saved_by_node.{checkpoint}",
+                    lambda: {n.name: b for n, b in _captured_saved_bytes(captured, checkpoint).items()})
+
+
+def _captured_saved_bytes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, sympy.Expr]:
     gm = captured.graph_module
     real = dict(gm.named_parameters()) | dict(gm.named_buffers())
     getters = {
@@ -171,12 +184,18 @@ def saved_activation_bytes(captured: CapturedGraph, *, checkpoint: str = "none")
 
 
 def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph, given: set[str]) -> sympy.Expr:
-    """Bytes saved for backward by one forward of a rank's `module` (its tensor-parallel
-    shards, its pipeline stage, the checkpoint regions its pass marked: `runtime.step.recompute`
-    runs the same `segments`) over the example's symbolic global batch: what the runtime's
-    meter counts (`runtime.step.saved_tensors`), the formula at one microbatch's share of it. The
+    """Bytes saved for backward by one forward of a rank's `module` (`saved_bytes_by_node`,
+    summed): what the runtime's meter counts (`runtime.step.saved_tensors`)."""
+    return _total(saved_bytes_by_node(module, captured, given))
+
+
+def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: set[str]) -> dict[fx.Node, sympy.Expr]:
+    """Bytes saved for backward by one forward of `module` (a rank's: its tensor-parallel
+    shards, its pipeline stage, the checkpoint regions its pass marked, which
+    `runtime.step.recompute` runs as the same `segments`; or the global graph the pipeline cut
+    balances), per node whose op saved them, over the example's symbolic global batch. The
     inputs named in `given`, what a step gives its modules (the batch, the count of valid
-    targets), are left out as the meter leaves them out."""
+    targets), are left out as the runtime's meter leaves them out."""
     getters = {}
     for node in module.graph.nodes:
         if node.op == "get_attr":
@@ -190,11 +209,17 @@ def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph, giv
     return _saved_bytes(module, captured, getters, runs, given=given)
 
 
+def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
+    return sympy.expand(sum(by_node.values(), sympy.Integer(0)))
+
+
 def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
-                 given: set[str] = frozenset()) -> sympy.Expr:
+                 given: set[str] = frozenset()) -> dict[fx.Node, sympy.Expr]:
     """The fake forward of the module doc over `gm`, its state given as (tensor whose shape,
-    stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the inputs named in `given`
-    (the step's batch, which the step does not allocate) are not counted, like the state."""
+    stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the
+    inputs named in `given` (the step's batch, which the step does not allocate) are not
+    counted, like the state. Each storage's bytes go to the node whose op saved it first (a
+    checkpointed run's kept inputs: to the run's last node)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # A pipeline stage's received activations need a gradient, as the runtime receives them
     # (`runtime.step.pipeline_executor`): the ops reading them save what that gradient needs
@@ -206,10 +231,10 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
     ]
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
     assert fake_mode is not None, "captured graphs carry export's fake tensors"
-    saved: list[torch.Tensor] = []
+    saved: list[tuple[torch.Tensor, fx.Node]] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor)
+        saved.append((tensor, interpreter.running))
         return tensor
 
     with fake_mode:
@@ -226,14 +251,14 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
         if n.name in given and isinstance(value, torch.Tensor)
     }
     seen: set[int] = set()
-    total = sympy.Integer(0)
-    for tensor in saved:
+    by_node: dict[fx.Node, sympy.Expr] = {}
+    for tensor, node in saved:
         storage = tensor.untyped_storage()
         if storage._cdata in state_storages or storage._cdata in seen:
             continue
         seen.add(storage._cdata)
-        total += captured.readable(storage.nbytes())
-    return sympy.expand(total)
+        by_node[node] = by_node.get(node, sympy.Integer(0)) + captured.readable(storage.nbytes())
+    return by_node
 
 
 def backward_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:

@@ -28,7 +28,7 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
 
 A link follows the alpha-beta model (Hockney 1994; the form of nccl-tests'
 PERFORMANCE.md): one hop of n bytes costs `alpha + n / bandwidth` seconds. GPU link numbers
-are FORMULAS.md's (about 370 GB/s ring bus bandwidth on 8x H100/H200 NVLink, nccl-tests
+are docs/design.md's (about 370 GB/s ring bus bandwidth on 8x H100/H200 NVLink, nccl-tests
 issues #212 and #272).
 
 The `cpu` profile is measured on the running machine (`fxpar.cost.calibrate`) and cached;
@@ -114,8 +114,8 @@ PROFILES: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200",
         peak_flops={"bf16": 989e12, "fp32": 67e12},
-        matmul_efficiency=790 / 989,  # measured here: 8192^3 bf16 matmul (FORMULAS.md)
-        memory_bandwidth=4.3e12,  # measured here: device copy (FORMULAS.md)
+        matmul_efficiency=790 / 989,  # measured here: 8192^3 bf16 matmul (docs/design.md, "Formulas and published numbers")
+        memory_bandwidth=4.3e12,  # measured here: device copy (docs/design.md, "Formulas and published numbers")
         intra_node=Link(alpha=6e-6, bandwidth=370e9),
         inter_node=Link(alpha=12e-6, bandwidth=50e9),
         devices_per_node=8,

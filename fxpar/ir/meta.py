@@ -10,7 +10,7 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.requires_grad       trace.capture     whether autograd computes this value's gradient
     fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
     fxpar.placement           tensor_parallel,  the value's Placements: one Placement per mesh
-                              data_parallel     axis (dp, tp), each pass setting its own axis
+                              dp_placement      axis (dp, tp), each pass setting its own axis
     fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
                                                 partial sum over the tp group
     fxpar.stage               pipeline          the pipeline stage that computes the node

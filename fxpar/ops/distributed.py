@@ -21,8 +21,8 @@ Korthikanti et al. 2022, Sec. 4.2.2). Rank module code reads as aten plus these:
                                                           backward (reshard_after_forward)
 
 `DistributedOp` is the one description of each: the kernels are built from its two
-primitives, and `fxpar.ir.collectives` predicts a step's calls from the same two, so what the
-check and the cost model count is what runs. The axis is resolved when the op runs
+primitives, and lowering (`compiler.lowering.graph_calls`) predicts a step's calls from the
+same two, so what the check and the cost model count is what runs. The axis is resolved when the op runs
 (`fxpar.ir.axes.bound`); the group size rides in the op for the fake kernels, as in torch's own
 functional collectives.
 

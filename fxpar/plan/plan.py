@@ -9,11 +9,10 @@ Map of this module:
 - `Plan.check_world_size`     the plan against the launch (`WORLD_SIZE` from torchrun)
 - `Plan.check_batch`          the plan against the global batch
 - `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
-- `fxpar.plan.checks`        those three checks
+- `Plan.for_world`            the valid plans like this one for another world size
 - `fxpar.plan.text`          the field table and the text form, with their errors
 - `fxpar.plan.file`          plan files read as untrusted input (size cap, no repeated keys or
                               YAML aliases, nothing of the file echoed)
-- `fxpar.plan.world`         the valid plans `check_world_size` suggests for another world
 
 The text form is what a command line or a config string holds::
 
@@ -37,11 +36,10 @@ import json
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from os import PathLike
 from pathlib import Path
 
-from fxpar.plan import checks as plan_checks
 from fxpar.errors import PlanError, shown
 from fxpar.plan.file import FILE_SUFFIXES, describe_file, parse_mapping, read_plan_file
 from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
@@ -364,23 +362,134 @@ class Plan:
         ]
         return " ".join(entries) or "dp=1"
 
-    # -- checks against the launch and the data (`fxpar.plan.checks`) ---------------------------
+    # -- checks against the launch and the data, and the plans that fit another world ----------
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's);
-        the message suggests plans that do (`plan_checks.check_world_size`)."""
-        plan_checks.check_world_size(self, world_size)
+        """Raise `PlanError` unless the plan's degrees multiply to `world_size` (torchrun's).
+
+        The message suggests plans that do (`for_world`).
+        """
+        if not is_positive_int(world_size):
+            raise PlanError(
+                f"WORLD_SIZE must be a positive integer, got {shown(world_size)}. "
+                "Fix: launch with torchrun, which sets it.",
+                field="world_size",
+                value=world_size,
+            )
+        if world_size == self.world_size:
+            return
+        degrees = " * ".join(
+            f"{name}={value}" for name, value in self.degrees.items() if value > 1 or name == "dp"
+        )
+        examples = ", or ".join(str(p) for p in self.for_world(world_size))
+        raise PlanError(
+            f"plan degrees multiply to {self.world_size} ({degrees}) but WORLD_SIZE is "
+            f"{world_size}. Fix: launch with `torchrun --nproc-per-node {self.world_size} ...` "
+            f"or change the plan so the degrees multiply to {world_size} (for example {examples}).",
+            field="world_size",
+            value=world_size,
+        )
 
     def check_batch(self, batch: int) -> None:
-        """Raise `PlanError` unless the global `batch` splits into dp * microbatches equal parts.
-
-        >>> Plan(dp=2, microbatches=4).check_batch(16)  # 2 replicas x 4 microbatches of 2
-        """
-        plan_checks.check_batch(self, batch)
+        """Raise `PlanError` unless the global `batch` splits evenly into dp * microbatches parts;
+        the message names the nearest batches that do, and the mb or dp that fits this one."""
+        if not is_positive_int(batch):
+            raise PlanError(
+                f"global batch must be a positive integer, got {shown(batch)}. "
+                "Fix: pass the number of samples in one step, e.g. 32.",
+                field="batch",
+                value=batch,
+            )
+        dp, mb = self.dp, self.microbatches
+        unit = dp * mb
+        if batch % unit == 0:
+            return
+        below, above = batch // unit * unit, (batch // unit + 1) * unit
+        fixes = [f"use a global batch of {f'{below} or {above}' if below else above}"]
+        if batch % dp == 0:  # keep dp: the most microbatches that still divide the local batch
+            best = max(m for m in range(1, min(mb, batch) + 1) if batch % (dp * m) == 0)
+            fixes.append(f"keep the batch and use mb={best}")
+        if batch % mb == 0:  # keep mb: the most replicas that still divide the batch
+            best = max(d for d in range(1, min(dp, batch) + 1) if batch % (d * mb) == 0)
+            fixes.append(f"keep the batch and use dp={best} (and launch that many ranks)")
+        raise PlanError(
+            f"global batch {batch} is not divisible by dp * microbatches = {dp} * {mb} = {unit}: "
+            f"each of the {dp} data-parallel replicas takes batch/dp samples and splits them "
+            f"into {mb} equal microbatches. Fix: {', or '.join(fixes)}.",
+            field="batch",
+            value=batch,
+        )
 
     def check_sequence(self, length: int, *, what: str = "the sequence length") -> None:
-        """Raise `PlanError` unless sequence parallelism can split `length` tokens over tp.
+        """Raise `PlanError` when sequence parallelism cannot split `length` tokens over tp;
+        `what` names the length in the message ("the example's sequence length")."""
+        if not self.sequence_parallel or length % self.tp == 0:
+            return
+        fits = [n for n in (length - length % self.tp, length + self.tp - length % self.tp) if n > 0]
+        raise PlanError(
+            f"plan sp=true shards the sequence over tp={self.tp} ranks, and {what} {length} is "
+            f"not divisible by {self.tp}. Fix: use sequences of {' or '.join(map(str, fits))} "
+            "tokens (a multiple of tp), or sp=false",
+            field="sequence_parallel",
+            value=True,
+        )
 
-        >>> Plan(tp=2, sequence_parallel=True).check_sequence(16)  # 8 tokens per tp rank
+    def for_world(self, world_size: int) -> list[Plan]:
+        """Valid plans like this one whose degrees multiply to `world_size`: the fixes
+        `check_world_size` suggests.
+
+        >>> [str(p) for p in Plan(dp=4).for_world(2)]
+        ['dp=2']
+        >>> [str(p) for p in Plan(pp=2, tp=2, microbatches=2).for_world(2)]
+        ['tp=2 mb=2', 'pp=2 mb=2']
+
+        The tensor-parallel degree is kept first (it is tied to the model's head counts), then the
+        pipeline's, and the data-parallel degree takes up the rest. When dp alone absorbs the change
+        one plan is given, otherwise two to choose between. Fields tied to a degree are adjusted so
+        that each suggestion is valid (`_with_degrees`)."""
+        triples = [(dp, pp, world_size // (dp * pp)) for dp in _divisors(world_size)
+                   for pp in _divisors(world_size // dp)]
+
+        def distance(triple: tuple[int, int, int]) -> tuple:
+            dp, pp, tp = triple
+            return (tp != self.tp, pp != self.pp, abs(math.log(tp / self.tp)),
+                    abs(math.log(pp / self.pp)), abs(math.log(dp / self.dp)))
+
+        found: list[Plan] = []
+        for dp, pp, tp in sorted(triples, key=distance):
+            candidate = self._with_degrees(dp=dp, pp=pp, tp=tp)
+            if candidate is not None and candidate not in found:
+                found.append(candidate)
+        # found is never empty: dp=world_size with pp=tp=1 is always a valid plan.
+        dp_alone = (found[0].tp, found[0].pp) == (self.tp, self.pp)
+        return found[:1] if dp_alone else found[:2]
+
+    def _with_degrees(self, *, dp: int, pp: int, tp: int) -> Plan | None:
+        """This plan with these degrees and the fields tied to them adjusted; None if still invalid.
+
+        A `split` names stage starts for one number of stages (dropped when pp changes), sequence
+        parallelism needs tp > 1, the interleaved schedule pp > 1, and a pipeline schedule other
+        than GPipe at least pp microbatches (interleaved: a multiple of pp).
         """
-        plan_checks.check_sequence(self, length, what=what)
+        changes: dict[str, object] = {"dp": dp, "pp": pp, "tp": tp}
+        if tp == 1:
+            changes["sequence_parallel"] = False
+        if pp != self.pp:
+            changes["split"] = ()
+        if pp == 1 and self.schedule == "interleaved":
+            changes |= {"schedule": "1f1b", "virtual_stages": 1}
+        microbatches = self.microbatches
+        if pp > 1 and self.schedule != "gpipe":
+            microbatches = max(microbatches, pp)
+        if pp > 1 and self.schedule == "interleaved":
+            microbatches = -(-microbatches // pp) * pp
+        try:
+            return replace(self, **changes, microbatches=microbatches)
+        except PlanError:
+            return None
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of `n`, in increasing order."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})

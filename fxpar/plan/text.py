@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from typing import Literal
 
 from fxpar.errors import PlanError, clipped, shown
+from fxpar.schedule.schedules import SCHEDULES  # the names `schedule=` accepts
 
 # tp_rules given by name: "auto" (the model's own base-model plan, else inferred), "model" (the
 # model's whole declared plan) or "infer" (Megatron's layout inferred from the graph).
 TP_RULE_SOURCES = ("auto", "model", "infer")
 
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1")  # as fxpar.schedule.schedules builds
 Precision = Literal["fp32", "bf16-mixed"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed")
 ZERO_STAGES = (0, 1, 2, 3)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fxpar.ir.collectives import Collective, CollectiveKind
 from fxpar.errors import CollectiveError, clipped
 from fxpar.runtime.collective_failures import describe_failure
-from fxpar.runtime.step import numbers as step_numbers
+from fxpar.runtime.step import numbers
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step.guard import StepGuard
 
@@ -159,8 +159,8 @@ class Communicator:
         then = None
         if slots:
             riding = tensor.view(-1)[-slots:]
-            riding.copy_(step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device))
-            then = functools.partial(step_numbers.check, group, self._step, riding)
+            riding.copy_(numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device))
+            then = functools.partial(numbers.check, group, self._step, riding)
         call = self._record("all_reduce", tensor, group, tag, phase=phase, agreement=agreement, slots=slots)
         work = _all_reduce(tensor, group, dist.ReduceOp.SUM)
         return PendingCollective(work, call, group, self.timeout, then)
@@ -192,12 +192,12 @@ class Communicator:
         before `tensor` gets the sum (`runtime.step.numbers`)."""
         slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
         payload = tensor if not slots else torch.cat((
-            tensor.reshape(-1), step_numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
+            tensor.reshape(-1), numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
         call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, slots=slots, log=log)
         work = _all_reduce(payload, group, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         PendingCollective(work, call, group, self.timeout).wait()
         if slots:
-            step_numbers.check(group, self._step, payload[-slots:])
+            numbers.check(group, self._step, payload[-slots:])
             tensor.copy_(payload[:-slots].view_as(tensor))
 
     def all_gather_now(

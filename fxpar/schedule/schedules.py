@@ -26,7 +26,7 @@ costs, "." where the rank idles. 1F1B with p=2, m=3 (`print(schedule("1f1b", 2, 
 The idle cells are the bubble. `simulate` measures it with real costs; with the same costs on
 every stage (a chunk costing 1/v of a rank) and no communication, GPipe and 1F1B idle a fraction
 (p-1)/(m+p-1) of the step (GPipe, Huang et al. 2019, Sec. 2.3) and interleaved 1F1B
-(p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2); FORMULAS.md, "Pipeline bubble". The
+(p-1)/(v m + p - 1) (Narayanan et al. 2021, Sec. 2.2.2); docs/design.md, "Pipeline bubble". The
 cost model's bubble term is meant to read `simulate(...).bubble_fraction`, so that a new schedule
 needs no new formula.
 
@@ -237,7 +237,7 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return Schedule(name="zb-h1", p=p, v=1, m=m, actions=tuple(rows))
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")  # what `schedule` builds, and `Plan.schedule` accepts
 _ONE_STAGE_PER_RANK: dict[str, Callable[[int, int], Schedule]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
 }

@@ -4,7 +4,7 @@ Recording. `NodeRecorder.install(gm, names)` adds a submodule to a GraphModule a
 after each node named in `names`: each call keeps a copy of the node's value (one per
 microbatch, in the order the module runs them) and hooks the value's gradient. Copies are taken
 as the value is made, so an all-reduce that later reuses the tensor's memory in place
-(`distributed_ops.lower_for_eager`) does not change what was recorded. The one-device reference
+(`ops.distributed.lower_for_eager`) does not change what was recorded. The one-device reference
 and every rank's stage modules record the same way; node names are what joins them (the passes
 keep the captured graph's names, `passes.infra.copy_graph_module`).
 

@@ -115,7 +115,7 @@ def test_estimated_model_state_of_a_program_follows_the_stage(zero):
 
 @pytest.mark.parametrize("zero, volume", [(0, 2), (1, 2), (2, 2), (3, 3)])
 def test_data_parallel_traffic_is_2p_or_3p_for_zero_3(zero, volume):
-    """FORMULAS.md / ZeRO Sec. 7: DP and ZeRO-1/2 move 2P per step, ZeRO-3 3P (wire, ring):
+    """docs/design.md, "Communication" / ZeRO Sec. 7: DP and ZeRO-1/2 move 2P per step, ZeRO-3 3P (wire, ring):
     each layer gathered for forward and again for backward (reshard_after_forward=true, the
     default), its gradients reduce-scattered. Except the root's layer (embeddings, final
     norm, head), which is not gathered again: its backward, the head's, follows its forward at

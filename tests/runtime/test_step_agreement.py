@@ -18,7 +18,7 @@ from fxpar.errors import StepMismatchError
 from fxpar.ir.mesh import Axis
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime.step import numbers as step_numbers
+from fxpar.runtime.step import numbers
 from fxpar.runtime.step.agreement import start_agreement
 
 
@@ -72,8 +72,8 @@ def test_step_numbers_riding_in_a_float_payload_are_exact_modulo_2_to_the_24():
     """A float32 slot holds a step number exactly below 2**24 (`runtime.step.numbers`)."""
     member = RankGroup(axis=Axis.TP, ranks=(0, 1), handle=None, rank=1)
     step = 2**24 + 5
-    vector = step_numbers.slots(member, step, dtype=torch.float32, device=torch.device("cpu"))
+    vector = numbers.slots(member, step, dtype=torch.float32, device=torch.device("cpu"))
     assert vector.tolist() == [0.0, 5.0]
-    step_numbers.check(member, step, torch.tensor([5.0, 5.0]))  # both ranks on the step
+    numbers.check(member, step, torch.tensor([5.0, 5.0]))  # both ranks on the step
     with pytest.raises(StepMismatchError, match="rank 1 is on step 16777221 .* rank 0 on step 16777220: "):
-        step_numbers.check(member, step, torch.tensor([4.0, 5.0]))
+        numbers.check(member, step, torch.tensor([4.0, 5.0]))

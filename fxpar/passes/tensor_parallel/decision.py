@@ -1,4 +1,4 @@
-"""What a placement rule decides, and what it may ask: the vocabulary of `tp_propagation`.
+"""What a placement rule decides, and what it may ask: the vocabulary of `propagation`.
 
 A rule (`passes.tensor_parallel.propagation.RULES`, `passes.tensor_parallel.view_rules`) sees a node and a `Context`
 and returns a `Decision`; the tensor-parallel pass carries it out.

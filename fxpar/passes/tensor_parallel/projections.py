@@ -10,8 +10,8 @@ spells them four ways:
     aten.mm(x2d, w)               (in, out)  1         the same without a bias
     aten.matmul(x, w)             (in, out)  1         `x @ w` with a parameter `w`
 
-A `Projection` names the parts of any of them alike, so the plan rules (`tp_rules`), the
-propagation table (`tp_propagation.RULES`) and the rewrite (`tensor_parallel`) each handle one
+A `Projection` names the parts of any of them alike, so the plan rules (`rules`, the plan's `tp_rules`), the
+propagation table (`propagation.RULES`) and the rewrite (`rewrite`) each handle one
 shape of problem instead of four: column-parallel splits the weight's `out_dim`
 (`Shard(out_dim)`, and the bias with it), row-parallel its `in_dim` (`Shard(in_dim)`, the bias
 added once after the sum).
@@ -167,7 +167,7 @@ def _split_dim(node: fx.Node):
 def slice_bounds(node: fx.Node, width: int) -> tuple[int, int, int] | None:
     """(dim, start, stop) of an aten.slice with step 1 and constant, non-negative bounds (stop
     clipped to `width`, the size of the sliced dim), else None: what a fused projection's
-    blocks are cut by (`fused_projections`, `tp_view_rules.one_block`)."""
+    blocks are cut by (`fused_projections`, `view_rules.one_block`)."""
     if packet(node) is not aten.slice:
         return None
     dim, start, stop, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]

@@ -111,7 +111,7 @@ def reduction(node: fx.Node, ctx: Context) -> Decision:
 
 
 def projection(node: fx.Node, ctx: Context) -> Decision:
-    """x @ W (+ b) in any form of `tp_projections` (linear, addmm, mm, matmul with a weight).
+    """x @ W (+ b) in any form of `projections` (linear, addmm, mm, matmul with a weight).
 
     Column-parallel (W split on its output dim): the input whole, the output split on its
     last dim like W, the bias split with it. Row-parallel (W split on its input dim): the

@@ -1,7 +1,7 @@
 """Tensor parallelism as a rewrite: placements in, every collective derived.
 
 `shard_tensor_parallel(gm, placements=..., tp=..., sequence_parallel=...)` walks the graph
-once, in order. For each op it asks `tp_propagation.RULES` where the op needs its inputs; where
+once, in order. For each op it asks `propagation.RULES` where the op needs its inputs; where
 an input lies otherwise it inserts the op that `fxpar.ops.redistribution` names for the move (a
 `torch.ops.fxpar` op on mesh axis "tp", whose backward is the dual collective), and it
 rewrites what must change for local shards: the constants of views (head counts, hidden
@@ -85,7 +85,7 @@ def shard_tensor_parallel(
     """Rewrite `gm` so that it computes one tensor-parallel rank's share (see module doc).
 
     `gathered_outputs` names the modules whose sharded projections and lookups give their
-    output whole (style colwise_gather_output), as `tp_rules.parameter_placements` records.
+    output whole (style colwise_gather_output), as `rules.parameter_placements` records.
     """
     graph = gm.graph
     walk = _Walk(graph, Context({}, tp, sequence_parallel, seq), gathered_outputs)

@@ -1,7 +1,7 @@
 """Tensor-parallel plan rules: which parameters are split, and how, from module paths.
 
 A rule maps a module-path glob to a style (Shoeybi et al. 2019, Sec. 3). A style acts on the
-ops of the module it names, the projections of `tp_projections` (whatever their form: linear,
+ops of the module it names, the projections of `projections` (whatever their form: linear,
 GPT-2's Conv1D addmm, mm, matmul) and embedding lookups, and through them on the parameters:
 
     style                  projection weight    projection bias   embedding (vocab, dim)
@@ -17,7 +17,7 @@ GPT-2's Conv1D addmm, mm, matmul) and embedding lookups, and through them on the
 (`out_dim` is 0 for a linear's (out, in) weight and 1 for an (in, out) one.) A fused q|k|v
 projection whose output the graph splits into k equal blocks gets `parts=k` under colwise too,
 and one it slices into unequal blocks (Phi-3's grouped-query q|k|v) their relative widths,
-`parts=(2, 1, 1)` (`tp_projections.fused_projections`).
+`parts=(2, 1, 1)` (`projections.fused_projections`).
 
     Plan(tp=2, tp_rules={"h.*.attn.[qkv]": "colwise", "h.*.attn.o": "rowwise"})
 
@@ -34,7 +34,7 @@ which `compile` uses for `tp_rules="auto"` (the base model's) and `"model"` (the
 Styles fxpar cannot honour (mixture-of-experts, latent attention) are PlanErrors with a fix.
 
 `"infer"` (and `"auto"` for a model that declares no plan) infers Megatron's layout from the
-graph instead (`tp_inference.infer_styles`).
+graph instead (`inference.infer_styles`).
 """
 
 from __future__ import annotations

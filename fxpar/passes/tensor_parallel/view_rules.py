@@ -1,5 +1,5 @@
 """Placement rules of views and layout ops: where a sharded dim goes through a reshape,
-transpose, slice, split or concatenation (`tp_propagation.RULES` maps the ops to them).
+transpose, slice, split or concatenation (`propagation.RULES` maps the ops to them).
 
 A view keeps a shard when the sharded dim is the outermost of the input dims it regroups
 (it is split into, or merged with, the dims after it), and the shard lands on the first of the

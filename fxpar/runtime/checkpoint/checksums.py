@@ -2,7 +2,7 @@
 
 A save's shard files (`__<rank>_<n>.distcp`) hold one stored item after another: a chunk of a
 tensor as `torch.save` writes it, at the byte offset and length DCP's `.metadata` records.
-fxpar records in the manifest (`fxpar.json`, `checkpoint_manifest`) each file's size and a
+fxpar records in the manifest (`fxpar.json`, `manifest`) each file's size and a
 hash of every item's byte range; the items tile the file from byte 0 to its size, so every
 byte is covered once. DCP's `.metadata` is one item of its own (its key `.metadata`):
 

@@ -4,7 +4,7 @@ DCP plans a save in three steps: every rank lists what it will write (`create_lo
 the coordinator (rank 0) removes duplicates (a replicated chunk is written once) and checks
 that each tensor's chunks tile it exactly (`DefaultSavePlanner`'s global plan), then every
 rank writes its own files and the coordinator writes `.metadata`. The planners here speak in
-`checkpoint_pieces.GlobalTensor`s: each piece is one chunk, at its global offsets, read from or
+`pieces.GlobalTensor`s: each piece is one chunk, at its global offsets, read from or
 written into a view of the live tensor. A load asks DCP, for each piece this rank holds now,
 for the parts of the saved chunks it overlaps (`create_read_items_for_chunk_list`), which is
 what makes a checkpoint of one plan load under another.
@@ -207,7 +207,7 @@ def _sync_folder(folder: Path) -> None:
 class SafeReader(FileSystemReader):
     """DCP's FileSystemReader with the metadata unpickled by the allow-list (module doc) and,
     given the manifest's `checksums`, every item's bytes checked before `torch.load` reads them
-    (`checkpoint_checksums.ExpectedChecksums`)."""
+    (`checksums.ExpectedChecksums`)."""
 
     def __init__(self, path: Path, checksums: dict | None = None) -> None:
         super().__init__(path)

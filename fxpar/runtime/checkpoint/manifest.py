@@ -5,7 +5,7 @@
      "step": 100, "extra": {"data": 4096},          # the caller's step (or null) and JSON value
      "random": {"seed": 1234, "step": 100},          # the random stream's (`fxpar.ops.random_streams`)
      "optimizer": {"class": "AdamW", "param_groups": [{"lr": 0.001, ...}]},   # or a list, or null
-     "checksums": {"algorithm": "xxh3_64", "files": {...}}}                     # `checkpoint_checksums`
+     "checksums": {"algorithm": "xxh3_64", "files": {...}}}                     # `checksums`
 
 The manifest is read as untrusted input, as a plan file is: `read_manifest` checks every field's
 type and range (`validate_manifest`) and names the field, the value it holds (80 characters at

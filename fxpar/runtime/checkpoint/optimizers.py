@@ -48,7 +48,7 @@ def record_maker(optimizer: torch.optim.Optimizer, runner) -> None:
 def check_made_here(runner, given: Sequence, *, action: str) -> None:
     """Each optimizer of `given` that some runner made was made by `runner`; otherwise a
     CheckpointError naming the one that made it (module doc). An optimizer made outside
-    fxpar is left to `checkpoint_state`, which refuses one stepping another model's tensors."""
+    fxpar is left to `state`, which refuses one stepping another model's tensors."""
     for optimizer in given:
         maker, name = _MADE_BY.get(optimizer, (None, None))
         if maker is not None and maker() is not runner:

@@ -6,7 +6,7 @@
     resumed.step, resumed.extra           # 100, {"data": position}
 
 Every rank writes its own pieces of the parameters and of the optimizer state, under the
-model's names and in global coordinates (`checkpoint_state`, `checkpoint_pieces`), so nothing
+model's names and in global coordinates (`state`, `pieces`), so nothing
 is gathered and a load under another plan (other dp, tp, pp, zero degrees, another world size)
 reads, for each piece it holds now, the overlapping parts of what was written (`dcp_io`). The
 folder holds DCP's files and `fxpar.json`: what was saved (plan, world size, optimizer class and
@@ -22,10 +22,10 @@ and `latest_checkpoint` never picks a partial one.
 What cannot go wrong silently:
 
 - **Damage.** The manifest holds a hash (XXH3) of every saved item (a tensor's chunk) and each file's
-  size (`checkpoint_checksums`); a load checks every byte it reads, so a flipped, truncated or
+  size (`checksums`); a load checks every byte it reads, so a flipped, truncated or
   deleted shard is a CheckpointError naming the file, the key and the byte offset. A
   checkpoint of format version 1 (before checksums) loads with a warning.
-- **A damaged or edited manifest.** Every field is checked before use (`checkpoint_manifest`).
+- **A damaged or edited manifest.** Every field is checked before use (`manifest`).
 - **Ranks that disagree, two writers.** Before writing, the ranks agree on one folder and
   rank 0 locks `<path>.partial` for this job (`checkpoint_lock`).
 - **Storage failures.** Disk full, permissions, I/O errors: one CheckpointError on every rank

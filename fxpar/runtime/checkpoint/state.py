@@ -7,7 +7,7 @@
     rng.<rank>.cpu, .cuda        each rank's torch generator states (uint8 tensors)
 
 Each is a `GlobalTensor`: its global shape and the pieces this rank holds
-(`checkpoint_pieces`), placed by the parameters' placements, and under ZeRO-1/2 by where this
+(`pieces`), placed by the parameters' placements, and under ZeRO-1/2 by where this
 rank's flat shard falls in each parameter. Under bf16-mixed a parameter is its fp32 master:
 the checkpoint holds what training updates, in the model's own dtype, whatever precision
 saved it or loads it. Saving, a tensor several ranks hold is listed by

@@ -1,7 +1,7 @@
 """ZeRO-3 at run time: each layer gathered once per use, prefetched, and re-gathered for backward.
 
 The ZeRO-3 pass (`passes.zero3`) writes the ops; this is their eager form for one bound rank
-module, as `distributed_ops.lower_for_eager` is for the other ops. At bind the gatherer points
+module, as `ops.distributed.lower_for_eager` is for the other ops. At bind the gatherer points
 every `gather_parameters` and `regather_parameters` node of the module at its own methods:
 
     forward   gather_parameters of layer k: wait for layer k's all-gather (issue it now if it

@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fxpar.runtime.step import numbers as step_numbers
+from fxpar.runtime.step import numbers
 from fxpar.runtime.step.batch_identity import BatchIdentity
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
@@ -72,7 +72,7 @@ def start_agreement(
     The vector lives on `device` (NCCL reduces device tensors only); reading the steps back is
     the one host synchronisation it costs."""
     head = 0 if count is None else 1
-    parts = [step_numbers.slots(group, step, dtype=torch.int64, device=device)]
+    parts = [numbers.slots(group, step, dtype=torch.int64, device=device)]
     if count is not None:  # the count stays on the device: no synchronisation for it
         parts.insert(0, count.reshape(1).to(torch.int64))
     if batch is not None:  # this member's block, zeros in the others'
@@ -84,7 +84,7 @@ def start_agreement(
 
     def settle() -> torch.Tensor | None:
         pending.wait()
-        step_numbers.check(group, step, vector[head:head + group.size])
+        numbers.check(group, step, vector[head:head + group.size])
         if batch is not None:
             batch.check(group, vector[head + group.size:], names)
         return None if count is None else vector[0].to(count.dtype).reshape(count.shape)

@@ -6,7 +6,7 @@ which reads nothing of the Runner itself.
 
     rank, device          the global rank, and where its tensors live
     step_program          what the rank does in a step, in order (`fxpar.ir.step_program`)
-    guard                 holds every collective of a step to that program (`step_guard`)
+    guard                 holds every collective of a step to that program (`guard`)
     modules               the rank's stage modules, in stage order (one without a pipeline)
     forwards              what the executors call for each module: its graph (with its
                           checkpoint regions, `runtime.step.recompute`) reading the module's

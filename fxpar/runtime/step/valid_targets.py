@@ -13,7 +13,7 @@ more than the tiny all-reduce itself.
 So the all-reduce starts at the top of the step, and the rank's graph waits for it where it
 reads the count: at bind, the runtime puts a call to the step's `CountArrival` between the
 graph's `valid_targets` input and its first user (`await_count`), as it points the
-distributed ops at their eager forms (`distributed_ops.lower_for_eager`); the compiled program
+distributed ops at their eager forms (`ops.distributed.lower_for_eager`); the compiled program
 is unchanged, and the same call runs in the same position of the step program:
 
     valid_targets_arrived = fxpar_runtime_valid_targets_arrive(valid_targets)  # waits, checks steps
