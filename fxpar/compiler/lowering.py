@@ -235,13 +235,19 @@ def _batch_dims(program) -> int:
     return sum(len(shape) for shape in program.captured.example_shapes)
 
 
+def _reduces_per_microbatch(program) -> bool:
+    """Whether ZeRO-2 reduce-scatters the buckets once per microbatch, as each microbatch's
+    backward completes them, rather than once per step (`fxpar.plan.zero_reduction`)."""
+    return program.plan.zero == 2 and program.zero_reduce.per_microbatch
+
+
 def _single_stage_row(program) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = step_start_actions(mesh, counted=program.loss_reduction.sums,
                                  batch_dims=_batch_dims(program))
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     microbatches = program.plan.microbatches
-    each = zero == 2 and program.zero_reduce.per_microbatch
+    each = _reduces_per_microbatch(program)
     for microbatch in range(microbatches):
         last = microbatch == microbatches - 1
         actions += [Compute("F", 0, microbatch, forward),
@@ -262,92 +268,134 @@ def _single_stage_row(program) -> tuple[tuple[StepAction, ...], tuple[StepAction
 
 
 def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
-    mesh, schedule, stages, zero = program.mesh, program.schedule, program.stages, program.plan.zero
-    last = len(stages) - 1
+    """The actions of pipeline rank `pp` (module doc): the step's start, the schedule's row
+    (`_scheduled_actions`), the reductions after it (`_pipeline_step_end`); and ZeRO's gathers
+    around the optimizer step."""
+    mesh, schedule, stages = program.mesh, program.schedule, program.stages
     local = [s for s in stages if schedule.rank_of(s.index) == pp]
-    calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
-    holds_loss = schedule.rank_of(last) == pp
+    holds_loss = schedule.rank_of(len(stages) - 1) == pp
     actions: list[StepAction] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss,
                                                   batch_dims=_batch_dims(program))
     row = schedule.actions[pp]
+    actions += _scheduled_actions(program, local, row, ahead)
+    actions += _pipeline_step_end(program, local, row, pp)
+    optimizer = [a for stage in local
+                 for a in optimizer_actions(stage.buckets, mesh, zero=program.plan.zero, stage=stage.index)]
+    return tuple(actions), tuple(optimizer)
 
-    def transfers(kind, boundaries, peer, tag, phase) -> tuple[Call, ...]:
-        return tuple(_transfer(kind, b, mesh, peer, tag, phase) for b in boundaries
-                     if phase == "forward" or b.requires_grad)
 
-    def receives(action) -> tuple[Call, ...]:
-        stage = stages[action.stage]
-        if action.kind == "F" and stage.index > 0:
-            return transfers("recv", stage.inputs, stage.index - 1, f"stage {stage.index} activations", "forward")
-        if action.kind == "B" and stage.index < last:
-            return transfers("recv", stage.outputs, stage.index + 1, f"stage {stage.index} gradients", "backward")
-        return ()
-
-    def sends(action) -> tuple[Call, ...]:
-        stage = stages[action.stage]
-        if action.kind == "F" and stage.index < last:
-            return transfers("send", stage.outputs, stage.index + 1, f"stage {stage.index + 1} activations", "forward")
-        if action.kind == "B" and stage.index > 0:
-            return transfers("send", stage.inputs, stage.index - 1, f"stage {stage.index - 1} gradients", "backward")
-        return ()
-
-    last_backward = {s.index: max(i for i, a in enumerate(row) if a.stage == s.index and a.kind == "B") for s in local}
-    each = zero == 2 and program.zero_reduce.per_microbatch
-    # The action that completes a stage's gradients for a microbatch: its W where weight
-    # gradients are deferred (zero bubble), else its B.
-    completing = {s.index: "W" if deferred_weights(s.graph_module) else "B" for s in local}
-
-    def reductions(position: int) -> list[StepAction]:
-        """ZeRO-2 reducing per microbatch: the buckets the action at `position` completes (and
-        launches, in that order among the rank's stages), after the Exchange that sends its
-        results on (the peers do not wait for them)."""
-        action = row[position]
-        if not each or action.kind != completing[action.stage]:
-            return []
-        stage = stages[action.stage]
-        return bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False,
-                              microbatch=action.microbatch)
-
+def _scheduled_actions(program, local, row, ahead: int) -> list[StepAction]:
+    """The schedule's `row`, each action a `Compute` of its stage's calls (`local`: the rank's
+    stages), with an `Exchange` before it: the previous action's sends and the receives due,
+    posted `ahead` actions early (`issue_order`), then the buckets the previous action
+    completes (`_between_actions`)."""
+    mesh, stages = program.mesh, program.stages
+    calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
+    last_backward = {s.index: max(i for i, a in enumerate(row) if a.stage == s.index and a.kind == "B")
+                     for s in local}
+    actions: list[StepAction] = []
     due: list[Receive] = []
     previous = None
     for event, i in issue_order(len(row), ahead):
         action = row[i]
         if event == "receive":
-            if expected := receives(action):
+            if expected := _receives(action, stages, mesh):
                 due.append(Receive(i, expected))
             continue
-        outgoing = sends(row[previous]) if previous is not None else ()
-        if outgoing or due:
-            actions.append(Exchange(outgoing, tuple(due)))
-        if previous is not None:
-            actions += reductions(previous)
+        actions += _between_actions(program, row, previous, due)
         due, previous = [], i
         forward, backward = calls[action.stage]
         final = i == last_backward[action.stage]
         own = {"F": forward, "B": backward_calls(backward, last=final, program=program), "W": ()}[action.kind]
         actions.append(Compute(action.kind, action.stage, action.microbatch, own))
-    if previous is not None and (outgoing := sends(row[previous])):
-        actions.append(Exchange(outgoing, ()))
-    if previous is not None:
-        actions += reductions(previous)
-    for stage in sorted(local, key=lambda s: _bucket_completion(s, row)) if not each else ():
-        actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False)
+    return actions + _between_actions(program, row, previous, [])
+
+
+def _between_actions(program, row, previous: int | None, due: list[Receive]) -> list[StepAction]:
+    """What a rank issues after the action at `previous` (None: before its first): one
+    `Exchange` of that action's sends and the receives `due`, when there are any, then the
+    buckets the action completes (`_microbatch_buckets`)."""
+    if previous is None:
+        return [Exchange((), tuple(due))] if due else []
+    outgoing = _sends(row[previous], program.stages, program.mesh)
+    exchange = [Exchange(outgoing, tuple(due))] if outgoing or due else []
+    return exchange + _microbatch_buckets(program, row[previous])
+
+
+def _receives(action, stages, mesh: Mesh) -> tuple[Call, ...]:
+    """What `action` receives before it runs: a forward its stage's inputs from the stage
+    before, a backward its outputs' gradients from the stage after."""
+    stage, last = stages[action.stage], len(stages) - 1
+    if action.kind == "F" and stage.index > 0:
+        return _transfers("recv", stage.inputs, mesh, stage.index - 1,
+                          f"stage {stage.index} activations", "forward")
+    if action.kind == "B" and stage.index < last:
+        return _transfers("recv", stage.outputs, mesh, stage.index + 1,
+                          f"stage {stage.index} gradients", "backward")
+    return ()
+
+
+def _sends(action, stages, mesh: Mesh) -> tuple[Call, ...]:
+    """What `action` sends once it has run: a forward its stage's outputs to the stage after,
+    a backward its inputs' gradients to the stage before."""
+    stage, last = stages[action.stage], len(stages) - 1
+    if action.kind == "F" and stage.index < last:
+        return _transfers("send", stage.outputs, mesh, stage.index + 1,
+                          f"stage {stage.index + 1} activations", "forward")
+    if action.kind == "B" and stage.index > 0:
+        return _transfers("send", stage.inputs, mesh, stage.index - 1,
+                          f"stage {stage.index - 1} gradients", "backward")
+    return ()
+
+
+def _transfers(kind, boundaries, mesh: Mesh, peer: int, tag: str, phase: str) -> tuple[Call, ...]:
+    """One `_transfer` per boundary; backward, only those a gradient flows through."""
+    return tuple(_transfer(kind, b, mesh, peer, tag, phase) for b in boundaries
+                 if phase == "forward" or b.requires_grad)
+
+
+def _microbatch_buckets(program, action) -> list[StepAction]:
+    """ZeRO-2 reducing per microbatch: the buckets `action` completes (`_completing_kind`), and
+    so launches, issued after the Exchange that sends its results on (the peers do not wait
+    for them); nothing otherwise."""
+    stage = program.stages[action.stage]
+    if not _reduces_per_microbatch(program) or action.kind != _completing_kind(stage):
+        return []
+    return bucket_actions(stage.buckets, program.mesh, zero=program.plan.zero, stage=stage.index,
+                          carry_loss=False, microbatch=action.microbatch)
+
+
+def _pipeline_step_end(program, local, row, pp: int) -> list[StepAction]:
+    """What pipeline rank `pp` issues after its row: its stages' buckets in the order they
+    complete (unless they went per microbatch), partial and tied gradients, the buckets ZeRO
+    holds for after those sums, and the loss summed over the pipeline and over dp."""
+    mesh, zero = program.mesh, program.plan.zero
+    actions: list[StepAction] = []
+    if not _reduces_per_microbatch(program):  # else they went out as each microbatch completed them
+        for stage in sorted(local, key=lambda s: _bucket_completion(s, row)):
+            actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False)
     for stage in local:
         actions += partial_gradient_actions(stage.graph_module, mesh, stage=stage.index)
-    for name, owners in tied_stage_owners(program).items():
-        if any(schedule.rank_of(s) == pp for s in owners):
-            node = meta.parameter_nodes(stages[owners[0]].graph_module.graph)[name]
-            numel = local_numel(node.meta["val"].shape, meta.placements(node), mesh.sizes)
-            call = Call(kind="all_reduce", numel=numel, dtype=node.meta["val"].dtype, tied=name,
-                        tag=f"tied {name} gradient", phase="step")
-            actions.append(Communicate(Purpose.TIED_GRADIENT, (call,), name=name))
+    actions += _tied_gradient_actions(program, pp)
     for stage in local:  # ZeRO: the buckets reduced after those sums
         actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False, held=True)
     actions.append(Communicate(Purpose.PIPELINE_LOSS, (Call(
         kind="all_reduce", numel=1, dtype=torch.float32, axis="pp", tag="pipeline loss", phase="step"),)))
-    actions += loss_actions(mesh)
-    optimizer = [a for stage in local for a in optimizer_actions(stage.buckets, mesh, zero=zero, stage=stage.index)]
-    return tuple(actions), tuple(optimizer)
+    return actions + loss_actions(mesh)
+
+
+def _tied_gradient_actions(program, pp: int) -> list[StepAction]:
+    """One all-reduce per tied parameter pipeline rank `pp` holds a copy of, summing the
+    copies' gradients over the ranks that hold one (`tied_stage_owners`)."""
+    actions: list[StepAction] = []
+    for name, owners in tied_stage_owners(program).items():
+        if any(program.schedule.rank_of(s) == pp for s in owners):
+            node = meta.parameter_nodes(program.stages[owners[0]].graph_module.graph)[name]
+            numel = local_numel(node.meta["val"].shape, meta.placements(node), program.mesh.sizes)
+            call = Call(kind="all_reduce", numel=numel, dtype=node.meta["val"].dtype, tied=name,
+                        tag=f"tied {name} gradient", phase="step")
+            actions.append(Communicate(Purpose.TIED_GRADIENT, (call,), name=name))
+    return actions
 
 
 def _transfer(kind, boundary: Boundary, mesh: Mesh, peer: int, tag: str, phase: str) -> Call:
@@ -362,8 +410,14 @@ def _bucket_completion(stage, row) -> int:
     """The position in `row` of the action during which `stage`'s buckets complete, so they
     launch: its last W when it defers weight gradients (zero bubble), else its last B. The
     runtime's hooks launch a rank's buckets in that order across its stages."""
-    kind = "W" if deferred_weights(stage.graph_module) else "B"
+    kind = _completing_kind(stage)
     return max(i for i, a in enumerate(row) if a.stage == stage.index and a.kind == kind)
+
+
+def _completing_kind(stage) -> str:
+    """The action that completes `stage`'s gradients for a microbatch: its W where weight
+    gradients are deferred (zero bubble), else its B."""
+    return "W" if deferred_weights(stage.graph_module) else "B"
 
 
 def tied_stage_owners(program) -> dict[str, tuple[int, ...]]:

@@ -45,7 +45,7 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, InputSpec
 
 from fxpar.ir import meta
 from fxpar.frontend.attribute_writes import AttributeWatch, refuse_attribute_writes
@@ -242,56 +242,18 @@ def _unlift(
     keyword: bool,
     source: tuple[torch.nn.Module, ExampleInputs],
 ) -> CapturedGraph:
+    """Export's graph as the `CapturedGraph` the module doc describes: the state export lifted
+    into inputs read back through get_attr nodes (`_read_state_through_getters`), the loss
+    returned, every node annotated (`_annotate`), the dynamic dims renamed."""
     graph = exported.graph_module.graph
     named_parameters = dict(model.named_parameters(remove_duplicate=False))
     canonical = _canonical_parameter_names(model)
     named_buffers = dict(model.named_buffers(remove_duplicate=False))
     persistent = set(model.state_dict(keep_vars=True))
 
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
-    attributes: dict[str, torch.Tensor] = {}
-    getters: dict[str, fx.Node] = {}
-    input_names: list[str] = []
-    for node, spec in zip(placeholders, exported.graph_signature.input_specs, strict=True):
-        if spec.kind == InputKind.USER_INPUT:
-            input_names.append(node.name)
-            continue
-        if spec.kind == InputKind.PARAMETER:
-            name = canonical[spec.target]
-            attributes[name] = named_parameters[name]
-        elif spec.kind == InputKind.BUFFER:
-            name = spec.target
-            attributes[name] = named_buffers[name]
-        elif spec.kind == InputKind.CONSTANT_TENSOR:
-            name = spec.target
-            attributes[name] = exported.constants[name]
-        else:
-            raise CaptureError(
-                f"the captured graph has a {spec.kind.name} input {spec.target!r}, which fxpar "
-                "does not support; remove custom objects and effectful ops from the model"
-            )
-        if name not in getters:
-            with graph.inserting_before(first_compute):
-                # create_node, not get_attr: the attribute lands on the new GraphModule below,
-                # so get_attr's check against export's module would only warn.
-                getters[name] = graph.create_node("get_attr", name)
-            getters[name].meta.update(node.meta)
-            if spec.kind == InputKind.PARAMETER:
-                getters[name].meta[meta.PARAMETER] = name
-        node.replace_all_uses_with(getters[name])
-        graph.erase_node(node)
-
+    attributes, input_names = _read_state_through_getters(graph, exported, named_parameters, canonical, named_buffers)
     _return_the_loss(graph, exported, model, positional=0 if keyword else len(example_inputs))
-    for node in graph.nodes:
-        node.meta[meta.MODULE_PATH] = meta.exported_module_path(node)
-        node.meta[meta.REQUIRES_GRAD] = _requires_grad(node, attributes)
-        if node.target is torch.ops.aten.view.default:
-            # Export drops a `.contiguous()` that is a no-op for the kernel it traced with (the
-            # CPU attention output is already laid out for `transpose(1, 2).view(B, T, C)`);
-            # another kernel, or a local shard, may return other strides. reshape is view
-            # where view works and copies where it must.
-            node.target = torch.ops.aten.reshape.default
+    _annotate(graph, attributes)
 
     gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__ + "Graph")
     aliases = {n: canonical[n] for n in named_parameters if canonical[n] != n}
@@ -315,6 +277,77 @@ def _unlift(
         _renames=renames,
         _source=source,
     )
+
+
+def _read_state_through_getters(
+    graph: fx.Graph,
+    exported: ExportedProgram,
+    named_parameters: dict[str, torch.nn.Parameter],
+    canonical: dict[str, str],
+    named_buffers: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Replace each placeholder export lifted the model's state into by a get_attr node of
+    that state's name, one per name (tied parameters read their canonical one), placed before
+    the first compute node. Returns the tensors the GraphModule will hold, by name, and the
+    names of the placeholders left: the user's inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    attributes: dict[str, torch.Tensor] = {}
+    getters: dict[str, fx.Node] = {}
+    input_names: list[str] = []
+    for node, spec in zip(placeholders, exported.graph_signature.input_specs, strict=True):
+        if spec.kind == InputKind.USER_INPUT:
+            input_names.append(node.name)
+            continue
+        name, value = _lifted_state(spec, exported, named_parameters, canonical, named_buffers)
+        attributes[name] = value
+        if name not in getters:
+            with graph.inserting_before(first_compute):
+                # create_node, not get_attr: the attribute lands on the new GraphModule below,
+                # so get_attr's check against export's module would only warn.
+                getters[name] = graph.create_node("get_attr", name)
+            getters[name].meta.update(node.meta)
+            if spec.kind == InputKind.PARAMETER:
+                getters[name].meta[meta.PARAMETER] = name
+        node.replace_all_uses_with(getters[name])
+        graph.erase_node(node)
+    return attributes, input_names
+
+
+def _lifted_state(
+    spec: InputSpec,
+    exported: ExportedProgram,
+    named_parameters: dict[str, torch.nn.Parameter],
+    canonical: dict[str, str],
+    named_buffers: dict[str, torch.Tensor],
+) -> tuple[str, torch.Tensor]:
+    """The name and tensor of the state a lifted input `spec` stands for: a parameter (by its
+    canonical name), a buffer or a constant; any other kind of input is refused."""
+    if spec.kind == InputKind.PARAMETER:
+        name = canonical[spec.target]
+        return name, named_parameters[name]
+    if spec.kind == InputKind.BUFFER:
+        return spec.target, named_buffers[spec.target]
+    if spec.kind == InputKind.CONSTANT_TENSOR:
+        return spec.target, exported.constants[spec.target]
+    raise CaptureError(
+        f"the captured graph has a {spec.kind.name} input {spec.target!r}, which fxpar "
+        "does not support; remove custom objects and effectful ops from the model"
+    )
+
+
+def _annotate(graph: fx.Graph, attributes: dict[str, torch.Tensor]) -> None:
+    """Give every node its module path and whether it requires grad, and turn views into
+    reshapes (below)."""
+    for node in graph.nodes:
+        node.meta[meta.MODULE_PATH] = meta.exported_module_path(node)
+        node.meta[meta.REQUIRES_GRAD] = _requires_grad(node, attributes)
+        if node.target is torch.ops.aten.view.default:
+            # Export drops a `.contiguous()` that is a no-op for the kernel it traced with (the
+            # CPU attention output is already laid out for `transpose(1, 2).view(B, T, C)`);
+            # another kernel, or a local shard, may return other strides. reshape is view
+            # where view works and copies where it must.
+            node.target = torch.ops.aten.reshape.default
 
 
 def _requires_grad(node: fx.Node, attributes: dict[str, torch.Tensor]) -> bool:

@@ -67,6 +67,19 @@ def assign_gradient_buckets(
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    ready = _gradients_in_ready_order(gm)
+    buckets = _fill_buckets(ready, bucket_bytes=bucket_bytes, mesh=mesh, hold=hold, reduce_dtype=reduce_dtype)
+    gm.meta[meta.GRAPH_BUCKETS] = tuple(buckets)
+    return gm
+
+
+# A parameter that receives a gradient: its name, node, tensor and the dtype the graph computes it in.
+_Gradient = tuple[str, fx.Node, torch.nn.Parameter, torch.dtype]
+
+
+def _gradients_in_ready_order(gm: fx.GraphModule) -> list[_Gradient]:
+    """The parameters that receive a gradient, in the order backward completes their
+    gradients (module doc)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     reaches_loss = _nodes_reaching_output(gm.graph)
     ready_order = []
@@ -82,7 +95,14 @@ def assign_gradient_buckets(
         value_dtype = node.meta["val"].dtype if "val" in node.meta else value.dtype
         ready_order.append(((-order[first_user], -position), name, node, value, value_dtype))
     ready_order.sort(key=lambda item: item[0])
+    return [(name, node, value, value_dtype) for _, name, node, value, value_dtype in ready_order]
 
+
+def _fill_buckets(
+    ready: list[_Gradient], *, bucket_bytes: int, mesh: Mesh, hold: bool, reduce_dtype: torch.dtype | None,
+) -> list[Bucket]:
+    """Deal the gradients, `ready` in the order backward completes them, into buckets as
+    `assign_gradient_buckets` describes, and mark each parameter's node with its bucket."""
     buckets: list[Bucket] = []
     names: list[str] = []
     numel, dtype = 0, None
@@ -93,7 +113,7 @@ def assign_gradient_buckets(
             buckets.append(Bucket(len(buckets), tuple(names), numel, dtype, reduce_dtype=_other(reduce_dtype, dtype)))
         names, numel = [], 0
 
-    for _, name, node, value, value_dtype in ready_order:
+    for name, node, value, value_dtype in ready:
         size = local_numel(value.shape, meta.placements(node), mesh.sizes)
         if hold and (node.meta.get(meta.GRAD_PARTIAL) or node.meta.get(meta.TIED_ACROSS_STAGES)):
             close()
@@ -110,8 +130,7 @@ def assign_gradient_buckets(
         if numel * dtype.itemsize >= bucket_bytes:
             close()
     close()
-    gm.meta[meta.GRAPH_BUCKETS] = tuple(buckets)
-    return gm
+    return buckets
 
 
 def carries_loss(buckets: tuple[Bucket, ...]) -> bool:

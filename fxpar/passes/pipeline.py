@@ -238,6 +238,24 @@ def split_stages(gm: fx.GraphModule) -> tuple[Stage, ...]:
     nodes = _compute_nodes(gm.graph)
     stage_of = {n: n.meta[meta.STAGE] for n in nodes}
     output = gm.graph.output_node()
+    needed_after = _needed_after(nodes, stage_of, output, stages)
+    result = [
+        _stage_graph(gm, s, nodes, stage_of, incoming=needed_after[s - 1] if s > 0 else [],
+                     outgoing=needed_after[s] if s < stages - 1 else None)
+        for s in range(stages)
+    ]
+    return tuple(
+        Stage(s, stage_gm, incoming, result[s + 1][1] if s + 1 < stages else (), user_inputs)
+        for s, (stage_gm, incoming, user_inputs) in enumerate(result)
+    )
+
+
+def _needed_after(
+    nodes: list[fx.Node], stage_of: dict[fx.Node, int], output: fx.Node, stages: int
+) -> list[list[fx.Node]]:
+    """Per stage s, the values made at or before s and used after it: what crosses from s to
+    s + 1. The output counts as a use on the last stage, a node no stage owns as a use after
+    every stage."""
     needed_after: list[list[fx.Node]] = [[] for _ in range(stages)]
     for node in nodes:
         last = max(
@@ -245,49 +263,64 @@ def split_stages(gm: fx.GraphModule) -> tuple[Stage, ...]:
         )
         for s in range(stage_of[node], min(last, stages - 1)):
             needed_after[s].append(node)  # made at or before s, used after s
+    return needed_after
+
+
+def _stage_graph(
+    gm: fx.GraphModule,
+    s: int,
+    nodes: list[fx.Node],
+    stage_of: dict[fx.Node, int],
+    *,
+    incoming: list[fx.Node],
+    outgoing: list[fx.Node] | None,
+) -> tuple[fx.GraphModule, tuple[Boundary, ...], tuple[str, ...]]:
+    """Stage `s`'s GraphModule, its incoming boundaries and the user inputs it reads: it takes
+    `incoming` (as `boundary_0`, ...) and those inputs, computes its nodes, copying what they
+    read that no stage owns (module doc), and returns `outgoing`, or the loss on the last
+    stage (`outgoing` None)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    boundaries = []
+    for i, node in enumerate(incoming):
+        env[node] = graph.placeholder(f"boundary_{i}")
+        env[node].meta.update(node.meta)
+        boundaries.append(_boundary(f"boundary_{i}", node))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    result = []
-    for s in range(stages):
-        incoming = needed_after[s - 1] if s > 0 else []
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        boundaries = []
-        for i, node in enumerate(incoming):
-            env[node] = graph.placeholder(f"boundary_{i}")
-            env[node].meta.update(node.meta)
-            value = node.meta["val"]
-            boundaries.append(Boundary(f"boundary_{i}", tuple(
-                d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in value.shape
-            ), value.dtype, meta.requires_grad(node), meta.placements(node)))
-        used_inputs = [p for p in placeholders if _reaches_stage(p, s, stage_of)]
-        for p in used_inputs:
-            env[p] = graph.placeholder(p.name)
-            env[p].meta.update(p.meta)
+    used_inputs = [p for p in placeholders if _reaches_stage(p, s, stage_of)]
+    for p in used_inputs:
+        env[p] = graph.placeholder(p.name)
+        env[p].meta.update(p.meta)
 
-        def copy(node: fx.Node) -> fx.Node:
-            if node in env:
-                return env[node]
-            for source in node.all_input_nodes:
-                copy(source)
-            env[node] = graph.node_copy(node, lambda n: env[n])
+    def copy(node: fx.Node) -> fx.Node:
+        if node in env:
             return env[node]
+        for source in node.all_input_nodes:
+            copy(source)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        return env[node]
 
-        for node in nodes:
-            if stage_of[node] == s:
-                copy(node)
-        outgoing = needed_after[s] if s < stages - 1 else [output.args[0]]
-        results = [copy(n) for n in outgoing]
-        graph.output(tuple(results) if s < stages - 1 else results[0])
-        attributes = {
-            n.target: _attribute(gm, n.target) for n in graph.nodes if n.op == "get_attr"
-        }
-        stage_gm = fx.GraphModule(attributes, graph, class_name=f"Stage{s}")
-        stage_gm.meta = {k: v for k, v in gm.meta.items()} | {meta.GRAPH_STAGE: s}
-        result.append((stage_gm, tuple(boundaries), tuple(p.name for p in used_inputs)))
-    return tuple(
-        Stage(s, stage_gm, incoming, result[s + 1][1] if s + 1 < stages else (), user_inputs)
-        for s, (stage_gm, incoming, user_inputs) in enumerate(result)
-    )
+    for node in nodes:
+        if stage_of[node] == s:
+            copy(node)
+    if outgoing is None:
+        graph.output(copy(gm.graph.output_node().args[0]))
+    else:
+        graph.output(tuple(copy(n) for n in outgoing))
+    attributes = {
+        n.target: _attribute(gm, n.target) for n in graph.nodes if n.op == "get_attr"
+    }
+    stage_gm = fx.GraphModule(attributes, graph, class_name=f"Stage{s}")
+    stage_gm.meta = {k: v for k, v in gm.meta.items()} | {meta.GRAPH_STAGE: s}
+    return stage_gm, tuple(boundaries), tuple(p.name for p in used_inputs)
+
+
+def _boundary(name: str, node: fx.Node) -> Boundary:
+    """The boundary tensor `node`'s value crosses as: its shape (a formula in export's size
+    symbols), dtype, whether a gradient flows back through it, and its placement."""
+    value = node.meta["val"]
+    shape = tuple(d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d) for d in value.shape)
+    return Boundary(name, shape, value.dtype, meta.requires_grad(node), meta.placements(node))
 
 
 def _reaches_stage(placeholder: fx.Node, stage: int, stage_of: dict[fx.Node, int]) -> bool:

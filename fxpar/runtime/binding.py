@@ -166,32 +166,18 @@ def step_context(
     meter: SavedTensorMeter,
     random: RandomStream,
 ) -> tuple[StepContext, list]:
-    """The gradient buckets (with data parallelism), ZeRO's flat parameters (per module, per
-    bucket; the master weights sharded to them) and the `StepContext` the executors read."""
-    stages, plan, dp, buckets = program.stages, program.plan, groups[Axis.DP], []
-    per_microbatch = program.zero_reduce.per_microbatch  # ZeRO-2/3 (`fxpar.plan.zero_reduction`)
-    # ZeRO-3's gradients are reduce-scattered by the graph's own ops: no buckets.
-    for module in modules if dp.size > 1 and plan.zero < 3 else ():
-        stage = meta.stage_of(module)
-        assignment = stages[stage].buckets if stages else program.buckets
-        calls: dict[int, list] = {}  # bucket -> its reductions (per microbatch, or one)
-        for a in step_program.actions:
-            if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET and a.stage == stage:
-                calls.setdefault(a.index, []).append(a.calls[0])
-        buckets.append(GradientBuckets(
-            assignment, graph_parameters(module), dp, communicator, calls,
-            carry_loss=stages is None, average=not loss.sums, zero=plan.zero, per_microbatch=per_microbatch,
-        ))
+    """The gradient buckets (with data parallelism: `_gradient_buckets`), ZeRO's flat parameters
+    (per module, per bucket; the master weights sharded to them), ZeRO-3's gatherers
+    (`_parameter_gatherers`) and the `StepContext` the executors read."""
+    dp = groups[Axis.DP]
+    buckets = _gradient_buckets(program, modules, dp=dp, step_program=step_program,
+                                communicator=communicator, loss=loss)
     # ZeRO: parameters live in flat per-bucket buffers, whose shards the optimizer steps.
-    flat_parameters = [flatten_parameters(b) for b in buckets] if plan.zero else []
+    flat_parameters = [flatten_parameters(b) for b in buckets] if program.plan.zero else []
     if flat_parameters:
         masters.shard(buckets)
     mine = dict(parameters_of(modules))
-    gatherers = tuple(
-        ParameterGatherer(m, dp, communicator, prefetch=plan.prefetch,
-                          reshard_after_forward=plan.reshard_after_forward, per_microbatch=per_microbatch)
-        for m in modules
-    ) if plan.zero == 3 and dp.size > 1 else ()
+    gatherers = _parameter_gatherers(program, modules, dp=dp, communicator=communicator)
     arrival = CountArrival()  # the graphs wait for the step's count where they read it
     for module in modules:
         await_count(module, arrival)
@@ -215,6 +201,50 @@ def step_context(
         meter=meter, count_arrival=arrival, input_names=program.captured.input_names,
     )
     return context, flat_parameters
+
+
+def _gradient_buckets(
+    program: CompiledProgram,
+    modules: Sequence[torch.fx.GraphModule],
+    *,
+    dp: RankGroup,
+    step_program: StepProgram,
+    communicator: Communicator,
+    loss: StepLoss,
+) -> list[GradientBuckets]:
+    """One `GradientBuckets` per module, each reducing its stage's buckets with the calls the
+    step program gives them, where gradients are reduced over dp in buckets: none on one dp
+    rank, none under ZeRO-3, whose gradients the graph's own ops reduce-scatter."""
+    stages, plan, buckets = program.stages, program.plan, []
+    per_microbatch = program.zero_reduce.per_microbatch  # ZeRO-2/3 (`fxpar.plan.zero_reduction`)
+    for module in modules if dp.size > 1 and plan.zero < 3 else ():
+        stage = meta.stage_of(module)
+        assignment = stages[stage].buckets if stages else program.buckets
+        calls: dict[int, list] = {}  # bucket -> its reductions (per microbatch, or one)
+        for a in step_program.actions:
+            if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET and a.stage == stage:
+                calls.setdefault(a.index, []).append(a.calls[0])
+        buckets.append(GradientBuckets(
+            assignment, graph_parameters(module), dp, communicator, calls,
+            carry_loss=stages is None, average=not loss.sums, zero=plan.zero, per_microbatch=per_microbatch,
+        ))
+    return buckets
+
+
+def _parameter_gatherers(
+    program: CompiledProgram, modules: Sequence[torch.fx.GraphModule], *, dp: RankGroup, communicator: Communicator
+) -> tuple[ParameterGatherer, ...]:
+    """ZeRO-3 over more than one dp rank: one `ParameterGatherer` per module, which runs the
+    module's gathers of its layers' parameters; none otherwise."""
+    plan = program.plan
+    if not (plan.zero == 3 and dp.size > 1):
+        return ()
+    return tuple(
+        ParameterGatherer(m, dp, communicator, prefetch=plan.prefetch,
+                          reshard_after_forward=plan.reshard_after_forward,
+                          per_microbatch=program.zero_reduce.per_microbatch)
+        for m in modules
+    )
 
 
 def place_graph_constants(module: torch.fx.GraphModule, device: torch.device) -> None:

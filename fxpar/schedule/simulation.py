@@ -13,7 +13,7 @@ waits for, and the grid up to the point where it stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from fractions import Fraction
@@ -102,6 +102,28 @@ def simulate(
     measured step replayed through these rules (`benchmarks/bubble.py`).
     """
     s = schedule
+    cost = _costs_by_kind(s, forward_cost, backward_cost, weight_cost)
+    timeline, clock = _run(s, cost, comm_cost, action_cost)
+    total = max(clock, default=0)
+    busy = tuple(sum(e - b for _, b, e in row) for row in timeline)
+    idle = sum(total - b for b in busy)
+    return Simulation(
+        schedule=s,
+        timeline=tuple(map(tuple, timeline)),
+        total=total,
+        busy=busy,
+        bubble_fraction=_ratio(idle, s.p * total),
+        peak_in_flight=_peak_in_flight(s),
+    )
+
+
+def _costs_by_kind(
+    s: ScheduleLike,
+    forward_cost: float | Sequence[float],
+    backward_cost: float | Sequence[float],
+    weight_cost: float | Sequence[float],
+) -> dict[str, list[float]]:
+    """Action kind -> its cost on each stage; a weight cost is refused where no W runs."""
     forward = _per_stage(forward_cost, s.stages, "forward_cost")
     backward = _per_stage(backward_cost, s.stages, "backward_cost")
     weight = _per_stage(weight_cost, s.stages, "weight_cost")
@@ -110,26 +132,28 @@ def simulate(
             f"{s.name}: weight_cost={weight_cost} but the schedule runs no W actions: its B is "
             f"the whole backward. Fix: add the weight gradient's time to backward_cost"
         )
-    cost = {"F": forward, "B": backward, "W": weight}
+    return {"F": forward, "B": backward, "W": weight}
+
+
+def _run(
+    s: ScheduleLike,
+    cost: dict[str, list[float]],
+    comm_cost: float,
+    action_cost: Mapping[Action, float] | None,
+) -> tuple[list[list[tuple[Action, float, float]]], list[float]]:
+    """Each rank's (action, start, end) in its order, and the time each rank finishes: sweep
+    the ranks, starting each one's next action once what it `_needs` has ended, until none
+    can start; raise `DeadlockError` if some rank has actions left."""
     end: dict[Action, float] = {}
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.p)]
     clock: list[float] = [0] * s.p
-
-    def needs(a: Action) -> list[Action]:
-        if a.kind == "F":
-            return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
-        if a.kind == "W":
-            return [Action(a.stage, "B", a.microbatch)]
-        deps = [Action(a.stage, "F", a.microbatch)]
-        return deps + ([Action(a.stage + 1, "B", a.microbatch)] if a.stage < s.stages - 1 else [])
-
     progress = True
     while progress:
         progress = False
         for rank, row in enumerate(s.actions):
             while len(timeline[rank]) < len(row):
                 a = row[len(timeline[rank])]
-                deps = needs(a)
+                deps = _needs(a, s.stages)
                 if any(d not in end for d in deps):
                     break
                 start = clock[rank]
@@ -141,22 +165,27 @@ def simulate(
                 timeline[rank].append((a, start, end[a]))
                 progress = True
     if any(len(done) < len(row) for done, row in zip(timeline, s.actions)):
-        raise DeadlockError(_deadlock_message(s, timeline, end, needs))
+        raise DeadlockError(_deadlock_message(s, timeline, end))
+    return timeline, clock
 
-    total = max(clock, default=0)
-    busy = tuple(sum(e - b for _, b, e in row) for row in timeline)
-    idle = sum(total - b for b in busy)
+
+def _needs(a: Action, stages: int) -> list[Action]:
+    """The actions `a` waits for (`simulate`'s rules), of a schedule with `stages` stages."""
+    if a.kind == "F":
+        return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [Action(a.stage, "B", a.microbatch)]
+    deps = [Action(a.stage, "F", a.microbatch)]
+    return deps + ([Action(a.stage + 1, "B", a.microbatch)] if a.stage < stages - 1 else [])
+
+
+def _peak_in_flight(s: ScheduleLike) -> tuple[int, ...]:
+    """Per rank, the most (stage, microbatch) pairs whose activations it holds at once
+    (`Simulation.peak_in_flight`): each F adds one, the action that frees them takes one away."""
     releases = "W" if s.splits_backward else "B"  # the action after which activations are freed
     held = {"F": 1, releases: -1}
     steps = [accumulate((held.get(a.kind, 0) for a in row), initial=0) for row in s.actions]
-    return Simulation(
-        schedule=s,
-        timeline=tuple(map(tuple, timeline)),
-        total=total,
-        busy=busy,
-        bubble_fraction=_ratio(idle, s.p * total),
-        peak_in_flight=tuple(map(max, steps)),
-    )
+    return tuple(map(max, steps))
 
 
 def _ratio(part: float, whole: float) -> float:
@@ -167,9 +196,7 @@ def _ratio(part: float, whole: float) -> float:
     return Fraction(part) / whole if exact else part / whole
 
 
-def _deadlock_message(
-    s: ScheduleLike, timeline: list, end: dict[Action, float], needs: Callable[[Action], list[Action]]
-) -> str:
+def _deadlock_message(s: ScheduleLike, timeline: list, end: dict[Action, float]) -> str:
     lines = [f"{s.name}: deadlock, no rank can start its next action:"]
     blocked: dict[int, Action] = {}
     for rank, row in enumerate(s.actions):
@@ -177,7 +204,7 @@ def _deadlock_message(
             continue
         a = blocked[rank] = row[len(timeline[rank])]
         waits = []
-        for d in (d for d in needs(a) if d not in end):
+        for d in (d for d in _needs(a, s.stages) if d not in end):
             at = [f"rank {r}, step {its.index(d)}" for r, its in enumerate(s.actions) if d in its]
             waits.append(f"{d} ({at[0] if at else 'which no rank runs'})")
         lines.append(f"  rank {rank} step {len(timeline[rank])}: {a} waits for {', '.join(waits)}")
