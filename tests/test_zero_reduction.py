@@ -108,3 +108,21 @@ def test_a_pipeline_reduces_a_microbatchs_buckets_after_sending_its_gradients_on
     reductions = [a for a in actions if isinstance(a, Communicate) and a.purpose is Purpose.GRADIENT_BUCKET]
     held = [b for b in program.stages[1].buckets if b.held]  # the tied head waits for its sum
     assert len(reductions) == 4 * (len(program.stages[1].buckets) - len(held)) + len(held)
+
+
+@pytest.mark.parametrize("plan", ["dp=2 zero=2 mb=2", "dp=2 zero=3 mb=2", "pp=2 dp=2 zero=2 mb=2"])
+def test_the_modes_auto_prices_are_the_step_programs_each_plan_runs(captured, plan):
+    """`zero_reduce=auto` prices each mode on the step programs lowering writes for it, the
+    program's own lowering asked for that mode (no priced copy of the program): each equals
+    the step program of the plan naming that mode, rank by rank."""
+    def same(a, b) -> bool:  # StepProgram compares by identity (eq=False): compare what it holds
+        return (a.actions, a.optimizer, a.stage_ranks, a.tied_groups) == (b.actions, b.optimizer, b.stage_ranks, b.tied_groups)
+
+    auto = fxpar.compile(captured, f"{plan} zero_reduce=auto")
+    for mode, per_microbatch in (("microbatch", True), ("step", False)):
+        named = fxpar.compile(captured, f"{plan} zero_reduce={mode}")
+        for rank in range(auto.world_size):
+            assert same(auto._lowered(rank, per_microbatch=per_microbatch), named.step_program(rank))
+    assert not same(auto._lowered(0, per_microbatch=True), auto._lowered(0, per_microbatch=False))
+    chosen = auto.zero_reduce.per_microbatch
+    assert all(same(auto.step_program(r), auto._lowered(r, per_microbatch=chosen)) for r in range(auto.world_size))

@@ -169,14 +169,17 @@ def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[St
 SAME_BATCH = (Axis.TP, Axis.PP)
 
 
-def lower_row(program, pp: int, ahead: int) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
+def lower_row(program, pp: int, ahead: int, *, per_microbatch: bool
+              ) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     """The actions of every rank on pipeline rank `pp` (module doc), those of `runner.step` and
     those around the optimizer step; `ahead`: how many actions ahead receives are posted
-    (`pipeline_program.receives_ahead`)."""
+    (`pipeline_program.receives_ahead`); `per_microbatch`: whether ZeRO-2/3 reduce-scatter
+    gradients per microbatch or per step (`fxpar.plan.zero_reduction`: the program's choice,
+    or the mode it prices to make that choice)."""
     if program.stages is None:
-        step, optimizer = _single_stage_row(program)
+        step, optimizer = _single_stage_row(program, per_microbatch)
     else:
-        step, optimizer = _pipeline_row(program, pp, ahead)
+        step, optimizer = _pipeline_row(program, pp, ahead, per_microbatch)
     count_may_ride = program.stages is None and program.plan.zero == 0 and carries_loss(program.buckets)
     return ride_agreements(step, count_may_ride=count_may_ride), optimizer
 
@@ -235,23 +238,18 @@ def _batch_dims(program) -> int:
     return sum(len(shape) for shape in program.captured.example_shapes)
 
 
-def _reduces_per_microbatch(program) -> bool:
-    """Whether ZeRO-2 reduce-scatters the buckets once per microbatch, as each microbatch's
-    backward completes them, rather than once per step (`fxpar.plan.zero_reduction`)."""
-    return program.plan.zero == 2 and program.zero_reduce.per_microbatch
-
-
-def _single_stage_row(program) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
+def _single_stage_row(program, per_microbatch: bool) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = step_start_actions(mesh, counted=program.loss_reduction.sums,
                                  batch_dims=_batch_dims(program))
     forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
     microbatches = program.plan.microbatches
-    each = _reduces_per_microbatch(program)
+    each = zero == 2 and per_microbatch
     for microbatch in range(microbatches):
         last = microbatch == microbatches - 1
         actions += [Compute("F", 0, microbatch, forward),
-                    Compute("B", 0, microbatch, backward_calls(backward, last=last, program=program))]
+                    Compute("B", 0, microbatch,
+                            backward_calls(backward, last=last, zero=zero, per_microbatch=per_microbatch))]
         if each:
             actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False, microbatch=microbatch)
     if zero == 0:  # the loss rides in the last bucket, if that is fp32
@@ -267,7 +265,8 @@ def _single_stage_row(program) -> tuple[tuple[StepAction, ...], tuple[StepAction
     return tuple(actions), tuple(optimizer_actions(buckets, mesh, zero=zero))
 
 
-def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
+def _pipeline_row(program, pp: int, ahead: int, per_microbatch: bool
+                  ) -> tuple[tuple[StepAction, ...], tuple[StepAction, ...]]:
     """The actions of pipeline rank `pp` (module doc): the step's start, the schedule's row
     (`_scheduled_actions`), the reductions after it (`_pipeline_step_end`); and ZeRO's gathers
     around the optimizer step."""
@@ -277,19 +276,21 @@ def _pipeline_row(program, pp: int, ahead: int) -> tuple[tuple[StepAction, ...],
     actions: list[StepAction] = step_start_actions(mesh, counted=program.loss_reduction.sums and holds_loss,
                                                   batch_dims=_batch_dims(program))
     row = schedule.actions[pp]
-    actions += _scheduled_actions(program, local, row, ahead)
-    actions += _pipeline_step_end(program, local, row, pp)
+    each = program.plan.zero == 2 and per_microbatch  # ZeRO-2's buckets go out per microbatch
+    actions += _scheduled_actions(program, local, row, ahead, per_microbatch)
+    actions += _pipeline_step_end(program, local, row, pp, each)
     optimizer = [a for stage in local
                  for a in optimizer_actions(stage.buckets, mesh, zero=program.plan.zero, stage=stage.index)]
     return tuple(actions), tuple(optimizer)
 
 
-def _scheduled_actions(program, local, row, ahead: int) -> list[StepAction]:
+def _scheduled_actions(program, local, row, ahead: int, per_microbatch: bool) -> list[StepAction]:
     """The schedule's `row`, each action a `Compute` of its stage's calls (`local`: the rank's
     stages), with an `Exchange` before it: the previous action's sends and the receives due,
     posted `ahead` actions early (`issue_order`), then the buckets the previous action
-    completes (`_between_actions`)."""
-    mesh, stages = program.mesh, program.stages
+    completes (`_between_actions`); `per_microbatch` as `lower_row`'s."""
+    mesh, stages, zero = program.mesh, program.stages, program.plan.zero
+    each = zero == 2 and per_microbatch
     calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
     last_backward = {s.index: max(i for i, a in enumerate(row) if a.stage == s.index and a.kind == "B")
                      for s in local}
@@ -302,24 +303,25 @@ def _scheduled_actions(program, local, row, ahead: int) -> list[StepAction]:
             if expected := _receives(action, stages, mesh):
                 due.append(Receive(i, expected))
             continue
-        actions += _between_actions(program, row, previous, due)
+        actions += _between_actions(program, row, previous, due, each)
         due, previous = [], i
         forward, backward = calls[action.stage]
         final = i == last_backward[action.stage]
-        own = {"F": forward, "B": backward_calls(backward, last=final, program=program), "W": ()}[action.kind]
+        own = {"F": forward, "W": (),
+               "B": backward_calls(backward, last=final, zero=zero, per_microbatch=per_microbatch)}[action.kind]
         actions.append(Compute(action.kind, action.stage, action.microbatch, own))
-    return actions + _between_actions(program, row, previous, [])
+    return actions + _between_actions(program, row, previous, [], each)
 
 
-def _between_actions(program, row, previous: int | None, due: list[Receive]) -> list[StepAction]:
+def _between_actions(program, row, previous: int | None, due: list[Receive], each: bool) -> list[StepAction]:
     """What a rank issues after the action at `previous` (None: before its first): one
-    `Exchange` of that action's sends and the receives `due`, when there are any, then the
-    buckets the action completes (`_microbatch_buckets`)."""
+    `Exchange` of that action's sends and the receives `due`, when there are any, then, with
+    ZeRO-2 reducing `each` microbatch, the buckets the action completes (`_microbatch_buckets`)."""
     if previous is None:
         return [Exchange((), tuple(due))] if due else []
     outgoing = _sends(row[previous], program.stages, program.mesh)
     exchange = [Exchange(outgoing, tuple(due))] if outgoing or due else []
-    return exchange + _microbatch_buckets(program, row[previous])
+    return exchange + (_microbatch_buckets(program, row[previous]) if each else [])
 
 
 def _receives(action, stages, mesh: Mesh) -> tuple[Call, ...]:
@@ -357,21 +359,21 @@ def _transfers(kind, boundaries, mesh: Mesh, peer: int, tag: str, phase: str) ->
 def _microbatch_buckets(program, action) -> list[StepAction]:
     """ZeRO-2 reducing per microbatch: the buckets `action` completes (`_completing_kind`), and
     so launches, issued after the Exchange that sends its results on (the peers do not wait
-    for them); nothing otherwise."""
+    for them)."""
     stage = program.stages[action.stage]
-    if not _reduces_per_microbatch(program) or action.kind != _completing_kind(stage):
+    if action.kind != _completing_kind(stage):
         return []
     return bucket_actions(stage.buckets, program.mesh, zero=program.plan.zero, stage=stage.index,
                           carry_loss=False, microbatch=action.microbatch)
 
 
-def _pipeline_step_end(program, local, row, pp: int) -> list[StepAction]:
+def _pipeline_step_end(program, local, row, pp: int, each: bool) -> list[StepAction]:
     """What pipeline rank `pp` issues after its row: its stages' buckets in the order they
-    complete (unless they went per microbatch), partial and tied gradients, the buckets ZeRO
+    complete (unless they went out with `each` microbatch), partial and tied gradients, the buckets ZeRO
     holds for after those sums, and the loss summed over the pipeline and over dp."""
     mesh, zero = program.mesh, program.plan.zero
     actions: list[StepAction] = []
-    if not _reduces_per_microbatch(program):  # else they went out as each microbatch completed them
+    if not each:
         for stage in sorted(local, key=lambda s: _bucket_completion(s, row)):
             actions += bucket_actions(stage.buckets, mesh, zero=zero, stage=stage.index, carry_loss=False)
     for stage in local:

@@ -51,7 +51,7 @@ from fxpar.frontend.model_io import ExampleInputs
 from fxpar.compiler.rank_specialisation import specialise
 from fxpar.frontend.replaced_state import check_state_not_replaced
 from fxpar.frontend.trace import CapturedGraph
-from fxpar.plan.zero_reduction import Mode, ZeroReduction, decide, fixed
+from fxpar.plan.zero_reduction import ZeroReduction, decide, fixed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -128,7 +128,7 @@ class Program:
         self.graph_module = graph_module
         self.stages = stages  # pipeline stages, or None without a pipeline
         self.schedule: Schedule | None = passes.schedule if passes is not None else None  # the cut's own
-        self._rows: dict[tuple, tuple] = {}  # lowered actions: (pp rank, receives ahead), state
+        self._rows: dict[tuple, tuple] = {}  # lowered actions: (pp rank, receives ahead, per microbatch), state
         self._tied_groups: dict[int, dict[str, tuple[int, ...]]] | None = None
         self._edited: dict[int, StepProgram] = {}  # replace_step_program
 
@@ -142,15 +142,10 @@ class Program:
         if (known := fixed(self.plan)) is not None:
             return known
         device = hardware_profile(self.hardware, measured=False)  # every rank decides alike
-        priced = {mode: exposed_comm_seconds(self._reducing(mode), device) for mode in ("microbatch", "step")}
+        priced = {mode: exposed_comm_seconds(self, device, functools.partial(self._lowered, per_microbatch=each))
+                  for mode, each in (("microbatch", True), ("step", False))}
         return decide({mode: exposed for mode, (exposed, _) in priced.items()}, compute=priced["step"][1],
                       hardware=device.name)
-
-    def _reducing(self, mode: Mode) -> Program:
-        """This program reducing per `mode`, to price it: a shallow copy with its own step programs."""
-        twin = object.__new__(Program)  # not copy.copy: pickling's __reduce__ compiles again
-        twin.__dict__.update(self.__dict__, zero_reduce=ZeroReduction(mode, "priced"), _rows={}, _edited={})
-        return twin
 
     @property
     def world_size(self) -> int:
@@ -219,11 +214,18 @@ class Program:
         """
         if rank in self._edited:
             return self._edited[rank]
+        return self._lowered(rank, backend=backend, receives_ahead=receives_ahead,
+                             per_microbatch=self.zero_reduce.per_microbatch)
+
+    def _lowered(self, rank: int, *, per_microbatch: bool, backend: str = "nccl",
+                 receives_ahead: int | None = None) -> StepProgram:
+        """`rank`'s step program as lowering writes it, ZeRO-2/3 reducing `per_microbatch` or
+        per step: the program's own (`step_program`), or either mode `zero_reduce` prices."""
         ahead = pipeline_receives_ahead(backend) if receives_ahead is None else receives_ahead
         coord = self.mesh.coord(rank)
-        key = (coord.pp, ahead if self.stages is not None else 0)
+        key = (coord.pp, ahead if self.stages is not None else 0, per_microbatch)
         if key not in self._rows:
-            self._rows[key] = lower_row(self, coord.pp, key[1])
+            self._rows[key] = lower_row(self, coord.pp, key[1], per_microbatch=per_microbatch)
         if self._tied_groups is None:
             self._tied_groups = tied_groups(self)
         stage_ranks = tuple(self.schedule.rank_of(s.index) for s in self.stages) if self.stages else ()

@@ -109,10 +109,10 @@ def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) 
     return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]
 
 
-def backward_calls(calls: tuple[Call, ...], *, last: bool, program) -> tuple[Call, ...]:
-    """One microbatch's backward calls of a stage: under ZeRO-3 reducing once per step, the
-    layers' reduce-scatters only in the stage's last backward of the step (the earlier ones
-    accumulate the whole gradients: `runtime.state.parameter_gatherer`)."""
-    if last or program.plan.zero != 3 or program.zero_reduce.per_microbatch:
+def backward_calls(calls: tuple[Call, ...], *, last: bool, zero: int, per_microbatch: bool) -> tuple[Call, ...]:
+    """One microbatch's backward calls of a stage: under ZeRO-3 reducing once per step (not
+    `per_microbatch`), the layers' reduce-scatters only in the stage's last backward of the
+    step (the earlier ones accumulate the whole gradients: `runtime.state.parameter_gatherer`)."""
+    if last or zero != 3 or per_microbatch:
         return calls
     return tuple(c for c in calls if c.tag != SCATTER_TAG)

@@ -53,6 +53,7 @@ it keeps in flight under the schedule. The worst rank by peak memory is reported
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy
@@ -68,6 +69,7 @@ from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.step_time import comm_terms, piece_seconds
 from fxpar.ir.compiled_program import CompiledProgram
+from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
 from fxpar.schedule.simulation import Simulation, simulate
 
@@ -216,16 +218,7 @@ def estimate(
     narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
     compute = graph_compute(program)
     params = captured.parameter_count()
-    formulas: dict[str, sympy.Expr] = {}
-
-    # FLOPs of the whole step; each rank does its share of them (cost.layout).
-    formulas["flops.matmul"] = 3 * compute.matmul_flops
-    # rng=exact: each rank draws the whole of every random value (`fxpar.ops.random_streams`).
-    drawn = exact_draws(program.graph_module, captured.shape)
-    formulas["flops.other"] = 3 * compute.other_flops + sum((d.extra_flops for d in drawn), sympy.Integer(0))
-    formulas["flops.total"] = formulas["flops.matmul"] + formulas["flops.other"]
-    # Not in the total: model FLOPs leave recomputation out (PaLM's MFU; HFU counts it).
-    formulas["flops.recompute"] = recompute_flops(program)
+    formulas = _step_flops(program, compute)
 
     # Each candidate rank: without a pipeline all ranks are alike; with one, each pipeline
     # coordinate holds other stages. The worst (by peak memory) is reported.
@@ -257,6 +250,19 @@ def estimate(
         world_size=program.world_size,
         pipeline=pipeline_run,
     )
+
+
+def _step_flops(program: CompiledProgram, compute) -> dict[str, sympy.Expr]:
+    """The FLOPs of the whole step, by kind (`compute`: the graph's op sums); each rank does
+    its share of them (`cost.layout`)."""
+    formulas = {"flops.matmul": 3 * compute.matmul_flops}
+    # rng=exact: each rank draws the whole of every random value (`fxpar.ops.random_streams`).
+    drawn = exact_draws(program.graph_module, program.captured.shape)
+    formulas["flops.other"] = 3 * compute.other_flops + sum((d.extra_flops for d in drawn), sympy.Integer(0))
+    formulas["flops.total"] = formulas["flops.matmul"] + formulas["flops.other"]
+    # Not in the total: model FLOPs leave recomputation out (PaLM's MFU; HFU counts it).
+    formulas["flops.recompute"] = recompute_flops(program)
+    return formulas
 
 
 def _holding(program: CompiledProgram, rank: int):
@@ -355,18 +361,20 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
         run = simulate(pipeline, f, b, weight_cost=w, comm_cost=hop)
         formulas["time.bubble"] = sympy.Float(float(run.total - run.busy[pp_index]))
 
-    formulas["time.comm_exposed"], comm = comm_terms(program, rank, device, forward, backward)
+    formulas["time.comm_exposed"], comm = comm_terms(program, program.step_program(rank), device, forward, backward)
     formulas["time.total"] = sum(
         formulas[f"time.{k}"] for k in ("compute", "recompute", "optimizer", "comm_exposed", "bubble")
     )
     return formulas, comm, run
 
 
-def exposed_comm_seconds(program: CompiledProgram, device: Hardware) -> tuple[float, float]:
+def exposed_comm_seconds(program: CompiledProgram, device: Hardware,
+                         step_program: Callable[[int], StepProgram]) -> tuple[float, float]:
     """The estimate's `time.comm_exposed` at the example's sizes on the pipeline coordinate
     that exposes the most, and that rank's forward and backward compute seconds, without the
     memory terms (which need a fake forward): what the two ways of reducing ZeRO's gradients
-    differ in, and the scale it is judged at (`fxpar.plan.zero_reduction`)."""
+    differ in, and the scale it is judged at (`fxpar.plan.zero_reduction`). `step_program(rank)`
+    lowers the rank's step in the mode being priced (`Program.zero_reduce`)."""
     plan, mesh = program.plan, program.mesh
     numbers = dict(program.captured.example_sizes)
     narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
@@ -376,7 +384,7 @@ def exposed_comm_seconds(program: CompiledProgram, device: Hardware) -> tuple[fl
         timed = [piece_seconds(p, plan, device, plan.compute_precision, narrow) for p in mine]
         forward = sum((t[0] for t in timed), sympy.Integer(0))
         backward = sum((t[1] for t in timed), sympy.Integer(0))
-        exposed, _ = comm_terms(program, rank, device, forward, backward)
+        exposed, _ = comm_terms(program, step_program(rank), device, forward, backward)
         seconds = (float(sympy.sympify(exposed).subs(numbers)), float(sympy.sympify(forward + backward).subs(numbers)))
         worst = max(worst, seconds)
     return worst

@@ -29,14 +29,14 @@ def piece_seconds(piece, plan, device: Hardware, precision: str, narrow):
     return forward, backward, weight, recompute
 
 
-def comm_terms(program, rank: int, device: Hardware, forward, backward):
-    """`rank`'s exposed communication seconds (a formula, given its forward and backward
-    seconds) and its table of calls per kind (`cost.estimate`'s module doc, "comm")."""
+def comm_terms(program, step: StepProgram, device: Hardware, forward, backward):
+    """The exposed communication seconds of a rank's `step` (a formula, given its forward and
+    backward seconds) and its table of calls per kind (`cost.estimate`'s module doc, "comm")."""
     comm: dict[str, dict[str, float]] = {}
     # Backward calls hide under the backward they are issued in or after (`backward_windows`).
-    windows, backwards = backward_windows(program.step_program(rank))
+    windows, backwards = backward_windows(step)
     phase_calls: dict[tuple[str, int], list[sympy.Expr]] = {}
-    for call, window in zip(program.collectives(rank), windows):
+    for call, window in zip(step.collectives(program.example_sizes), windows):
         payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
         n = len(call.group)
         entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
