@@ -45,8 +45,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling example modules
 
 import fxpar  # noqa: E402
-from fxpar.schedule.gantt import gantt  # noqa: E402
 from fxpar.runtime.checkpoint.save_load import latest_checkpoint  # noqa: E402
+from fxpar.schedule.gantt import gantt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from text_data import VOCAB_SIZE, ByteDataset, load_stdlib_text  # noqa: E402
 

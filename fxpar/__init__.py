@@ -15,17 +15,17 @@ layer reads), `ops` (the operators rank modules call), `passes` (graph rewrites)
 `pictures` and `tools` (what people read and run).
 """
 
-import fxpar.ops.distributed  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
-import fxpar.ops.vocab_parallel  # noqa: F401
+from fxpar.compiler.program import Program, compile
 from fxpar.errors import (
     BatchError, BatchMismatchError, BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
     VerifyError,
 )
+from fxpar.frontend.trace import CapturedGraph, capture
 from fxpar.ir.mesh import Mesh
+import fxpar.ops.distributed  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
+import fxpar.ops.vocab_parallel  # noqa: F401
 from fxpar.plan.plan import Plan
 from fxpar.tools.diff import PlanDiff, diff
-from fxpar.compiler.program import Program, compile
-from fxpar.frontend.trace import CapturedGraph, capture
 from fxpar.tools.verify import verify
 from fxpar.tools.verify_report import VerifyReport
 

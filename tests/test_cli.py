@@ -127,17 +127,22 @@ def test_usage_errors_exit_2_with_what_was_wrong_and_the_fix(in_tmp, capsys, arg
 BAD_FACTORIES = """
 import torch
 
+
 def raises(width=2):
     raise RuntimeError("no GPU here\\nand a second line of detail")
+
 
 def model_alone():
     return torch.nn.Linear(2, 2)
 
+
 def three_things():
     return torch.nn.Linear(2, 2), torch.ones(2, 2), 1
 
+
 def a_number_for_inputs():
     return torch.nn.Linear(2, 2), 5
+
 
 def ints_for_inputs():
     return torch.nn.Linear(2, 2), [torch.ones(2), 3]

@@ -9,13 +9,13 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxpar  # noqa: F401  (registers the ops)
+from fxpar.compiler.lowering import graph_calls
 from fxpar.ir import meta
 from fxpar.ir.axes import bind_axes, unbind_axes
-from fxpar.compiler.lowering import graph_calls
-from fxpar.ops.distributed import EAGER, OPS
 from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import P, Placements, R, Shard
 from fxpar.ir.step_program import evaluate
+from fxpar.ops.distributed import EAGER, OPS
 
 SIZE, INDEX = 2, 1
 

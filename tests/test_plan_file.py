@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fxpar.errors import SHOWN_CHARACTERS, PlanError
-from fxpar.plan.plan import Plan
 from fxpar.plan.file import MAX_PLAN_FILE_BYTES
+from fxpar.plan.plan import Plan
 
 SECRET = "sk-live-SECRET123"
 

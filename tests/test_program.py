@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpar
 from fxpar import BindError, PlanError
+import fxpar
 from fxpar.ir.collectives import Collective, check_collectives
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))

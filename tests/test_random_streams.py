@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.ir.axes import bind_axes, unbind_axes
 from fxpar.errors import BindError
+from fxpar.ir.axes import bind_axes, unbind_axes
 from fxpar.ops.random_ops import DrawSlice
 from fxpar.ops.random_streams import RandomStream, bind_random, stream_seed, unbind_random
 

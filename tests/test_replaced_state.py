@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpar
 from fxpar import BindError
+import fxpar
 from fxpar.frontend.replaced_state import check_state_not_replaced
 
 IDS = torch.randint(0, 16, (4, 6))

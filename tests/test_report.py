@@ -19,8 +19,8 @@ import pytest
 import fxpar
 from fxpar.pictures.charts import memory_chart, memory_figure, schedule_chart, schedule_figure
 from fxpar.pictures.rank_memory import TERMS, predicted_memory
-from fxpar.tools.report import write_report
 from fxpar.schedule.simulation import simulate
+from fxpar.tools.report import write_report
 
 sys.path.insert(0, str(Path(__file__).parent))
 from small_gpt import small_capture  # noqa: E402

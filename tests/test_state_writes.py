@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.export import Dim
 
-import fxpar
 from fxpar import CaptureError
+import fxpar
 from fxpar.frontend.state_writes import find_state_writes
 from fxpar.frontend.trace import capture
 

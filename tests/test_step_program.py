@@ -15,11 +15,11 @@ import sympy
 import torch
 
 import fxpar
-from fxpar.ir import meta
 from fxpar.errors import PlanError, StepProgramError
+from fxpar.ir import meta
 from fxpar.ir.placement import Shard
-from fxpar.runtime.step.guard import StepGuard
 from fxpar.ir.step_program import Communicate, Compute, Exchange, Purpose
+from fxpar.runtime.step.guard import StepGuard
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from step_program_edits import drop_call, resize_call, swap_actions  # noqa: E402

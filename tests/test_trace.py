@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpar import CaptureError
-from fxpar.ir import meta
 from fxpar.frontend.trace import capture
+from fxpar.ir import meta
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

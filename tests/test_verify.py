@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.ir import meta
-from fxpar.ops.distributed import distributed_op
 from fxpar.errors import PlanError
-from fxpar.passes.tensor_parallel import rewrite as tensor_parallel
+from fxpar.ir import meta
 from fxpar.ir.placement import Partial, Replicate
+from fxpar.ops.distributed import distributed_op
 from fxpar.ops.redistribution import BY_NAME, Conversion
+from fxpar.passes.tensor_parallel import rewrite as tensor_parallel
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from step_program_edits import drop_call, resize_call  # noqa: E402

@@ -17,9 +17,9 @@ import pytest
 import fxpar
 from fxpar.cost.hardware import NOMINAL_CPU
 from fxpar.errors import PlanError
+from fxpar.ir.step_program import Communicate, Compute, Exchange, Purpose
 from fxpar.tools.explain import explain
 from fxpar.tools.report import write_report
-from fxpar.ir.step_program import Communicate, Compute, Exchange, Purpose
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402

@@ -21,18 +21,18 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
-from fxpar.errors import PlanError
-from fxpar.ir.mesh import Mesh
-from fxpar.frontend.model_io import ExampleInputs
 from fxpar.compiler.pass_list import PassList, pass_list
-from fxpar.passes.infra import run_passes
-from fxpar.ir.loss_reduction import LossReduction
 from fxpar.compiler.pipeline_program import build_stages
-from fxpar.ir.stages import Stage
-from fxpar.plan.plan import Plan
+from fxpar.errors import PlanError
+from fxpar.frontend.model_io import ExampleInputs
 from fxpar.frontend.state_writes import batch_statistics_modules
 from fxpar.frontend.trace import CapturedGraph, capture
+from fxpar.ir import meta
+from fxpar.ir.loss_reduction import LossReduction
+from fxpar.ir.mesh import Mesh
+from fxpar.ir.stages import Stage
+from fxpar.passes.infra import run_passes
+from fxpar.plan.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,18 +42,18 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
-from fxpar.ops.distributed import BY_NAME, COMMUNICATING, axis_of, distributed_op
-from fxpar.ir.mesh import Axis, Mesh
-from fxpar.passes.data_parallel import carries_loss
-from fxpar.passes.weight_gradients import deferred_weights
 from fxpar.compiler.pipeline_program import issue_order, shared_parameters
-from fxpar.ir.placement import local_numel, local_shape
-from fxpar.ir.stages import Boundary
 from fxpar.compiler.reduction_lowering import (
     backward_calls, bucket_actions, loss_actions, optimizer_actions, partial_gradient_actions,
 )
+from fxpar.ir import meta
+from fxpar.ir.mesh import Axis, Mesh
+from fxpar.ir.placement import local_numel, local_shape
+from fxpar.ir.stages import Boundary
 from fxpar.ir.step_program import StepAction, Call, Communicate, Compute, Exchange, Purpose, Receive
+from fxpar.ops.distributed import BY_NAME, COMMUNICATING, axis_of, distributed_op
+from fxpar.passes.data_parallel import carries_loss
+from fxpar.passes.weight_gradients import deferred_weights
 
 
 def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[tuple[Call, ...], tuple[Call, ...]]:

@@ -38,10 +38,14 @@ from functools import partial
 
 import torch
 
+from fxpar.compiler.pipeline_program import node_memory, node_time, schedule_in_flight
 from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
+from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir.mesh import Mesh
+from fxpar.ir.placement import Placements, Shard, local_shape
+from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
 from fxpar.passes.activation_checkpoint import mark_recomputation
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
@@ -54,12 +58,8 @@ from fxpar.passes.tensor_parallel.rewrite import shard_tensor_parallel
 from fxpar.passes.tensor_parallel.rules import parameter_placements
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.passes.zero3 import shard_parameters
-from fxpar.compiler.pipeline_program import node_memory, node_time, schedule_in_flight
-from fxpar.ir.placement import Placements, Shard, local_shape
 from fxpar.plan.plan import Plan
-from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
 from fxpar.schedule.schedules import Schedule, schedule
-from fxpar.frontend.trace import CapturedGraph
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ from dataclasses import replace
 import sympy
 import torch.fx as fx
 
-from fxpar.ir import meta
 from fxpar.cost.activations import captured_saved_bytes_by_node
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.ops import node_seconds
 from fxpar.errors import PlanError
+from fxpar.ir import meta
+from fxpar.ir.stages import Stage
 from fxpar.passes.infra import GraphPass, run_passes
 from fxpar.passes.pipeline import split_stages
-from fxpar.ir.stages import Stage
 from fxpar.schedule.schedules import Schedule
 from fxpar.schedule.simulation import DeadlockError, simulate
 

@@ -26,32 +26,32 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
-from fxpar.frontend import step_sizes
-from fxpar.ir.collectives import Collective, check_collectives
 from fxpar.compiler.compilation import captured_of, compile_graph
-from fxpar.cost.profiles import hardware_profile
-from fxpar.ir.mesh import Mesh
-from fxpar.ir.buckets import Bucket
-from fxpar.ir.loss_reduction import COUNT_INPUT, LossReduction
 from fxpar.compiler.full_state_lowering import lower_full_state
 from fxpar.compiler.lowering import lower_row, tied_groups
 from fxpar.compiler.pass_list import PassList
 from fxpar.compiler.pipeline_program import (
-    Stage,
     check_pipeline,
     describe_stages,
     node_time,
     receives_ahead as pipeline_receives_ahead,  # collectives() has a parameter of that name
 )
-from fxpar.ir.step_program import StepProgram
-from fxpar.schedule.schedules import Schedule
-from fxpar.plan.plan import Plan
-from fxpar.frontend.model_io import ExampleInputs
 from fxpar.compiler.rank_specialisation import specialise
+from fxpar.cost.profiles import hardware_profile
+from fxpar.frontend import step_sizes
+from fxpar.frontend.model_io import ExampleInputs
 from fxpar.frontend.replaced_state import check_state_not_replaced
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir import meta
+from fxpar.ir.buckets import Bucket
+from fxpar.ir.collectives import Collective, check_collectives
+from fxpar.ir.loss_reduction import COUNT_INPUT, LossReduction
+from fxpar.ir.mesh import Mesh
+from fxpar.ir.stages import Stage
+from fxpar.ir.step_program import StepProgram
+from fxpar.plan.plan import Plan
 from fxpar.plan.zero_reduction import ZeroReduction, decide, fixed
+from fxpar.schedule.schedules import Schedule
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxpar.frontend.trace import restore_state_layout
 from fxpar.ir import meta
 from fxpar.ir.mesh import Mesh
-from fxpar.passes.infra import copy_graph_module
 from fxpar.ir.placement import local_slice
-from fxpar.frontend.trace import restore_state_layout
+from fxpar.passes.infra import copy_graph_module
 
 
 def specialise(graph_module: fx.GraphModule, rank: int, mesh: Mesh) -> fx.GraphModule:

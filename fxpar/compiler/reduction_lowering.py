@@ -19,11 +19,11 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir import meta
-from fxpar.ops.distributed import BY_NAME
-from fxpar.ir.mesh import Mesh
 from fxpar.ir.buckets import Bucket
+from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import local_numel
 from fxpar.ir.step_program import StepAction, Call, Communicate, Purpose
+from fxpar.ops.distributed import BY_NAME
 
 SCATTER_TAG = BY_NAME["gather_parameters"].tag("dp", "backward")  # ZeRO-3's gradients
 

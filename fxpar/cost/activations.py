@@ -47,13 +47,13 @@ from torch._C import DispatchKey
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
-from fxpar.ir import meta
-from fxpar.ops.distributed import shares_storage_at_run_time
-from fxpar.ir.recompute_regions import block_lists, region_labels, segment_outputs, segments
-from fxpar.ir.compiled_program import CompiledProgram
-from fxpar.ops.parameter_gathers import OP as GATHER_OP, REGATHER
 from fxpar.cost.memo import memoised
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir import meta
+from fxpar.ir.compiled_program import CompiledProgram
+from fxpar.ir.recompute_regions import block_lists, region_labels, segment_outputs, segments
+from fxpar.ops.distributed import shares_storage_at_run_time
+from fxpar.ops.parameter_gathers import OP as GATHER_OP, REGATHER
 
 
 _GATHER, _REGATHER = GATHER_OP.overload, REGATHER.overload

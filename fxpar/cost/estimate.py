@@ -61,12 +61,12 @@ import sympy
 from fxpar.cost.activations import backward_workspace_bytes, rank_activation_bytes, recomputed_nodes, saved_in_flight
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.hardware import Hardware
-from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.layout import shares
 from fxpar.cost.memo import memoised
 from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
+from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.step_time import comm_terms, piece_seconds
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import sympy
 import torch.fx as fx
 
-from fxpar.ir import meta
 from fxpar.cost.memo import memoised
 from fxpar.cost.ops import cost_of, op_counts
+from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
-from fxpar.ops.deferred_linear import LINEAR, deferrable, linear as deferred_linear, stands_for
 from fxpar.ir.placement import Partial, R, Shard, local_numel
+from fxpar.ops.deferred_linear import LINEAR, deferrable, linear as deferred_linear, stands_for
 
 
 

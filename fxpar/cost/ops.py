@@ -33,11 +33,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-import fxpar.ops.vocab_parallel  # noqa: F401  (the torch.ops.fxpar lookups priced below)
-import fxpar.ops.random_ops
 from fxpar.ir import meta
 from fxpar.ops.deferred_linear import stands_for
 from fxpar.ops.distributed import distributed_op
+import fxpar.ops.random_ops
+import fxpar.ops.vocab_parallel  # noqa: F401  (the torch.ops.fxpar lookups priced below)
 
 aten = torch.ops.aten
 Shape = tuple[sympy.Expr, ...]

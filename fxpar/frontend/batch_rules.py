@@ -41,8 +41,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir import meta
 
 aten = torch.ops.aten
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}

@@ -16,9 +16,9 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
 from fxpar.ir.placement import global_shape
-from fxpar.frontend.trace import CapturedGraph
 
 
 def example_sizes(captured: CapturedGraph, *, microbatches: int) -> dict:

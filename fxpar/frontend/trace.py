@@ -47,14 +47,14 @@ import torch.fx as fx
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec
 
-from fxpar.ir import meta
+from fxpar.errors import CaptureError
 from fxpar.frontend.attribute_writes import AttributeWatch, refuse_attribute_writes
+from fxpar.frontend.export_checks import refuse_nested_graphs, warn_fixed_sizes
+from fxpar.frontend.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
+from fxpar.frontend.state_writes import refuse_running_statistics, refuse_state_writes
+from fxpar.ir import meta
 from fxpar.ir.symbols import dim_symbol
 from fxpar.plan.declared import DeclaredPlans, declared_plans
-from fxpar.errors import CaptureError
-from fxpar.frontend.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
-from fxpar.frontend.export_checks import refuse_nested_graphs, warn_fixed_sizes
-from fxpar.frontend.state_writes import refuse_running_statistics, refuse_state_writes
 
 # Readable names of the dynamic dims, by position in an input tensor.
 _DIM_NAMES = {0: "batch", 1: "seq"}
@@ -137,6 +137,7 @@ class CapturedGraph:
         """A step's batch in the graph's input order, given as the example was
         (`model_io.arrange_inputs`)."""
         return arrange_inputs(self.input_names, args, kwargs, keyword=self.keyword_inputs)
+
 
 def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGraph:
     """Capture `model(*inputs) -> loss` (or `model(**inputs)`) as one annotated aten graph.

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from fxpar.ir.collectives import Phase
 from fxpar.errors import BindError
+from fxpar.ir.collectives import Phase
 
 
 class AxisBinding(Protocol):

@@ -12,12 +12,12 @@ from typing import Protocol
 
 import torch.fx as fx
 
-from fxpar.ir.mesh import Mesh
-from fxpar.plan.plan import Plan
-from fxpar.schedule.schedules import Schedule
-from fxpar.ir.step_program import StepProgram
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir.mesh import Mesh
+from fxpar.ir.step_program import StepProgram
+from fxpar.plan.plan import Plan
 from fxpar.plan.zero_reduction import ZeroReduction
+from fxpar.schedule.schedules import Schedule
 
 
 class CompiledProgram(Protocol):

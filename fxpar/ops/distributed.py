@@ -38,10 +38,10 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
+from fxpar.errors import BindError
 from fxpar.ir.axes import bound
 from fxpar.ir.collectives import Phase
 from fxpar.ops.deferred_linear import stands_for
-from fxpar.errors import BindError
 
 Primitive = Literal["identity", "all_reduce", "all_gather", "reduce_scatter", "slice"]
 COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter")

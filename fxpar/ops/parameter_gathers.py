@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import torch
 
+from fxpar.errors import BindError
 from fxpar.ir.axes import bound
 from fxpar.ops.distributed import BY_NAME
-from fxpar.errors import BindError
 
 OP = BY_NAME["gather_parameters"]
 

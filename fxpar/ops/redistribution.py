@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpar.ops.distributed import BY_NAME, DistributedOp
 from fxpar.ir.placement import Partial, Placement, R, Replicate, Shard
+from fxpar.ops.distributed import BY_NAME, DistributedOp
 
 
 @dataclass(frozen=True)

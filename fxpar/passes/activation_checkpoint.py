@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxpar.ir import meta
-from fxpar.passes.contracts import broken, ensures
 from fxpar.ir.recompute_regions import communicates_in_forward, region_labels
+from fxpar.passes.contracts import broken, ensures
 
 
 def no_collective_recomputed(gm: fx.GraphModule) -> None:

@@ -25,8 +25,9 @@ import torch.fx as fx
 from fxpar.ir import meta
 from fxpar.ir.buckets import Bucket
 from fxpar.ir.mesh import Mesh
-from fxpar.passes.contracts import broken, ensures
 from fxpar.ir.placement import local_numel
+from fxpar.passes.contracts import broken, ensures
+
 
 def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
     """Ensures: each trained parameter that reaches the loss is in exactly one bucket, and its

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir import meta
-from fxpar.passes.contracts import broken, ensures
 from fxpar.ir.placement import P, R, Shard
+from fxpar.passes.contracts import broken, ensures
 
 AXIS = "dp"
 

@@ -22,8 +22,8 @@ from functools import partial
 
 import torch.fx as fx
 
-from fxpar.passes.contracts import checking
 from fxpar.frontend.trace import restore_state_layout
+from fxpar.passes.contracts import checking
 
 log = logging.getLogger("fxpar.passes")
 

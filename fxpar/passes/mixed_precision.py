@@ -57,8 +57,8 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpar.ir import meta
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten

@@ -23,9 +23,9 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxpar.errors import PlanError
 from fxpar.ir import meta
 from fxpar.ir.stages import Boundary, Stage
-from fxpar.errors import PlanError
 from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten

@@ -35,12 +35,12 @@ import operator
 import torch
 import torch.fx as fx
 
-import fxpar.ops.random_ops  # noqa: F401  (registers torch.ops.fxpar's random ops)
-from fxpar.ir import meta
 from fxpar.errors import CaptureError
-from fxpar.passes.contracts import broken, ensures
+from fxpar.ir import meta
 from fxpar.ir.placement import Shard
 from fxpar.ops.random_ops import DrawSlice
+import fxpar.ops.random_ops  # noqa: F401  (registers torch.ops.fxpar's random ops)
+from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten
 fxpar_ops = torch.ops.fxpar

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxpar.ops import deferred_linear
 from fxpar.ir import meta
+from fxpar.ops import deferred_linear
 from fxpar.ops.deferred_linear import deferrable
 from fxpar.passes.contracts import broken, ensures
 

@@ -66,14 +66,14 @@ import re
 import torch
 import torch.fx as fx
 
-import fxpar.ops.parameter_gathers  # noqa: F401  (registers torch.ops.fxpar.gather_parameters)
-from fxpar.ir import meta
-from fxpar.ir.parameter_units import ParameterUnit
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.mesh import Mesh
+from fxpar.ir.parameter_units import ParameterUnit
+from fxpar.ir.placement import FlatShard, R, local_shape
+import fxpar.ops.parameter_gathers  # noqa: F401  (registers torch.ops.fxpar.gather_parameters)
 from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.weight_gradients import deferred_weights
-from fxpar.ir.placement import FlatShard, R, local_shape
 
 aten = torch.ops.aten
 GATHER = torch.ops.fxpar.gather_parameters.default

@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
-from fxpar.ops.distributed import COMMUNICATING, axis_of, distributed_op
 from fxpar.ir.mesh import Axis
+from fxpar.ops.distributed import COMMUNICATING, axis_of, distributed_op
 from fxpar.pictures.payloads import example_numel, payload_formula, payload_text, shape_text
 
 BoxKind = Literal["input", "module", "node", "parameter", "collective", "transfer", "step", "output"]

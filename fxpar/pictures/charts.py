@@ -29,9 +29,9 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fxpar.schedule.actions import Action
 from fxpar.pictures.payloads import format_bytes
 from fxpar.pictures.rank_memory import TERMS
+from fxpar.schedule.actions import Action
 from fxpar.schedule.simulation import Simulation
 
 KIND_COLOURS = {"F": ("#6baed6", "#2171b5"), "B": ("#fdae6b", "#d94801"), "W": ("#74c476", "#238b45")}

@@ -20,11 +20,11 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
 from fxpar.ir.mesh import Axis, Mesh
 from fxpar.ir.placement import Placements, Sizes, local_numel
 from fxpar.ir.symbols import BATCH
-from fxpar.frontend.trace import CapturedGraph
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                 torch.int64: "i64", torch.int32: "i32", torch.float64: "f64", torch.bool: "bool"}

@@ -39,12 +39,12 @@ import torch.fx as fx
 from fxpar.ir import meta
 from fxpar.ir.collectives import Collective
 from fxpar.ir.compiled_program import CompiledProgram
-from fxpar.pictures.payloads import axis_name, payload_text, placement_text, shape_text
-from fxpar.pictures.boxes import Box, BoxKind, BoxCall, collective_box, transfer_box
-from fxpar.pictures.transfers import crossings
-from fxpar.pictures.units import Detail, Unit, assign_units, check_expand
 from fxpar.ir.placement import local_numel
 from fxpar.ir.step_program import Communicate, Purpose
+from fxpar.pictures.boxes import Box, BoxKind, BoxCall, collective_box, transfer_box
+from fxpar.pictures.payloads import axis_name, payload_text, placement_text, shape_text
+from fxpar.pictures.transfers import crossings
+from fxpar.pictures.units import Detail, Unit, assign_units, check_expand
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import sympy
 
-from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.cost.estimate import rank_memory_formulas
+from fxpar.ir.compiled_program import CompiledProgram
 
 TERMS = ("params", "grads", "optimizer", "activations", "workspace")
 

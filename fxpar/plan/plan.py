@@ -67,6 +67,7 @@ from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     value_from_text,
 )
 
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How to parallelise one training step.

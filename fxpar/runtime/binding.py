@@ -25,29 +25,29 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.compiler import lowering
+from fxpar.compiler.pipeline_program import receives_ahead
+from fxpar.errors import BindError
 from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
-from fxpar.ops.distributed import lower_for_eager
-from fxpar.errors import BindError
 from fxpar.ir.mesh import Axis
-from fxpar.compiler.pipeline_program import receives_ahead
+from fxpar.ir.step_program import Communicate, Purpose, StepProgram
+from fxpar.ops.distributed import lower_for_eager
 from fxpar.ops.random_streams import RandomStream
+from fxpar.runtime.checkpoint.whole_state import graph_parameters
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.flat_reads import reading_flat
+from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.state.gradient_buckets import GradientBuckets
 from fxpar.runtime.state.master_weights import MasterWeights
 from fxpar.runtime.state.parameter_gatherer import ParameterGatherer
-from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime.step.recompute import read_gathered_through, recomputing
-from fxpar.runtime.step.saved_tensors import SavedTensorMeter
 from fxpar.runtime.state.sharded_optimizer import flatten_parameters
+from fxpar.runtime.state.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
 from fxpar.runtime.step.context import StepContext
 from fxpar.runtime.step.guard import StepGuard
 from fxpar.runtime.step.loss import StepLoss
+from fxpar.runtime.step.recompute import read_gathered_through, recomputing
+from fxpar.runtime.step.saved_tensors import SavedTensorMeter
 from fxpar.runtime.step.valid_targets import CountArrival, await_count
-from fxpar.runtime.checkpoint.whole_state import graph_parameters
-from fxpar.runtime.state.zero3_state import broadcast_sharded_parameters, dp_sharded_parameters
-from fxpar.ir.step_program import Communicate, Purpose, StepProgram
 
 
 def bound_device(device: torch.device | str | None, local_rank: int) -> torch.device:

@@ -24,11 +24,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from fxpar.ir.collectives import Collective, CollectiveKind
 from fxpar.errors import CollectiveError, clipped
+from fxpar.ir.collectives import Collective, CollectiveKind
 from fxpar.runtime.collective_failures import describe_failure
-from fxpar.runtime.step import numbers
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.step import numbers
 from fxpar.runtime.step.guard import StepGuard
 
 

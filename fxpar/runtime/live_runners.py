@@ -37,8 +37,8 @@ from typing import Protocol
 
 import torch.fx as fx
 
-from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.errors import BindError
+from fxpar.ir.compiled_program import CompiledProgram
 
 
 class Runner(Protocol):

@@ -29,37 +29,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.errors import BindError, PlanError
+from fxpar.frontend.batch_rules import batch_rules
 from fxpar.ir import meta
 from fxpar.ir.axes import bind_axes, unbind_axes
-from fxpar.frontend.batch_rules import batch_rules
-from fxpar.errors import BindError, PlanError
-from fxpar.ir.mesh import Axis
 from fxpar.ir.compiled_program import CompiledProgram
-from fxpar.runtime.step.batch_checks import check_batch
+from fxpar.ir.mesh import Axis
+from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
+from fxpar.runtime import live_runners
 from fxpar.runtime.binding import (
     all_tied_groups, backend_for, bound_device, parameters_of, place_state, step_context, synchronise_copies,
 )
 from fxpar.runtime.checkpoint.optimizers import record_maker
+from fxpar.runtime.checkpoint.whole_state import WholeState
 from fxpar.runtime.communicator import AxisOnGroup, Communicator
-from fxpar.runtime import live_runners
 from fxpar.runtime.environment import TorchrunEnvironment, bind_timeout
-from fxpar.runtime.step.gradient_accumulation import EarlierGradients
+from fxpar.runtime.memory_stats import model_state_bytes
+from fxpar.runtime.process_groups import RankGroup, init_process_groups
+from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.state.gradient_norm import clip_grad_norm_
 from fxpar.runtime.state.master_weights import MasterWeights, MixedPrecisionOptimizer
-from fxpar.runtime.memory_stats import model_state_bytes
-from fxpar.runtime.step.module_executor import ModuleExecutor
-from fxpar.runtime.state.parameter_groups import ParameterGroups, warn_unstepped
-from fxpar.runtime.step.pipeline_executor import PipelineExecutor
-from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
-from fxpar.runtime.random_seed import agree_seed, check_seed
-from fxpar.runtime.process_groups import RankGroup, init_process_groups
-from fxpar.runtime.step.saved_tensors import SavedTensorMeter
 from fxpar.runtime.state.optimizer_reads import require_elementwise_for_pieces
+from fxpar.runtime.state.parameter_groups import ParameterGroups, warn_unstepped
 from fxpar.runtime.state.sharded_optimizer import ShardedOptimizer
+from fxpar.runtime.step.batch_checks import check_batch
 from fxpar.runtime.step.context import StepContext
+from fxpar.runtime.step.gradient_accumulation import EarlierGradients
 from fxpar.runtime.step.guard import StepGuard
 from fxpar.runtime.step.loss import StepLoss
-from fxpar.runtime.checkpoint.whole_state import WholeState
+from fxpar.runtime.step.module_executor import ModuleExecutor
+from fxpar.runtime.step.pipeline_executor import PipelineExecutor
+from fxpar.runtime.step.saved_tensors import SavedTensorMeter
 
 
 class Runner(WholeState):

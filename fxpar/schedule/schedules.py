@@ -58,6 +58,7 @@ from typing import Literal
 from fxpar.schedule.actions import Action
 from fxpar.schedule.simulation import DeadlockError, simulate
 
+
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """`actions[r]` is what pipeline rank r executes, in order, in one training step."""

@@ -142,8 +142,8 @@ def _capture(args):
 
 
 def _compile(captured, plan: str):
-    from fxpar.plan.plan import Plan
     from fxpar.compiler.program import compile
+    from fxpar.plan.plan import Plan
 
     return compile(captured, Plan.parse(plan))
 

@@ -26,8 +26,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.cost.collectives import wire_bytes
+from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.pictures.payloads import axis_name, format_bytes
 from fxpar.pictures.rank_memory import predicted_memory
 

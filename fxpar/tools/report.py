@@ -25,13 +25,13 @@ from pathlib import Path
 
 import sympy
 
-from fxpar.pictures.charts import Timeline, figure_svg, memory_figure, schedule_figure
 from fxpar.ir.compiled_program import CompiledProgram
+from fxpar.pictures.charts import Timeline, figure_svg, memory_figure, schedule_figure
 from fxpar.pictures.payloads import axis_name, dtype_name, format_bytes
 from fxpar.pictures.picture import build_picture
-from fxpar.tools.diff import diff
 from fxpar.pictures.rank_memory import predicted_memory
 from fxpar.pictures.visualize import render
+from fxpar.tools.diff import diff
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto;

@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fxpar.ir import meta
+from fxpar.compiler.program import Program, compile
 from fxpar.errors import PlanError, VerifyError
+from fxpar.ir import meta
 from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import Replicate
-from fxpar.compiler.program import Program, compile
 from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.tools.verify_report import ATOL, RTOL, Difference, Stats, VerifyReport, compare, node_code, tolerance_used
 from fxpar.tools.verify_values import NodeRecorder, Pieces, whole_value

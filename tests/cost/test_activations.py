@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fxpar.cost.activations import saved_activation_bytes
-from fxpar.ir.symbols import BATCH, SEQ
 from fxpar.frontend.trace import capture
+from fxpar.ir.symbols import BATCH, SEQ
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

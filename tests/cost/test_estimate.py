@@ -11,14 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.ir import meta
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.estimate import graph_compute, mfu
 from fxpar.cost.hardware import PROFILES
 from fxpar.cost.layout import shares
 from fxpar.cost.ops import cost_of, op_counts
-from fxpar.ir.symbols import BATCH, SEQ
 from fxpar.frontend.trace import capture
+from fxpar.ir import meta
+from fxpar.ir.symbols import BATCH, SEQ
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

@@ -8,9 +8,9 @@ import sympy
 import torch
 
 import fxpar
-from fxpar.ir import meta
 from fxpar.cost.collectives import wire_bytes
 from fxpar.cost.memory import model_state_bytes
+from fxpar.ir import meta
 from fxpar.ir.symbols import BATCH, SEQ
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))

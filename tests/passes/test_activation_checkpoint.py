@@ -10,11 +10,11 @@ import sympy
 import torch
 
 import fxpar
-from fxpar.ir import meta
 from fxpar.cost.ops import cost_of
-from fxpar.ops.distributed import distributed_op
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.recompute_regions import block_lists, block_of, segments
+from fxpar.ops.distributed import distributed_op
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 sys.path.insert(0, str(Path(__file__).parents[1]))

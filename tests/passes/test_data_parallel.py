@@ -4,10 +4,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxpar.frontend.trace import capture
 from fxpar.ir import meta
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.infra import run_passes
-from fxpar.frontend.trace import capture
 
 
 class _Chain(nn.Module):

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpar
 from fxpar import PlanError
+import fxpar
 from fxpar.ir import meta
 from fxpar.passes.contracts import ContractError
 from fxpar.passes.mixed_precision import cast_to_bf16, computes_in_bf16

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import fxpar
 from fxpar import PlanError
-from fxpar.ir import meta
+import fxpar
 from fxpar.compiler.pipeline_program import issue_order, receives_ahead, shared_parameters
+from fxpar.ir import meta
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import build_model, global_batches  # noqa: E402
@@ -87,9 +87,9 @@ def test_rank_modules_of_a_pipeline_are_its_stages():
 
 def test_a_stage_holding_more_microbatches_gets_fewer_layers():
     """1F1B's first stage keeps p microbatches of activations: memory balance moves its cut."""
+    from fxpar.frontend.trace import capture
     from fxpar.passes.infra import copy_graph_module
     from fxpar.passes.pipeline import assign_stages
-    from fxpar.frontend.trace import capture
 
     graph = capture(build_model("gpt"), (TOKENS, LABELS)).graph_module
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fxpar
 from fxpar import PlanError
+import fxpar
+from fxpar.frontend.trace import capture
 from fxpar.ir import meta
-from fxpar.passes.tensor_parallel.rules import infer_styles, placement_for
-from fxpar.ir.placement import Placements, R, Shard, global_tensor, local_slice
 from fxpar.ir.axes import bind_axes, unbind_axes
 from fxpar.ir.mesh import Axis
-from fxpar.frontend.trace import capture
+from fxpar.ir.placement import Placements, R, Shard, global_tensor, local_slice
+from fxpar.passes.tensor_parallel.rules import infer_styles, placement_for
 
 ops = SimpleNamespace(**{  # the ops the passes insert, as graph targets
     name: getattr(torch.ops.fxpar, name).default
@@ -36,6 +36,7 @@ def layer_collectives(program: fxpar.Program) -> list:
     (`lowering.ride_agreements`)."""
     return [dataclasses.replace(c, numel=c.numel - c.agreement, agreement=0)  # slots riding in a call
             for c in program.collectives(0) if not c.tag.startswith("step agreement")]
+
 
 def placements(program: fxpar.Program) -> dict[str, object]:
     nodes = meta.parameter_nodes(program.graph_module.graph)

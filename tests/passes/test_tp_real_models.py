@@ -24,11 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.ir import meta
-from fxpar.plan.declared import declared_plans
-from fxpar.passes.tensor_parallel.rules import HF_STYLES, UNSUPPORTED_HF_STYLES, infer_styles
-from fxpar.ir.placement import R, Shard
 from fxpar.frontend.trace import capture
+from fxpar.ir import meta
+from fxpar.ir.placement import R, Shard
+from fxpar.passes.tensor_parallel.rules import HF_STYLES, UNSUPPORTED_HF_STYLES, infer_styles
+from fxpar.plan.declared import declared_plans
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
+from fxpar.ops import deferred_linear
 from fxpar.ops.deferred_linear import LINEAR
 from fxpar.passes.weight_gradients import deferred_weights
-from fxpar.ops import deferred_linear
 from fxpar.runtime.step.weight_gradients import WeightGradientStore
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
@@ -110,8 +110,8 @@ def test_a_weight_also_read_by_another_op_keeps_its_gradient_in_b():
             h = self.other(self.embed(tokens))
             return F.linear(h, self.embed.weight).sum()
 
-    from fxpar.passes.weight_gradients import defer_weight_gradients
     from fxpar.frontend.trace import capture
+    from fxpar.passes.weight_gradients import defer_weight_gradients
 
     module = defer_weight_gradients(capture(Tied(), (torch.tensor([[1, 2, 3]]),)).graph_module)
     assert deferred_weights(module) == ["other.weight"]

@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 
 import fxpar
+from fxpar.frontend.trace import capture
 from fxpar.ir import meta
 from fxpar.ir.axes import bind_axes, unbind_axes
 from fxpar.ir.placement import global_tensor
-from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from hf_models import build  # noqa: E402
@@ -79,6 +79,7 @@ def layer_collectives(program: fxpar.Program) -> list:
     (`lowering.ride_agreements`)."""
     return [dataclasses.replace(c, numel=c.numel - c.agreement, agreement=0)  # slots riding in a call
             for c in program.collectives(0) if not c.tag.startswith("step agreement")]
+
 
 def run_ranks_in_threads(program: fxpar.Program, inputs: tuple) -> tuple[list, ThreadedCollectives]:
     """Each tp rank's (loss, {parameter name: gradient}) for one step on `inputs`."""

@@ -14,8 +14,8 @@ import torch
 
 from fxpar.errors import BatchMismatchError
 from fxpar.ir.mesh import Axis
-from fxpar.runtime.step.batch_identity import BatchIdentity
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.step.batch_identity import BatchIdentity
 
 CPU = torch.device("cpu")
 TOKENS = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))

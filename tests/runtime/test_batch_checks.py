@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import fxpar
 from fxpar import BatchError
+import fxpar
 from fxpar.frontend.batch_rules import batch_rules
 from fxpar.runtime.step.batch_checks import check_batch
 

@@ -31,10 +31,10 @@ from tiny_training import OPTIMIZER, build_model, global_batches, train_single_d
 
 from fxpar.errors import CheckpointError  # noqa: E402
 from fxpar.ir.placement import FlatShard, Placements, R, Shard, local_slice  # noqa: E402
-from fxpar.runtime.checkpoint.save_load import latest_checkpoint, read_manifest  # noqa: E402
-from fxpar.runtime.checkpoint.pieces import flat_range_pieces, row_major_boxes, tensor_pieces  # noqa: E402
 from fxpar.runtime.checkpoint.dcp_io import read_checkpoint_metadata, replace_folder  # noqa: E402
 from fxpar.runtime.checkpoint.full_file import load_full_optimizer_state, optimizer_path  # noqa: E402
+from fxpar.runtime.checkpoint.pieces import flat_range_pieces, row_major_boxes, tensor_pieces  # noqa: E402
+from fxpar.runtime.checkpoint.save_load import latest_checkpoint, read_manifest  # noqa: E402
 
 RELATIVE = 1e-5
 TRAINER = Path(__file__).parents[2] / "examples" / "train_gpt.py"

@@ -25,10 +25,10 @@ import xxhash
 
 import fxpar
 from fxpar.errors import CheckpointError
-from fxpar.runtime.checkpoint.save_load import verify_checkpoint
 from fxpar.runtime.checkpoint.checksums import ChecksummingFileSystem
 from fxpar.runtime.checkpoint.lock import LOCK_FILE, Holder, take_lock
 from fxpar.runtime.checkpoint.manifest import validate_manifest
+from fxpar.runtime.checkpoint.save_load import verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from small_gpt import small_capture  # noqa: E402

@@ -33,12 +33,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fxpar.ir.mesh import Axis
 from fxpar.ir.buckets import Bucket
+from fxpar.ir.mesh import Axis
 from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.step.gradient_accumulation import EarlierGradients
-from fxpar.runtime.state.gradient_buckets import GradientBuckets
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.state.gradient_buckets import GradientBuckets
+from fxpar.runtime.step.gradient_accumulation import EarlierGradients
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from accumulation_worker import SCRIPT, one_device  # noqa: E402

@@ -15,11 +15,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fxpar.ir.mesh import Axis
 from fxpar.ir.buckets import Bucket
+from fxpar.ir.mesh import Axis
 from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.state.gradient_buckets import GradientBuckets
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.state.gradient_buckets import GradientBuckets
 
 
 @pytest.fixture

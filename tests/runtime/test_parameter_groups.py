@@ -35,9 +35,9 @@ import pytest
 import torch
 
 import fxpar
+from fxpar.frontend.trace import capture
 from fxpar.runtime.checkpoint.full_file import load_full_optimizer_state, optimizer_path, write_full
 from fxpar.runtime.state.parameter_groups import ParameterGroups
-from fxpar.frontend.trace import capture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
 from tiny_training import (  # noqa: E402

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 import fxpar
-from fxpar.runtime.checkpoint.save_load import latest_checkpoint
 from fxpar.runtime.checkpoint.checksums import ChecksummingFileSystem
+from fxpar.runtime.checkpoint.save_load import latest_checkpoint
 from tiny_training import (
     CONFIG, GPT, MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, muon_and_adamw,
     parameter_groups,

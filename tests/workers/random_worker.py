@@ -27,8 +27,8 @@ import sympy
 import torch
 
 import fxpar
-from fxpar.ir import meta
 from fxpar.errors import BindError
+from fxpar.ir import meta
 from fxpar.ir.placement import Replicate, local_shape
 from fxpar.ops.random_ops import DrawSlice
 from fxpar.ops.random_streams import bound_random
@@ -69,6 +69,7 @@ def model_and_plan(entry: str) -> tuple[str, str]:
     """("hf-gpt2", "dp=2") for "hf-gpt2:dp=2"; ("gpt", entry) for a plain plan."""
     name, _, plan = entry.rpartition(":")
     return name or "gpt", plan
+
 
 def local_tensor(program, node, microbatch_sizes):
     """An empty tensor of this rank's shape of `node`'s value at one microbatch's sizes."""

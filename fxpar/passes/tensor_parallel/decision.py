@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from fxpar.ir.placement import Partial, Placement, R, Replicate, Shard
 
+
 class Rewrite(enum.Enum):
     """What `passes.tensor_parallel.rewrite` changes in the op itself for local shards."""
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from fxpar.ir.placement import P, Partial, R, Replicate, Shard
 from fxpar.passes.tensor_parallel.decision import (
     Context, Decision, Rewrite, _dim, _resolve_partials, shape_of, tensor_inputs,
 )
@@ -27,7 +28,6 @@ from fxpar.passes.tensor_parallel.view_rules import (
     concatenate, expand, getitem, repeat_interleave, slicing, split, stack, transpose, unsqueeze,
     view,
 )
-from fxpar.ir.placement import P, Partial, R, Replicate, Shard
 
 aten = torch.ops.aten
 

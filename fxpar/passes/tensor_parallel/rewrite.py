@@ -42,15 +42,15 @@ from collections.abc import Mapping
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
-from fxpar.ops.distributed import DistributedOp
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.placement import Placement, Placements, R, Replicate, Shard, local_shape
+from fxpar.ops.distributed import DistributedOp
 from fxpar.ops.redistribution import Unfuse, Via, conversion_dim, converted_placement, redistribution
 import fxpar.ops.vocab_parallel  # noqa: F401  (registers torch.ops.fxpar.vocab_parallel_embedding)
 from fxpar.passes.contracts import broken, ensures
-from fxpar.passes.tensor_parallel.projections import packet, projection_of
 from fxpar.passes.tensor_parallel.decision import Context, Decision, Rewrite, is_tensor, shape_of
+from fxpar.passes.tensor_parallel.projections import packet, projection_of
 from fxpar.passes.tensor_parallel.propagation import rule_for
 from fxpar.passes.tensor_parallel.view_rules import one_block
 from fxpar.passes.tensor_parallel.vocab_loss import vocab_parallel_cross_entropy

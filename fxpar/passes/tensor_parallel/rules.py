@@ -46,11 +46,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
 from fxpar.errors import PlanError
+from fxpar.ir import meta
+from fxpar.ir.placement import R, Placement, Shard
 from fxpar.passes.tensor_parallel.inference import infer_styles
 from fxpar.passes.tensor_parallel.projections import fused_projections, packet, projection_of
-from fxpar.ir.placement import R, Placement, Shard
 
 __all__ = [
     "HF_STYLES", "STYLES", "ParameterPlacements", "Use", "fused_projections",

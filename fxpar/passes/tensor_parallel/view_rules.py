@@ -13,11 +13,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxpar.ir import meta
 from fxpar.errors import PlanError
+from fxpar.ir import meta
+from fxpar.ir.placement import P, Partial, R, Shard
 from fxpar.passes.tensor_parallel.decision import Context, Decision, Rewrite, _dim, shape_of
 from fxpar.passes.tensor_parallel.projections import slice_bounds
-from fxpar.ir.placement import P, Partial, R, Shard
 
 aten = torch.ops.aten
 

@@ -28,8 +28,8 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxpar.ir import meta
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.placement import REPLICATED, P, Placement, R, Shard, local_shape
 
 aten = torch.ops.aten

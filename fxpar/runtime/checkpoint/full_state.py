@@ -32,12 +32,12 @@ from torch._utils import _flatten_dense_tensors
 from fxpar.ir import meta
 from fxpar.ir.mesh import Axis
 from fxpar.ir.placement import FlatShard, R, global_tensor, local_shape
-from fxpar.runtime.communicator import Communicator
-from fxpar.runtime.state.parameter_groups import ParameterGroups
-from fxpar.runtime.process_groups import RankGroup
-from fxpar.runtime.step.guard import StepGuard
-from fxpar.runtime.state.wrapped_optimizer import inner_optimizer
 from fxpar.ir.step_program import Communicate, Purpose, StepProgram
+from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.state.parameter_groups import ParameterGroups
+from fxpar.runtime.state.wrapped_optimizer import inner_optimizer
+from fxpar.runtime.step.guard import StepGuard
 
 
 def gather_full_tensors(

@@ -89,8 +89,8 @@ def warn_unverified(path: Path, manifest: dict) -> None:
 
 
 def _check_plan(file: Path, manifest: dict) -> None:
-    from fxpar.plan.plan import Plan
     from fxpar.plan.file import FILE_SUFFIXES
+    from fxpar.plan.plan import Plan
 
     text = manifest.get("plan")
     expectation = "a plan's text form, such as 'dp=2 zero=1'"

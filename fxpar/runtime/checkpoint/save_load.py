@@ -55,20 +55,19 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fxpar.ir import meta
 from fxpar.errors import CheckpointError
-from fxpar.runtime.checkpoint.state import (
-    OPTIMIZER_PREFIX,
-    RNG_PREFIX,
-    RankState,
-    model_tensors,
-    optimizer_tensors,
-    rng_tensors,
-)
+from fxpar.ir import meta
 from fxpar.runtime.checkpoint.checksums import check_files_present, verify_file
+from fxpar.runtime.checkpoint.dcp_io import (
+    CommittingWriter,
+    PiecesLoadPlanner,
+    PiecesSavePlanner,
+    SafeReader,
+    read_checkpoint_metadata,
+    stored_tensors,
+)
 from fxpar.runtime.checkpoint.failures import checkpoint_failure
 from fxpar.runtime.checkpoint.lock import claim_folder, release_lock
-from fxpar.runtime.checkpoint.optimizers import warn_unread
 from fxpar.runtime.checkpoint.manifest import (
     FORMAT,
     METADATA_FILE,
@@ -77,13 +76,14 @@ from fxpar.runtime.checkpoint.manifest import (
     read_manifest,
     warn_unverified,
 )
-from fxpar.runtime.checkpoint.dcp_io import (
-    CommittingWriter,
-    PiecesLoadPlanner,
-    PiecesSavePlanner,
-    SafeReader,
-    read_checkpoint_metadata,
-    stored_tensors,
+from fxpar.runtime.checkpoint.optimizers import warn_unread
+from fxpar.runtime.checkpoint.state import (
+    OPTIMIZER_PREFIX,
+    RNG_PREFIX,
+    RankState,
+    model_tensors,
+    optimizer_tensors,
+    rng_tensors,
 )
 from fxpar.runtime.state.wrapped_optimizer import inner_optimizer
 

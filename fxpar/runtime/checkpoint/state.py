@@ -25,11 +25,11 @@ from functools import partial
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fxpar.ir import meta
 from fxpar.errors import CheckpointError
+from fxpar.ir import meta
 from fxpar.ir.placement import REPLICATED, Placements
-from fxpar.runtime.checkpoint.pieces import GlobalTensor, Piece, flat_range_pieces, tensor_pieces
 from fxpar.ops.random_streams import RandomStream
+from fxpar.runtime.checkpoint.pieces import GlobalTensor, Piece, flat_range_pieces, tensor_pieces
 from fxpar.runtime.state.master_weights import MasterWeights
 
 OPTIMIZER_PREFIX = "optim.state."

@@ -20,10 +20,10 @@ import torch
 
 from fxpar.ir import meta
 from fxpar.runtime.checkpoint import save_load as checkpoint
-from fxpar.runtime.checkpoint.optimizers import check_made_here, warn_unsaved
-from fxpar.runtime.checkpoint.state import RankState
 from fxpar.runtime.checkpoint.full_file import write_full
 from fxpar.runtime.checkpoint.full_state import full_optimizer_state, gather_full_tensors
+from fxpar.runtime.checkpoint.optimizers import check_made_here, warn_unsaved
+from fxpar.runtime.checkpoint.state import RankState
 from fxpar.runtime.state.parameter_groups import ParameterGroups
 
 

@@ -51,12 +51,12 @@ from collections.abc import Mapping
 import torch
 
 from fxpar.errors import CollectiveError
-from fxpar.passes.data_parallel import carries_loss
 from fxpar.ir.buckets import Bucket
-from fxpar.runtime.step import riding_count
+from fxpar.ir.step_program import Call
+from fxpar.passes.data_parallel import carries_loss
 from fxpar.runtime.communicator import Communicator, PendingCollective
 from fxpar.runtime.process_groups import RankGroup
-from fxpar.ir.step_program import Call
+from fxpar.runtime.step import riding_count
 
 
 class _BucketState:

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from fxpar.ir import meta
 from fxpar.ir.placement import Replicate
 from fxpar.runtime.checkpoint.state import RankState
+from fxpar.runtime.checkpoint.whole_state import graph_parameters
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import world_group
-from fxpar.runtime.checkpoint.whole_state import graph_parameters
 
 
 def clip_grad_norm_(state: RankState, communicator: Communicator, max_norm: float, norm_type: float = 2.0, *,

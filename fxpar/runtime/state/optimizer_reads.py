@@ -22,8 +22,8 @@ from collections.abc import Iterable
 
 import torch
 
-from fxpar.ir import meta
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.placement import FlatShard, Shard
 
 ELEMENTWISE = {

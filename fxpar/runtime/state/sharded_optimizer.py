@@ -39,16 +39,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.ir.step_program import Purpose
 from fxpar.runtime.state.optimizer_reads import require_elementwise
 from fxpar.runtime.state.parameter_groups import ParameterGroups
-from fxpar.runtime.step.guard import StepGuard
 from fxpar.runtime.state.wrapped_optimizer import WrappedOptimizer
-from fxpar.ir.step_program import Purpose
+from fxpar.runtime.step.guard import StepGuard
 
 if TYPE_CHECKING:
     from fxpar.runtime.state.gradient_buckets import GradientBuckets
     from fxpar.runtime.state.master_weights import MasterWeights
     from fxpar.runtime.step.context import StepContext
+
 
 def flatten_parameters(buckets: GradientBuckets) -> list[torch.Tensor]:
     """Make each bucket's parameters views into one flat padded buffer per bucket (values

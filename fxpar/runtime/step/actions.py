@@ -31,9 +31,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.errors import BindError
 from fxpar.ir.mesh import Axis
-from fxpar.runtime.step.batch_identity import BatchIdentity
-from fxpar.runtime.step.agreement import start_agreement
 from fxpar.ir.step_program import Communicate, Purpose
+from fxpar.runtime.step.agreement import start_agreement
+from fxpar.runtime.step.batch_identity import BatchIdentity
 
 if TYPE_CHECKING:
     from fxpar.runtime.process_groups import RankGroup

@@ -53,10 +53,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fxpar.runtime.step import numbers
-from fxpar.runtime.step.batch_identity import BatchIdentity
 from fxpar.runtime.communicator import Communicator
 from fxpar.runtime.process_groups import RankGroup
+from fxpar.runtime.step import numbers
+from fxpar.runtime.step.batch_identity import BatchIdentity
 
 
 def start_agreement(

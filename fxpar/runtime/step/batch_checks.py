@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.frontend.batch_rules import BatchRules, InputRule, LabelRule, SizeBound
 from fxpar.errors import BatchError, shown
+from fxpar.frontend.batch_rules import BatchRules, InputRule, LabelRule, SizeBound
 
 
 def check_batch(rules: BatchRules, inputs: tuple, *, device: torch.device) -> None:

@@ -50,15 +50,15 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from fxpar.ir.mesh import Axis
+    from fxpar.ir.step_program import StepProgram
     from fxpar.ops.random_streams import RandomStream
     from fxpar.runtime.communicator import Communicator
+    from fxpar.runtime.process_groups import RankGroup
     from fxpar.runtime.state.gradient_buckets import GradientBuckets
     from fxpar.runtime.state.parameter_gatherer import ParameterGatherer
-    from fxpar.runtime.process_groups import RankGroup
-    from fxpar.runtime.step.saved_tensors import SavedTensorMeter
     from fxpar.runtime.step.guard import StepGuard
     from fxpar.runtime.step.loss import StepLoss
-    from fxpar.ir.step_program import StepProgram
+    from fxpar.runtime.step.saved_tensors import SavedTensorMeter
 
 
 @dataclass(kw_only=True, eq=False)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fxpar.ir.collectives import Collective
 from fxpar.errors import StepProgramError
+from fxpar.ir.collectives import Collective
 from fxpar.ir.step_program import Part, StepProgram
 
 

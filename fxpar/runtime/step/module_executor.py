@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxpar.runtime.step.actions import StepState, communicate
 from fxpar.ir.step_program import Communicate, Compute
+from fxpar.runtime.step.actions import StepState, communicate
 
 if TYPE_CHECKING:
     from fxpar.runtime.step.context import StepContext

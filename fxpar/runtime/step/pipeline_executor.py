@@ -47,15 +47,15 @@ from typing import TYPE_CHECKING
 import sympy
 import torch
 
+from fxpar.ir.step_program import Call, Communicate, Exchange, Receive
 from fxpar.passes.weight_gradients import takes_weight_gradients
 from fxpar.runtime.communicator import Transfer
 from fxpar.runtime.step.actions import StepState, communicate
 from fxpar.runtime.step.weight_gradients import WeightGradientStore
-from fxpar.ir.step_program import Call, Communicate, Exchange, Receive
 
 if TYPE_CHECKING:
-    from fxpar.runtime.communicator import PendingCollective
     from fxpar.ir.compiled_program import CompiledProgram
+    from fxpar.runtime.communicator import PendingCollective
     from fxpar.runtime.step.context import StepContext
 
 
