@@ -73,7 +73,7 @@ class BatchMismatchError(CollectiveError):
 
 
 class VerifyError(FxparError, RuntimeError):
-    """`fxpar.tools.verify` could not compare: a model it cannot run as given, or a parallel run that
+    """`fxpar.verify` could not compare: a model it cannot run as given, or a parallel run that
     did not complete (each rank's error, or a timeout)."""
 
 

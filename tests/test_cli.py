@@ -46,7 +46,7 @@ def test_explain_shows_stages_buckets_collectives_and_the_estimate(in_tmp, capsy
 
 
 def test_explain_reads_one_rank_and_never_checks_all_of_them(in_tmp, capsys, monkeypatch):
-    """What keeps `fxpar explain` on the 175B shape at 1024 ranks near 30 s (README): it
+    """What keeps `fxpar explain` on the 175B shape at 1024 ranks near 30 s (docs/cost-model.md): it
     never matches every rank's collectives, and asks for one rank's only."""
     import fxpar.compiler.program
 
@@ -229,7 +229,7 @@ def test_every_fxpar_command_in_the_readme_runs_as_written(in_tmp, capsys):
     assert {shlex.split(c)[1] for c in commands} >= {"explain", "viz", "report", "check", "estimate", "diff",
                                                      "verify"}
     for command in commands:
-        if "gpt3_175b" in command:  # 30 s here; its timing is in the README and the report
+        if "gpt3_175b" in command:  # 30 s here; its timing is in docs/cost-model.md and the report
             continue
         status, _, err = run(capsys, *shlex.split(command)[1:])
         assert status == 0, f"{command}\n{err}"

@@ -1,4 +1,4 @@
-"""Tier 3: `fxpar.tools.verify` finds the first node where a plan's step differs from one device.
+"""Tier 3: `fxpar.verify` finds the first node where a plan's step differs from one device.
 
 Each verify forks `plan.world_size` gloo ranks (a few seconds each), so the module runs three:
 a clean plan over tp, pp and microbatches reports equal; a wrong redistribution rule (the
@@ -41,7 +41,7 @@ def reference_nodes(program) -> list:
 
 
 def test_a_clean_plan_equals_one_device():
-    report = fxpar.tools.verify(build_model(), "tp=2 pp=2 mb=2", BATCH, timeout=20)
+    report = fxpar.verify(build_model(), "tp=2 pp=2 mb=2", BATCH, timeout=20)
     assert report.equal, str(report)
     assert str(report).startswith("fxpar verify: plan 'pp=2 tp=2 mb=2' equals one device: ")
     # every node's value (inputs, parameters, computed), the batch-dependent gradients, and each
@@ -57,7 +57,7 @@ def test_a_plan_whose_count_rides_in_a_bucket_equals_one_device():
     every node compares as it is, and the loss and reduced gradients after the division."""
     program = fxpar.compile(build_model(), "dp=2 mb=2", BATCH)
     assert program.step_program(0).count_slots() == 2
-    report = fxpar.tools.verify(program, example_inputs=BATCH, timeout=20)
+    report = fxpar.verify(program, example_inputs=BATCH, timeout=20)
     assert report.equal, str(report)
     assert report.compared["parameter gradient"] == len(dict(build_model().named_parameters()))
     assert report.loss_parallel == pytest.approx(report.loss_reference, rel=1e-6)
@@ -89,7 +89,7 @@ def test_a_wrong_redistribution_rule_is_named_at_the_first_node_reading_the_bad_
     unreduced = wrong.args[0].name  # the row-parallel linear's output, whose summands are right
     assert meta.module_path(wrong.args[0]) == "h.0.mlp.down"
     consumer = next(n for n in reference_nodes(program) if unreduced in {a.name for a in n.all_input_nodes})
-    report = fxpar.tools.verify(program, example_inputs=BATCH, timeout=20, check=False)
+    report = fxpar.verify(program, example_inputs=BATCH, timeout=20, check=False)
     assert not report.equal
     first = report.first
     assert (first.what, first.node, first.module_path) == ("forward value", consumer.name, "h.0.mlp.dropout")
@@ -122,7 +122,7 @@ def test_a_dropped_collective_is_named_at_the_gradient_it_should_have_summed():
     for rank, step in steps.items():
         program.replace_step_program(rank, drop_call(step, position))
     program.check()  # consistent: the ranks agree with each other, not with the math
-    report = fxpar.tools.verify(program, example_inputs=BATCH, timeout=20)
+    report = fxpar.verify(program, example_inputs=BATCH, timeout=20)
     first = report.first
     assert first is not None, str(report)
     assert (first.what, first.node, first.module_path) == ("gradient", source.name, "h.1.ln_1")
@@ -137,9 +137,9 @@ def test_verify_refuses_a_program_the_check_refuses_and_reports_each_ranks_failu
     program = fxpar.compile(build_model(), "dp=2 bucket_mb=0.02", BATCH)
     program.replace_step_program(1, resize_call(program.step_program(1), 0, 7))  # bucket 0
     with pytest.raises(PlanError, match=r"process group \[0, 1\] does not match"):
-        fxpar.tools.verify(program, example_inputs=BATCH)
+        fxpar.verify(program, example_inputs=BATCH)
     with pytest.raises(fxpar.VerifyError) as failed:
-        fxpar.tools.verify(program, example_inputs=BATCH, check=False, timeout=3)
+        fxpar.verify(program, example_inputs=BATCH, check=False, timeout=3)
     message = str(failed.value)
     assert message.startswith("the parallel run of plan 'dp=2 bucket_mb=0.02' failed, so nothing was compared")
     assert "rank 1: StepProgramError: rank 1 was about to issue all_reduce(" in message
@@ -148,7 +148,7 @@ def test_verify_refuses_a_program_the_check_refuses_and_reports_each_ranks_failu
     # rank 1 exits at once, so rank 0's backend sees it gone (or, on a slow machine, its 3 s pass)
     assert "rank 1 is gone" in message or "did not complete within 3 s" in message
     with pytest.raises(TypeError, match="takes no plan"):
-        fxpar.tools.verify(program, "dp=2", BATCH)
+        fxpar.verify(program, "dp=2", BATCH)
 
 
 def test_dropout_is_verified_under_rng_exact_and_refused_under_rng_fast():
@@ -160,8 +160,8 @@ def test_dropout_is_verified_under_rng_exact_and_refused_under_rng_fast():
     model = GPT(dataclasses.replace(CONFIG, dropout=0.1))
     with pytest.raises(fxpar.VerifyError, match=r"node random_like\w* \(fxpar.random_like, module 'drop'\) "
                                                 r"draws random numbers \(p=0.1\), and plan rng=fast"):
-        fxpar.tools.verify(model, "tp=2", BATCH)
-    report = fxpar.tools.verify(model, "tp=2 rng=exact", BATCH, timeout=20)
+        fxpar.verify(model, "tp=2", BATCH)
+    report = fxpar.verify(model, "tp=2 rng=exact", BATCH, timeout=20)
     assert report.equal, str(report)
     with pytest.raises(PlanError, match="precision=bf16-mixed .* Fix: pass an rtol"):
-        fxpar.tools.verify(build_model(), "dp=2 precision=bf16-mixed", BATCH)
+        fxpar.verify(build_model(), "dp=2 precision=bf16-mixed", BATCH)

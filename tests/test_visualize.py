@@ -93,7 +93,7 @@ def test_zero3_gathers_are_the_graphs_own_collectives(captured, plan):
     pieces' bytes)."""
     program = fxpar.compile(captured, plan)
     gathers = [b for b in build_picture(program).boxes if b.title == "gather_parameters · dp"]
-    assert len(gathers) == len(program.graph_module.meta[meta.GRAPH_PARAMETER_UNITS]) > 1
+    assert len(gathers) == len(meta.graph_parameter_units(program.graph_module)) > 1
     assert {c.kind for b in gathers for c in b.calls} == {"all_gather", "reduce_scatter"}
     predicted = {(c.kind, c.payload_bytes) for c in program.collectives(0) if "gather_parameters" in c.tag}
     assert {(c.kind, c.payload_bytes) for b in gathers for c in b.calls} == predicted

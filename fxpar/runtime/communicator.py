@@ -31,6 +31,10 @@ from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.step import numbers
 from fxpar.runtime.step.guard import StepGuard
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11,
+# the CUDA machine's, has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _all_reduce(tensor: torch.Tensor, group: RankGroup, op: dist.ReduceOp) -> dist.Work:
     """Start an all-reduce on the group's ProcessGroup itself, as DDP's reducer does: a tensor
@@ -180,7 +184,7 @@ class Communicator:
         """Start concatenating every rank's `tensor` along dim 0 into `output` (`tensor` may be
         this rank's slice of it)."""
         call = self._record("all_gather", output, group, tag, op="none", phase=phase)
-        work = dist.all_gather_into_tensor(output, tensor, group=group.handle, async_op=True)
+        work = _all_gather_single(output, tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 
     def all_reduce_now(
@@ -207,7 +211,7 @@ class Communicator:
         """Concatenate every rank's `tensor` along dim 0 into `output` (`tensor` may be this
         rank's slice of it), and wait; `log=False` outside a step."""
         call = self._record("all_gather", output, group, tag, op="none", phase=phase, log=log)
-        work = dist.all_gather_into_tensor(output, tensor, group=group.handle, async_op=True)
+        work = _all_gather_single(output, tensor, group=group.handle, async_op=True)
         PendingCollective(work, call, group, self.timeout).wait()
 
     def reduce_scatter_now(

@@ -1,6 +1,6 @@
-"""`fxpar.tools.verify`: run a plan and one device side by side and name the first node that differs.
+"""`fxpar.verify`: run a plan and one device side by side and name the first node that differs.
 
-    report = fxpar.tools.verify(model, "tp=2", (tokens, labels))
+    report = fxpar.verify(model, "tp=2", (tokens, labels))
     print(report)            # "... equals one device: ..." or the first divergent node
     assert report.equal
 
@@ -81,12 +81,12 @@ def verify(
     else:
         program = compile(model, plan, example_inputs, check=check)
     if example_inputs is None:
-        raise TypeError("fxpar.tools.verify needs example_inputs: the global batch both sides train on")
+        raise TypeError("fxpar.verify needs example_inputs: the global batch both sides train on")
     if dist.is_initialized():
-        raise VerifyError("fxpar.tools.verify starts its own ranks, and this process is already in a process "
+        raise VerifyError("fxpar.verify starts its own ranks, and this process is already in a process "
                           "group (a torchrun worker?). Fix: call it from one plain process")
     if any(p.is_meta for p in program.captured.parameters.values()):
-        raise VerifyError("fxpar.tools.verify runs the model, and its parameters are on the meta device. "
+        raise VerifyError("fxpar.verify runs the model, and its parameters are on the meta device. "
                           "Fix: build it on the CPU with real (random) weights")
     if program.plan.precision != "fp32" and rtol == RTOL:
         raise PlanError(

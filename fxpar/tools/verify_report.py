@@ -1,4 +1,4 @@
-"""What `fxpar.tools.verify` reports: each compared value's statistics, the tolerance, the first
+"""What `fxpar.verify` reports: each compared value's statistics, the tolerance, the first
 node that differs.
 
 Tolerance (fp32). Two correct programs differ by the order of their floating-point sums: a
@@ -131,7 +131,7 @@ def tolerance_used(reference: torch.Tensor, parallel: torch.Tensor, *, rtol: flo
 
 @dataclass
 class VerifyReport:
-    """The outcome of `fxpar.tools.verify`: `equal`, or the first difference (`first`)."""
+    """The outcome of `fxpar.verify`: `equal`, or the first difference (`first`)."""
 
     plan: str
     loss_reference: float

@@ -1,4 +1,4 @@
-"""Node values for `fxpar.tools.verify`: recorded where a graph runs, made whole from the ranks' pieces.
+"""Node values for `fxpar.verify`: recorded where a graph runs, made whole from the ranks' pieces.
 
 Recording. `NodeRecorder.install(gm, names)` adds a submodule to a GraphModule and a call to it
 after each node named in `names`: each call keeps a copy of the node's value (one per
@@ -76,7 +76,7 @@ class NodeRecorder(torch.nn.Module):
     def _gradient(self, name: str, microbatch: int, grad: torch.Tensor | None) -> None:
         # None: no gradient flows to the value through autograd. ZeRO-3's parameter pieces get
         # theirs from the gatherer instead (`runtime.state.parameter_gatherer`); parameter gradients
-        # are compared after the step, from `.grad` (`fxpar.tools.verify`).
+        # are compared after the step, from `.grad` (`fxpar.verify`).
         if grad is not None:
             self.grads.setdefault(name, {})[microbatch] = grad.detach().clone()
 

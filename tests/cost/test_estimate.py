@@ -247,7 +247,7 @@ def test_a_1024_rank_plan_of_a_meta_model_is_estimated():
     assert estimate.memory["params"] + estimate.memory["grads"] + estimate.memory["optimizer"] == (
         pytest.approx(16 * P / 1024 + 4 * len(program.captured.parameters), rel=1e-12)
     )
-    units = program.graph_module.meta[meta.GRAPH_PARAMETER_UNITS]  # one gather per layer, and
+    units = meta.graph_parameter_units(program.graph_module)  # one gather per layer, and
     # again for backward, all but the root's layer (kept whole for the head's backward)
     assert estimate.comm["all_gather"]["count"] == 2 * len(units) - 1 == 5
     assert estimate.time["total"] > estimate.time["compute"] > 0

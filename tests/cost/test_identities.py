@@ -126,7 +126,7 @@ def test_data_parallel_traffic_is_2p_or_3p_for_zero_3(zero, volume):
     wire = sum(entry["wire_bytes"] for entry in comm.values())
     root = 0
     if zero == 3:
-        (unit,) = [u for u in program.graph_module.meta[meta.GRAPH_PARAMETER_UNITS] if not u.layer]
+        (unit,) = [u for u in meta.graph_parameter_units(program.graph_module) if not u.layer]
         root = sum(program.captured.parameters[name].numel() for name in unit.parameters)
     # Ring: each payload byte crosses (n-1)/n of the ranks; padding adds < n elements a bucket.
     assert wire == pytest.approx((volume * P - root) * 4 * 3 / 4, rel=1e-3)

@@ -79,8 +79,8 @@ def test_batch_not_divisible_by_microbatches_is_a_plan_error():
 def test_rank_modules_of_a_pipeline_are_its_stages():
     program = fxpar.compile(build_model("gpt"), "dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2", (TOKENS, LABELS))
     chunks = program.stage_modules(3)  # dp 1, pp 1: stages 1 and 3
-    assert [m.meta[meta.GRAPH_STAGE] for m in chunks] == [1, 3]
-    assert program.rank_module(3).meta[meta.GRAPH_STAGE] == 1
+    assert [meta.stage_of(m) for m in chunks] == [1, 3]
+    assert meta.stage_of(program.rank_module(3)) == 1
     kinds = {c.kind for c in program.collectives(1)}
     assert {"send", "recv", "all_reduce"} <= kinds
 
