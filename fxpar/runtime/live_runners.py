@@ -20,6 +20,9 @@ which all-reduces its bucket as soon as backward has filled it. The rules:
 4. **After close, bind again**: new groups, new hooks, on the same or another program.
 5. A runner dropped without close is ended when Python collects it: its hooks go with it
    (`weakref.finalize`), so its parameters can be bound again.
+6. **A script that ends without close is closed at exit** (`atexit`): a gloo group left alive
+   into interpreter teardown can abort the process there ("terminate called without an
+   active exception", seen on a rank that saved a checkpoint and returned).
 
     runner = program.bind()
     program.bind()                   # BindError: program already bound, runner is live
@@ -30,6 +33,7 @@ which all-reduces its bucket as soon as backward has filled it. The rules:
 
 from __future__ import annotations
 
+import atexit
 import gc
 import weakref
 from collections.abc import Callable, Sequence
@@ -48,8 +52,17 @@ class Runner(Protocol):
     rank: int
     modules: Sequence[fx.GraphModule]
 
+    def close(self) -> None: ...
+
 
 _live: weakref.WeakSet[Runner] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Rule 6: one live runner's close ends them all and destroys the process groups."""
+    for runner in list(_live)[:1]:
+        runner.close()
 
 
 def check_can_bind(program: CompiledProgram) -> None:

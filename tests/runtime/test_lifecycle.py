@@ -85,3 +85,34 @@ def test_a_late_bind_with_a_gone_peer_is_a_bind_error_naming_the_group(ranks):
     assert fresh.startswith("BindError: program.bind() on rank 0 could not create the default "
                             "process group (every rank)")
     assert results["bind after close, peer gone"][2] < 2 + 5
+
+
+EXITS_WITHOUT_CLOSE = """
+import atexit, sys
+import torch.distributed as dist
+# Registered before fxpar's own: atexit runs it after fxpar's, and it says what was left.
+atexit.register(lambda: print("groups left at exit:", dist.is_initialized(), flush=True))
+sys.path.insert(0, sys.argv[1])
+import torch, fxpar
+from tiny_training import build_model, global_batches
+tokens, labels = global_batches()[0]
+runner = fxpar.compile(build_model(), "dp=1", (tokens, labels)).bind()
+runner.step(*runner.local_batch(tokens, labels))
+print("trained", flush=True)
+"""
+
+
+def test_a_script_that_ends_without_close_is_closed_at_exit(tmp_path):
+    """`live_runners` rule 6: no process group is left alive into interpreter teardown, where
+    gloo can abort the process ("terminate called without an active exception")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_WITHOUT_CLOSE)
+    workers = Path(__file__).parents[1] / "workers"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           str(script), str(workers)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained" in done.stdout and "groups left at exit: False" in done.stdout, done.stdout
