@@ -186,10 +186,8 @@ def measure(name: str, args: argparse.Namespace, batch: int):
     optimizer_step()
 
     # Peak memory: bytes held before the step plus the peak of the step's own allocations.
-    buckets = getattr(runner, "_buckets", None) or []  # the flat gradient buffers under dp > 1
-    if not isinstance(buckets, list):  # one GradientBuckets before pipelines, a list after
-        buckets = [buckets]
-    bucket_buffers = [s.buffer for group in buckets for s in group.states]
+    buckets = runner._context.buckets  # the flat gradient buffers under dp > 1 (one per module)
+    bucket_buffers = [s.buffer for group in buckets for s in group.states if s.buffer is not None]
     optimizer_state = [v for s in opt.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor)]
     held = distinct_storage_bytes([*params, *optimizer_state, *bucket_buffers, *local])
