@@ -11,6 +11,12 @@ exact formula, e.g. for a 2-layer GPT with h=32 on the CPU: 4944 batch seq + 8 s
 
 No tensor is allocated: a 96-layer GPT-3 runs in seconds on a laptop.
 
+The fake forward runs every tensor on one device: the capture's, which its example inputs
+carry, whatever device the rank's state was bound to since. The bytes saved are shapes and
+dtypes, which do not move with the device, and mixing the two (a model bound to `cuda:0`,
+inputs captured on the CPU) is an error fake tensors raise; nor can autograd record fake CUDA
+tensors in a torch built without CUDA, where plans for a GPU cluster are made.
+
 Under activation checkpointing (`fxpar.ir.recompute_regions`) the fake forward follows the
 runtime's recomputation call by call (`recompute_regions.segments`, the runtime's own cut):
 what a recomputed run saves is not counted (torch's checkpoint drops it), and the run's
@@ -76,9 +82,10 @@ class _FakeStateInterpreter(fx.Interpreter):
     recomputed run save nothing, and the run's inputs go to `kept` (module doc)."""
 
     def __init__(self, gm: fx.GraphModule, state: dict[str, torch.Tensor], runs: list[list[fx.Node]],
-                 kept: list[torch.Tensor]):
+                 kept: list[torch.Tensor], device: torch.device):
         super().__init__(gm)
         self.state = state
+        self.device = device
         self.run_of = {node: run for run in runs for node in run}
         self.kept = kept
         self.inputs: dict[fx.Node, torch.Tensor] = {}  # of the run being interpreted
@@ -93,6 +100,8 @@ class _FakeStateInterpreter(fx.Interpreter):
         return self.state[target]
 
     def call_function(self, target, args, kwargs):
+        if isinstance(kwargs.get("device"), torch.device):  # a graph constant, placed by bind
+            kwargs = {**kwargs, "device": self.device}
         if not _symbolic_in_python(target):
             return super().call_function(target, args, kwargs)
         with enable_python_dispatcher():
@@ -231,6 +240,7 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
     ]
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
     assert fake_mode is not None, "captured graphs carry export's fake tensors"
+    device = next(i.device for i in inputs if isinstance(i, torch.Tensor))  # the capture's (module doc)
     saved: list[tuple[torch.Tensor, fx.Node]] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -239,12 +249,12 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
 
     with fake_mode:
         state = {
-            name: torch.empty_strided(value.shape, value.stride(), dtype=dtype or value.dtype, device=value.device)
+            name: torch.empty_strided(value.shape, value.stride(), dtype=dtype or value.dtype, device=device)
             .requires_grad_(grad)
             for name, (value, grad, dtype) in getters.items()
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            interpreter = _FakeStateInterpreter(gm, state, runs, saved)
+            interpreter = _FakeStateInterpreter(gm, state, runs, saved, device)
             interpreter.run(*inputs)
     state_storages = {t.untyped_storage()._cdata for t in (*state.values(), *interpreter.gathered)} | {
         value.untyped_storage()._cdata for n, value in zip(placeholders, inputs)
