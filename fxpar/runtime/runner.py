@@ -49,6 +49,7 @@ from fxpar.runtime.process_groups import RankGroup, init_process_groups
 from fxpar.runtime.random_seed import agree_seed, check_seed
 from fxpar.runtime.state.gradient_norm import clip_grad_norm_
 from fxpar.runtime.state.master_weights import MasterWeights, MixedPrecisionOptimizer
+from fxpar.runtime.state.optimizer_defaults import with_defaults
 from fxpar.runtime.state.optimizer_reads import require_elementwise_for_pieces
 from fxpar.runtime.state.parameter_groups import ParameterGroups, warn_unstepped
 from fxpar.runtime.state.sharded_optimizer import ShardedOptimizer
@@ -324,9 +325,12 @@ class Runner(WholeState):
         over this rank's shards of them (`runtime.state.sharded_optimizer`). Where it would step a
         piece of a parameter (ZeRO, tp shards) it must be elementwise, which `elementwise=True`
         vouches for a class fxpar does not know (`runtime.state.optimizer_reads`). `options` are the
-        defaults; `param_groups`, as torch.optim takes them but naming the compiled model's
-        Parameters or their names, gives groups their own (`runtime.state.parameter_groups`)."""
+        defaults, passed through (`fused=`, `foreach=`; on CUDA Adam, AdamW and SGD are fused
+        unless told otherwise: `runtime.state.optimizer_defaults`); `param_groups`, as
+        torch.optim takes them but naming the compiled model's Parameters or their names, gives
+        groups their own (`runtime.state.parameter_groups`)."""
         self._require_open("optimizer")
+        options = with_defaults(optimizer_class, options, self.device)
         captured = self.program.captured
         groups = (ParameterGroups.whole(captured.parameters, captured.aliases) if param_groups is None
                   else ParameterGroups.resolve(param_groups, captured.parameters, captured.aliases))
