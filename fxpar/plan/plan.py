@@ -48,6 +48,7 @@ from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     FIELDS,
     LOOKS_LIKE_PATH,
     CHECKPOINTS,
+    COMPILE_MODES,
     PRECISIONS,
     REDUCE_DTYPES,
     RNG_MODES,
@@ -120,6 +121,9 @@ class Plan:
     # Dropout's randomness: "fast" draws per rank from one seed, consistently where the math
     # needs it (Megatron's RNG tracker); "exact" draws the values one device draws.
     rng: str = "fast"
+    # How each rank's module runs: "eager" op by op (the exact reference), "inductor" compiled,
+    # forward and backward, by torch.compile (`fxpar.runtime.compiled_forward`).
+    compile: str = "eager"
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
@@ -162,6 +166,7 @@ class Plan:
             ("reduce_dtype", REDUCE_DTYPES),
             ("checkpoint", CHECKPOINTS),
             ("rng", RNG_MODES),
+            ("compile", COMPILE_MODES),
             ("zero_reduce", ZERO_REDUCES),
         ):
             if getattr(self, name) not in accepted:
@@ -176,6 +181,7 @@ class Plan:
 
     def _check_options_apply(self) -> None:
         """Options that only one setting uses are refused without it: never silently ignored."""
+        self._check_compiled()
         if self.reduce_dtype != "fp32" and self.precision != "bf16-mixed":
             raise PlanError(
                 f"plan reduce_dtype={self.reduce_dtype} sets the dtype bf16-mixed training "
@@ -211,6 +217,28 @@ class Plan:
                     value=getattr(self, name),
                 )
 
+
+    def _check_compiled(self) -> None:
+        """What `compile=inductor` does not cover yet, refused (`fxpar.runtime.compiled_forward`)."""
+        if self.compile != "inductor":
+            return
+        if self.zero == 3:
+            raise PlanError(
+                "plan compile=inductor with zero=3: ZeRO-3's gathers are issued by the runtime's "
+                "parameter gatherer (prefetching layers ahead, freeing after use), Python that a "
+                "compiled graph cannot call. Fix: compile=eager, or zero=2 with compile=inductor",
+                field="compile",
+                value=self.compile,
+            )
+        if self.schedule == "zb-h1" and self.pp > 1:
+            raise PlanError(
+                "plan compile=inductor with schedule=zb-h1: the zero-bubble schedule runs each "
+                "backward in two actions, B (input gradients) and later W (weight gradients), and "
+                "a compiled backward computes both at once. Fix: compile=eager, or schedule=1f1b "
+                "with compile=inductor",
+                field="compile",
+                value=self.compile,
+            )
     def _check_pipeline(self) -> None:
         interleaved = self.schedule == "interleaved"
         if interleaved != (self.virtual_stages > 1):

@@ -32,10 +32,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")  # FSDP2's reduce_dtype, under bf16-mixed
 CHECKPOINTS: tuple[str, ...] = ("none", "full", "selective")  # activation checkpointing
 RNG_MODES: tuple[str, ...] = ("fast", "exact")  # how ranks draw dropout's randomness
+COMPILE_MODES: tuple[str, ...] = ("eager", "inductor")  # how each rank's module runs
 # When ZeRO-2/3 reduce-scatter gradients with several microbatches (`fxpar.plan.zero_reduction`).
 ZERO_REDUCES: tuple[str, ...] = ("auto", "microbatch", "step")
 BOOLEAN_FIELDS = ("sequence_parallel", "reshard_after_forward")
-CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce")
+CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce", "compile")
 
 # field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
 FIELDS: dict[str, tuple[str, str, str]] = {
@@ -112,6 +113,13 @@ FIELDS: dict[str, tuple[str, str, str]] = {
         + " (fast: consistent masks per rank; exact: the masks one device would draw)",
         "rng=exact",
     ),
+    "compile": (
+        "compile",
+        "one of " + ", ".join(repr(m) for m in COMPILE_MODES)
+        + " (eager: each rank's graph op by op, the exact reference; inductor: its forward and "
+        "backward compiled by torch.compile's Inductor)",
+        "compile=eager",
+    ),
 }
 # Keys the text form and mappings accept -> field: the short keys and the field names.
 FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items()} | {
@@ -119,7 +127,7 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
 }
 SUPPORTED_KEYS = (
     "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
-    "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng"
+    "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng, compile"
 )
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.

@@ -35,6 +35,7 @@ from fxpar.ops.distributed import lower_for_eager
 from fxpar.ops.random_streams import RandomStream
 from fxpar.runtime.checkpoint.whole_state import graph_parameters
 from fxpar.runtime.communicator import Communicator
+from fxpar.runtime.compiled_forward import compiled_forwards
 from fxpar.runtime.flat_reads import reading_flat
 from fxpar.runtime.process_groups import RankGroup
 from fxpar.runtime.state.gradient_buckets import GradientBuckets
@@ -87,11 +88,12 @@ def parameters_of(modules: Iterable[torch.nn.Module]) -> list[tuple[str, torch.n
 
 
 def place_state(
-    modules: Sequence[torch.fx.GraphModule], device: torch.device, *, loss: StepLoss
+    modules: Sequence[torch.fx.GraphModule], device: torch.device, *, loss: StepLoss, eager: bool = True
 ) -> list[torch.Tensor]:
     """Move the rank's parameters and buffers to `device` and return them; put the tensors the
     graphs create there too, and lower the distributed ops for eager runs (of the loss's
-    count module as well, where the loss is a sum over valid targets)."""
+    count module as well, where the loss is a sum over valid targets); a compiled module keeps
+    the registered ops, which Inductor sees (`runtime.compiled_forward`)."""
     state = [t for m in modules for t in (*m.parameters(), *m.buffers())]
     if any(t.is_meta for t in state):
         raise BindError(
@@ -105,7 +107,8 @@ def place_state(
                 tensor.data = tensor.data.to(device)
     for module in (*modules, *filter(None, [loss.reduction.count_module])):
         place_graph_constants(module, device)
-        lower_for_eager(module)
+        if eager or module not in modules:
+            lower_for_eager(module)
     return state
 
 
@@ -179,11 +182,14 @@ def step_context(
     mine = dict(parameters_of(modules))
     gatherers = _parameter_gatherers(program, modules, dp=dp, communicator=communicator)
     arrival = CountArrival()  # the graphs wait for the step's count where they read it
-    for module in modules:
+    compiled = program.plan.compile == "inductor"
+    for module in modules if not compiled else ():  # a compiled forward settles it first
         await_count(module, arrival)
-    forwards = tuple(reading_flat(recomputing(m, meter)) for m in modules)
+    forwards = tuple(reading_flat(recomputing(m, None if compiled else meter)) for m in modules)
     for forward, gatherer in zip(forwards, gatherers):  # ZeRO-3: regions take gathered weights as recipes
         read_gathered_through(forward, gatherer)
+    if compiled:
+        forwards = compiled_forwards(forwards, arrival)
     context = StepContext(
         rank=rank, device=device, step_program=step_program,
         guard=StepGuard(step_program), modules=tuple(modules),

@@ -184,7 +184,7 @@ class Runner(WholeState):
     def _place_state(self, seed: int | None = None) -> None:
         """Move this rank's state to its device, make every replica and tied copy identical,
         and agree on the job's random seed (`runtime.random_seed`)."""
-        state = place_state(self.modules, self.device, loss=self.loss)
+        state = place_state(self.modules, self.device, loss=self.loss, eager=self.program.plan.compile == "eager")
         # Bound again at every step: another program bound in this process (a benchmark's
         # second runner) must not leave this one's ops counted by its communicator.
         self._axes = {axis.value: AxisOnGroup(group, self.communicator) for axis, group in self.groups.items()}

@@ -85,6 +85,10 @@ def verify(
     if dist.is_initialized():
         raise VerifyError("fxpar.verify starts its own ranks, and this process is already in a process "
                           "group (a torchrun worker?). Fix: call it from one plain process")
+    if program.plan.compile != "eager":
+        raise VerifyError(f"fxpar.verify records every node's value as the rank's graph runs op by op, and "
+                          f"plan '{program.plan}' compiles the graph, whose fused kernels keep no such values. "
+                          "Fix: verify the plan with compile=eager (the same graph and collectives)")
     if any(p.is_meta for p in program.captured.parameters.values()):
         raise VerifyError("fxpar.verify runs the model, and its parameters are on the meta device. "
                           "Fix: build it on the CPU with real (random) weights")

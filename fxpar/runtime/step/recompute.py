@@ -43,7 +43,7 @@ from fxpar.runtime.step.saved_tensors import SavedTensorMeter
 class RecomputedRegion(torch.nn.Module):
     """One run of marked nodes, as a stateless GraphModule called through checkpoint."""
 
-    def __init__(self, region: fx.GraphModule, meter: SavedTensorMeter):
+    def __init__(self, region: fx.GraphModule, meter: SavedTensorMeter | None):
         super().__init__()
         self.region = region
         self.meter = meter
@@ -55,7 +55,8 @@ class RecomputedRegion(torch.nn.Module):
         else:
             inputs = tuple(map(self.gatherer.region_input, inputs))
             outputs = checkpoint(self._run_on_gathered, *inputs, use_reentrant=False)
-        self.meter.hold_inputs(inputs, outputs)  # what the checkpoint keeps for its backward
+        if self.meter is not None:  # (compiled: the compiled graph's own saves are what is held)
+            self.meter.hold_inputs(inputs, outputs)  # what the checkpoint keeps for its backward
         return outputs
 
     def _run_on_gathered(self, *inputs):
@@ -70,8 +71,9 @@ def read_gathered_through(forward: torch.nn.Module, gatherer: ParameterGatherer)
             region.gatherer = gatherer
 
 
-def recomputing(module: fx.GraphModule, meter: SavedTensorMeter) -> fx.GraphModule:
-    """What to call in `module`'s place (module doc)."""
+def recomputing(module: fx.GraphModule, meter: SavedTensorMeter | None) -> fx.GraphModule:
+    """What to call in `module`'s place (module doc); without a `meter` (a module Inductor
+    compiles, `runtime.compiled_forward`) the regions report nothing to one."""
     runs = segments(module.graph.nodes, meta.recompute_region)
     if not runs:
         return module

@@ -1,0 +1,59 @@
+"""`runtime.compiled_forward` in one process: what Inductor cannot compile is a PlanError that
+names the node and its module path, with compile=eager as the fix; the plan refuses what
+compiled mode does not cover; verify refuses a compiled plan (it records eager values)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+
+import fxpar
+from fxpar.errors import PlanError, VerifyError
+from fxpar.plan.plan import Plan
+from fxpar.runtime.compiled_forward import CompiledForward
+from fxpar.runtime.step.valid_targets import CountArrival
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def _storage_address(x: torch.Tensor) -> torch.Tensor:
+    """Python Dynamo cannot trace (what a recomputed region's meter once called)."""
+    return x + x.untyped_storage().data_ptr() % 2
+
+
+def test_a_graph_inductor_cannot_compile_names_the_node_and_module():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    odd = graph.call_function(_storage_address, (doubled,))
+    odd.meta["nn_module_stack"] = {"h.1.mlp": ("h.1.mlp", torch.nn.Module)}
+    graph.output(odd)
+    forward = fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.raises(PlanError) as caught:
+        CompiledForward(forward, arrival=CountArrival(), name="module 0")(torch.ones(3))
+    message = str(caught.value)
+    assert re.search(r"module 0 at node '_storage_address' .* in module 'h\.1\.mlp': .*data_ptr", message), message
+    assert message.endswith("Fix: compile=eager, which runs the same graph op by op")
+    assert (caught.value.field, caught.value.value) == ("compile", "inductor")
+
+
+@pytest.mark.parametrize(("text", "refused"), [
+    ("dp=2 zero=3 compile=inductor", "zero=3"),
+    ("pp=2 mb=2 schedule=zb-h1 compile=inductor", "schedule=zb-h1"),
+])
+def test_what_compiled_mode_does_not_cover_is_refused_with_a_fix(text, refused):
+    with pytest.raises(PlanError, match=rf"compile=inductor with {refused}: .* Fix: compile=eager"):
+        Plan.parse(text)
+
+
+def test_verify_refuses_a_compiled_plan():
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (4, 16))
+    with pytest.raises(VerifyError, match="Fix: verify the plan with compile=eager"):
+        fxpar.verify(model, "dp=2 compile=inductor", (tokens, tokens.clone()))
