@@ -44,6 +44,7 @@ logits, but its gradient exists only once later layers have freed their saved te
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import sympy
@@ -247,7 +248,7 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
         saved.append((tensor, interpreter.running))
         return tensor
 
-    with fake_mode:
+    with fake_mode, _dispatch_cache(fake_mode):
         state = {
             name: torch.empty_strided(value.shape, value.stride(), dtype=dtype or value.dtype, device=device)
             .requires_grad_(grad)
@@ -269,6 +270,20 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
         seen.add(storage._cdata)
         by_node[node] = by_node.get(node, sympy.Integer(0)) + captured.readable(storage.nbytes())
     return by_node
+
+
+@contextlib.contextmanager
+def _dispatch_cache(fake_mode):
+    """Fake tensors' dispatch cache on for the fake forward (capture turns it off for export,
+    where it costs more than it saves). A transformer's layers repeat the same ops on the same
+    symbolic shapes, so every layer after the first hits it: a 48-layer GPT-3's forward takes
+    2.8 s instead of 6.0. Cached outputs get storages of their own, as uncached ones do (views
+    bypass the cache), so the storages counted are the same."""
+    enabled, fake_mode.cache_enabled = fake_mode.cache_enabled, True
+    try:
+        yield
+    finally:
+        fake_mode.cache_enabled = enabled
 
 
 def backward_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:
