@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fxpar
 from harness import (
     GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, first_mismatch, format_table,
-    global_batches, mean_over_ranks, mismatch_message, module_step, progress_line, run_interleaved,
+    global_batches, mean_over_ranks, mismatch_message, module_step, run_interleaved, run_models,
     runner_step, side_by_side_arguments, timing_cell, write_json,
 )
 
@@ -70,12 +70,8 @@ def ddp_bucket_bytes(ddp: DistributedDataParallel) -> list[int]:
 
 
 def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
-    """Train one model size under both sides; the result row and this model's runner.
-
-    The first bind creates the process group and later binds reuse it, so the runners of
-    earlier sizes are left open (their hooks sit on models nobody trains any more) and only
-    the last one is closed, as in tests/workers/dp_worker.py.
-    """
+    """Train one model size under both sides; the result row and this model's runner (left
+    open: `harness.run_models` closes the last)."""
     config = MODELS[name]
     torch.manual_seed(args.seed)
     model = GPT(config)
@@ -124,17 +120,7 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1)  # 2 ranks on 2 cores: one compute thread each
-    results, runner = [], None
-    for name in args.models:
-        result, runner = bench_model(name, args)
-        results.append(result)
-        if runner.is_main:
-            print(progress_line(name, result, "ddp"), flush=True)
-    is_main = runner.is_main
-    runner.close()  # destroys the process group (the earlier runners share it)
-    if is_main:
-        report(results, args)
-    return 0 if all(r["losses_match"] for r in results) else 1
+    return run_models(args.models, bench_model, args, native="ddp", report=report)
 
 
 def report(results: list[dict], args: argparse.Namespace) -> None:

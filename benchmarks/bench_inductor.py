@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fxpar
 from harness import (
     GLOBAL_BATCH, GPT_SIZES, OPTIMIZER, SEQ, Side, comparison, first_mismatch, format_table,
-    global_batches, mean_over_ranks, mismatch_message, module_step, progress_line, run_interleaved,
+    global_batches, mean_over_ranks, mismatch_message, module_step, run_interleaved, run_models,
     runner_step, side_by_side_arguments, timing_cell, write_json,
 )
 
@@ -123,17 +123,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    results, runner = [], None
-    for name in args.models:
-        result, runner = bench_model(name, args)
-        results.append(result)
-        if runner.is_main:
-            print(progress_line(name, result, "torch"), flush=True)
-    is_main = runner.is_main
-    runner.close()
-    if is_main:
-        report(results, args)
-    return 0 if all(r["losses_match"] for r in results) else 1
+    return run_models(args.models, bench_model, args, native="torch", report=report)
 
 
 if __name__ == "__main__":

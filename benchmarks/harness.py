@@ -239,6 +239,26 @@ def run_interleaved(
     }
 
 
+def run_models(models: Sequence[str], bench_model: Callable, args, *, native: str,
+               report: Callable) -> int:
+    """`bench_model(name, args) -> (result, runner)` for each model in turn, a progress line
+    each, then `report(results, args)` on rank 0; exit status 1 if any side's losses differed.
+    The first bind creates the process group and later binds reuse it, so the runners of
+    earlier models stay open (their hooks sit on models nobody trains any more) and only the
+    last is closed, which destroys the group."""
+    results, runner = [], None
+    for name in models:
+        result, runner = bench_model(name, args)
+        results.append(result)
+        if runner.is_main:
+            print(progress_line(name, result, native), flush=True)
+    is_main = runner.is_main
+    runner.close()
+    if is_main:
+        report(results, args)
+    return 0 if all(r["losses_match"] for r in results) else 1
+
+
 def paired_ratio(a: Timing, b: Timing) -> float:
     """Median over k of b's k-th timed step divided by a's k-th: steps k of the two sides run
     in adjacent blocks, so slow spells of the machine mostly cancel in each quotient."""
