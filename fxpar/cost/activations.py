@@ -54,9 +54,11 @@ from torch._C import DispatchKey
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
+from fxpar.cost.compiled_activations import compiled_saved_bytes
 from fxpar.cost.memo import memoised
 from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
+from fxpar.ir.axes import PlannedAxis
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.recompute_regions import block_lists, region_labels, segment_outputs, segments
 from fxpar.ops.distributed import shares_storage_at_run_time
@@ -157,10 +159,20 @@ def saved_in_flight(schedule) -> tuple[int, ...]:
 
 def rank_activation_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     """Bytes `rank` saves for one forward of each module it runs over the example's global
-    batch, summed (`module_activation_bytes`; memoised with the program's graph)."""
+    batch, summed (`module_activation_bytes`; under `compile=inductor` what the compiled
+    forwards keep, `cost.compiled_activations`; memoised with the program's graph)."""
     captured, given = program.captured, set(program.input_names)
+    if program.plan.compile == "inductor":
+        coord, sizes = program.mesh.coord(rank), program.mesh.sizes
+        axes = {axis: PlannedAxis(size, coord[axis]) for axis, size in sizes.items()}
+
+        def saved(m: fx.GraphModule) -> sympy.Expr:
+            return compiled_saved_bytes(m, captured, given, axes)
+    else:
+        def saved(m: fx.GraphModule) -> sympy.Expr:
+            return module_activation_bytes(m, captured, given)
     return memoised(program.graph_module, f"rank_activations.{rank}", lambda: sympy.expand(sum(
-        (module_activation_bytes(m, captured, given) for m in program.stage_modules(rank)), sympy.Integer(0))))
+        (saved(m) for m in program.stage_modules(rank)), sympy.Integer(0))))
 
 
 def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, str]:

@@ -18,7 +18,9 @@ bind anything with these methods (tp ranks as threads of one process, for instan
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -72,3 +74,29 @@ def bound(axis: str) -> AxisBinding:
             "process. Fix: run it through `program.bind()` inside torchrun (or bind the axes "
             "with fxpar.ir.axes.bind_axes for a test)"
         ) from None
+
+
+@dataclass(frozen=True)
+class PlannedAxis:
+    """An axis as a rank will see it, for tracing its graph before any run: size and index
+    only (an op's backward formula may read the index while AOTAutograd traces it, as the
+    vocabulary-parallel embedding's does); moving data through it is an error."""
+
+    size: int
+    index: int
+
+    def all_reduce(self, *tensors, tag: str, **options):
+        raise RuntimeError(f"a planned axis moves no data ({tag}): the graph was run, not traced")
+
+    all_gather = reduce_scatter = all_reduce
+
+
+@contextmanager
+def planned_axes(bindings: Mapping[str, PlannedAxis]) -> Iterator[None]:
+    """`bindings` bound for the block, the process's own bindings (a live runner's) back after."""
+    earlier = dict(_bindings)
+    bind_axes(bindings)
+    try:
+        yield
+    finally:
+        bind_axes(earlier)
