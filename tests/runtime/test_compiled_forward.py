@@ -1,16 +1,20 @@
-"""`runtime.compiled_forward` in one process: what Inductor cannot compile is a PlanError that
-names the node and its module path, with compile=eager as the fix; the plan refuses what
-compiled mode does not cover; verify refuses a compiled plan (it records eager values)."""
+"""`runtime.compiled_forward` in one process: a second runner of the same program compiles
+from Inductor's on-disk caches, as a restarted job does; what Inductor cannot compile is a
+PlanError that names the node and its module path, with compile=eager as the fix; the plan
+refuses what compiled mode does not cover; verify refuses a compiled plan (it records eager
+values)."""
 
 from __future__ import annotations
 
 import re
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 
 import fxpar
 from fxpar.errors import PlanError, VerifyError
@@ -20,6 +24,37 @@ from fxpar.runtime.step.valid_targets import CountArrival
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
+
+
+@pytest.fixture
+def torchrun_world_of_one(monkeypatch):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_restarted_job_compiles_from_inductors_caches(torchrun_world_of_one, monkeypatch, tmp_path):
+    """The second runner starts with Dynamo's in-memory state reset, as a new process does, and
+    finds every graph in the (fresh, per-test) cache folder the first one filled: the compiled
+    forward and backward (Inductor's FX graph cache) and their partition (AOTAutograd's)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (4, 16))
+    hits = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        runner = fxpar.compile(model, "dp=1 compile=inductor", (tokens, tokens.clone())).bind(timeout=30)
+        try:
+            runner.step(tokens, tokens.clone())
+        finally:
+            runner.close()
+        hits.append((counters["inductor"]["fxgraph_cache_hit"], counters["aot_autograd"]["autograd_cache_hit"]))
+    assert hits == [(0, 0), (2, 1)]  # forward and backward graphs; one partition
 
 
 def _storage_address(x: torch.Tensor) -> torch.Tensor:
