@@ -21,7 +21,8 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
 follows: every later pass, and the ops it inserts, sees the dtypes a rank computes in. Tensor
 parallelism runs next: it decides which parameters are split, and gradient buckets are sized
 by the shards each rank really holds. Placements on the dp axis follow, over the ops tensor
-parallelism inserted too. Random ops are given their streams once both axes are placed (a
+parallelism inserted too. A chunked loss replaces the whole-vocabulary cross entropies the
+tensor-parallel rewrite left (`passes.chunked_loss`), taking the loss's placements. Random ops are given their streams once both axes are placed (a
 draw's slice is read from its placements) and before the cut, so that they are numbered in
 the whole graph's order (`passes.random_draws`). The pipeline cut comes after: stages hold tensor-parallel shards,
 and each stage's buckets hold only that stage's parameters, so buckets are a stage pass; a
@@ -47,6 +48,7 @@ from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import Placements, Shard, local_shape
 from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
 from fxpar.passes.activation_checkpoint import mark_recomputation
+from fxpar.passes.chunked_loss import chunk_cross_entropy
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
@@ -93,6 +95,8 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
             gathered_outputs=placements.gathered_outputs,
         ))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
+    if plan.loss == "chunked":
+        graph.append(chunk_cross_entropy)
     if draws_randomness(captured.graph_module):
         graph.append(partial(draw_from_streams, exact=plan.rng == "exact", dp=plan.dp, tp=plan.tp,
                              microbatches=plan.microbatches))

@@ -36,6 +36,7 @@ import torch.fx as fx
 from fxpar.ir import meta
 from fxpar.ops.deferred_linear import stands_for
 from fxpar.ops.distributed import distributed_op
+import fxpar.ops.chunked_loss  # noqa: F401  (registers torch.ops.fxpar.chunked_cross_entropy)
 import fxpar.ops.random_ops
 import fxpar.ops.vocab_parallel  # noqa: F401  (the torch.ops.fxpar lookups priced below)
 
@@ -113,12 +114,14 @@ _PER_ELEMENT: dict[object, int] = {
     aten.rms_norm: 4,  # square, mean, normalise, scale
     aten.softmax: 5, aten._softmax: 5, aten.log_softmax: 5, aten._log_softmax: 5,
     aten.cross_entropy_loss: 6,  # log-softmax and the target pick, per logit
+    torch.ops.fxpar.chunked_cross_entropy: 6,  # the same, a block of rows at a time
     aten.nll_loss: 1, aten.mse_loss: 3,  # difference, square, mean
     aten.abs: 1, aten.log: 1, aten.erf: 1, aten.square: 1, aten.addcmul: 2,
     aten.linalg_vector_norm: 2,
 }
 _REDUCING = {
     aten.sum, aten.mean, aten.amax, aten.var_mean, aten.cross_entropy_loss, aten.nll_loss,
+    torch.ops.fxpar.chunked_cross_entropy,
     aten.mse_loss, aten.linalg_vector_norm,
 }
 

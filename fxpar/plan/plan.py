@@ -49,6 +49,7 @@ from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     LOOKS_LIKE_PATH,
     CHECKPOINTS,
     COMPILE_MODES,
+    LOSSES,
     PRECISIONS,
     REDUCE_DTYPES,
     RNG_MODES,
@@ -124,6 +125,9 @@ class Plan:
     # How each rank's module runs: "eager" op by op (the exact reference), "inductor" compiled,
     # forward and backward, by torch.compile (`fxpar.runtime.compiled_forward`).
     compile: str = "eager"
+    # The cross entropy over the vocabulary: "full" as the model wrote it, "chunked" a block of
+    # rows at a time, never an [N, V] fp32 tensor (`fxpar.passes.chunked_loss`).
+    loss: str = "full"
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
@@ -167,6 +171,7 @@ class Plan:
             ("checkpoint", CHECKPOINTS),
             ("rng", RNG_MODES),
             ("compile", COMPILE_MODES),
+            ("loss", LOSSES),
             ("zero_reduce", ZERO_REDUCES),
         ):
             if getattr(self, name) not in accepted:

@@ -33,10 +33,11 @@ REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16")  # FSDP2's reduce_dtype, under
 CHECKPOINTS: tuple[str, ...] = ("none", "full", "selective")  # activation checkpointing
 RNG_MODES: tuple[str, ...] = ("fast", "exact")  # how ranks draw dropout's randomness
 COMPILE_MODES: tuple[str, ...] = ("eager", "inductor")  # how each rank's module runs
+LOSSES: tuple[str, ...] = ("full", "chunked")  # the cross entropy over the vocabulary at once or in blocks
 # When ZeRO-2/3 reduce-scatter gradients with several microbatches (`fxpar.plan.zero_reduction`).
 ZERO_REDUCES: tuple[str, ...] = ("auto", "microbatch", "step")
 BOOLEAN_FIELDS = ("sequence_parallel", "reshard_after_forward")
-CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce", "compile")
+CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce", "compile", "loss")
 
 # field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
 FIELDS: dict[str, tuple[str, str, str]] = {
@@ -120,6 +121,13 @@ FIELDS: dict[str, tuple[str, str, str]] = {
         "backward compiled by torch.compile's Inductor)",
         "compile=eager",
     ),
+    "loss": (
+        "loss",
+        "one of " + ", ".join(repr(m) for m in LOSSES)
+        + " (full: the cross entropy over all logits at once; chunked: a block of rows at a "
+        "time, never an [N, V] fp32 tensor)",
+        "loss=chunked",
+    ),
 }
 # Keys the text form and mappings accept -> field: the short keys and the field names.
 FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items()} | {
@@ -127,7 +135,7 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
 }
 SUPPORTED_KEYS = (
     "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
-    "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng, compile"
+    "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng, compile, loss"
 )
 
 # The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
