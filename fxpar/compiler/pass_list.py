@@ -47,6 +47,7 @@ from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import Placements, Shard, local_shape
 from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
+from fxpar.ops.chunked_loss import ROWS
 from fxpar.passes.activation_checkpoint import mark_recomputation
 from fxpar.passes.chunked_loss import chunk_cross_entropy
 from fxpar.passes.data_parallel import assign_gradient_buckets
@@ -92,7 +93,7 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         graph.append(partial(
             shard_tensor_parallel, placements=placements, tp=plan.tp,
             sequence_parallel=plan.sequence_parallel, seq=frozenset(captured.export_symbols("seq")),
-            gathered_outputs=placements.gathered_outputs,
+            gathered_outputs=placements.gathered_outputs, loss_rows=ROWS if plan.loss == "chunked" else None,
         ))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
     if plan.loss == "chunked":

@@ -115,13 +115,15 @@ _PER_ELEMENT: dict[object, int] = {
     aten.softmax: 5, aten._softmax: 5, aten.log_softmax: 5, aten._log_softmax: 5,
     aten.cross_entropy_loss: 6,  # log-softmax and the target pick, per logit
     torch.ops.fxpar.chunked_cross_entropy: 6,  # the same, a block of rows at a time
+    torch.ops.fxpar.chunked_row_max: 1,  # a vocabulary-parallel loss's maximum per row
+    torch.ops.fxpar.chunked_vocab_stats: 4,  # its shift, exponential, sum and target pick
     aten.nll_loss: 1, aten.mse_loss: 3,  # difference, square, mean
     aten.abs: 1, aten.log: 1, aten.erf: 1, aten.square: 1, aten.addcmul: 2,
     aten.linalg_vector_norm: 2,
 }
 _REDUCING = {
     aten.sum, aten.mean, aten.amax, aten.var_mean, aten.cross_entropy_loss, aten.nll_loss,
-    torch.ops.fxpar.chunked_cross_entropy,
+    torch.ops.fxpar.chunked_cross_entropy, torch.ops.fxpar.chunked_row_max, torch.ops.fxpar.chunked_vocab_stats,
     aten.mse_loss, aten.linalg_vector_norm,
 }
 

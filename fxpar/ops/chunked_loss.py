@@ -95,3 +95,82 @@ def _backward(ctx, grad_loss, grad_lse):
 
 
 chunked_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the vocabulary-parallel loss's two reductions, a block of rows at a time -------------------
+#
+# Under tensor parallelism a sharded head gives each rank the logits of its V/t words, and the
+# loss is completed by two all-reduces over [N] vectors (`passes.tensor_parallel.vocab_loss`):
+# each row's maximum, then each row's (target logit, sum of exponentials), both shifted by the
+# global maximum. These two ops compute a rank's share of each reduction block by block, so no
+# [N, V/t] fp32 tensor (the widened logits, the shifted ones, their exponentials) ever exists;
+# the all-reduces stay graph ops between them, where lowering, the guard and the cost model see
+# them.
+
+
+@torch.library.custom_op("fxpar::chunked_row_max", mutates_args=(), schema="(Tensor logits, int rows) -> Tensor")
+def chunked_row_max(logits, rows):
+    """Each row's largest logit, in fp32 (no gradient: the shift it makes cancels in the loss)."""
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for start, end in _blocks(logits.shape[0], rows):
+        out[start:end] = logits[start:end].float().amax(dim=1)
+    return out
+
+
+@chunked_row_max.register_fake
+def _(logits, rows):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("fxpar::chunked_vocab_stats", mutates_args=(),
+                         schema="(Tensor logits, Tensor local_target, Tensor outside, Tensor shift, int rows) "
+                                "-> Tensor")
+def chunked_vocab_stats(logits, local_target, outside, shift, rows):
+    """[2, N] fp32: each row's target logit minus `shift` (0 where this rank does not hold the
+    target), and the sum over this rank's words of exp(logit - shift)."""
+    out = torch.empty(2, logits.shape[0], dtype=torch.float32, device=logits.device)
+    for start, end in _blocks(logits.shape[0], rows):
+        x = logits[start:end].float() - shift[start:end, None]
+        picked = x.gather(1, local_target[start:end, None])[:, 0]
+        out[0, start:end] = picked.masked_fill(outside[start:end], 0.0)
+        out[1, start:end] = torch.exp(x).sum(dim=1)
+    return out
+
+
+@chunked_vocab_stats.register_fake
+def _(logits, local_target, outside, shift, rows):
+    return logits.new_empty((2, logits.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("fxpar::chunked_vocab_stats_backward", mutates_args=(),
+                         schema="(Tensor grad, Tensor logits, Tensor local_target, Tensor outside, Tensor shift, "
+                                "int rows) -> Tensor")
+def chunked_vocab_stats_backward(grad, logits, local_target, outside, shift, rows):
+    """d / d logits of `chunked_vocab_stats` against `grad` [2, N], block by block."""
+    out = torch.empty_like(logits)
+    picked_grad = grad[0].float().masked_fill(outside, 0.0)
+    for start, end in _blocks(logits.shape[0], rows):
+        block = torch.exp(logits[start:end].float() - shift[start:end, None]) * grad[1, start:end, None].float()
+        block.scatter_add_(1, local_target[start:end, None], picked_grad[start:end, None])
+        out[start:end] = block
+    return out
+
+
+@chunked_vocab_stats_backward.register_fake
+def _(grad, logits, local_target, outside, shift, rows):
+    return torch.empty_like(logits)
+
+
+def _setup_stats(ctx, inputs, output):
+    logits, local_target, outside, shift, rows = inputs
+    ctx.save_for_backward(logits, local_target, outside, shift)
+    ctx.rows = rows
+
+
+def _backward_stats(ctx, grad):
+    logits, local_target, outside, shift = ctx.saved_tensors
+    grad_logits = torch.ops.fxpar.chunked_vocab_stats_backward(grad, logits, local_target, outside, shift, ctx.rows)
+    return grad_logits, None, None, None, None
+
+
+chunked_vocab_stats.register_autograd(_backward_stats, setup_context=_setup_stats)

@@ -13,8 +13,8 @@ and widens one block at a time, so the copy goes too:
 The loss is one device's up to the order of fp32 sums. The new nodes take the old loss's
 metadata (its placements: a replicated scalar), so later passes and lowering read them as
 they read the loss. Runs after tensor parallelism, whose vocabulary-parallel rewrite takes
-every loss over sharded logits (`passes.tensor_parallel.vocab_loss`); a chunked loss there is
-not built yet, and the plan is refused rather than left unchunked.
+every loss over sharded logits and, under loss=chunked, chunks it itself
+(`passes.tensor_parallel.vocab_loss`).
 
 Requires: a graph after `shard_tensor_parallel` (or without tp).
 Ensures: no `aten.cross_entropy_loss` without class weights and label smoothing is left.
@@ -27,7 +27,6 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxpar.errors import PlanError
 from fxpar.ops import chunked_loss
 from fxpar.passes.contracts import broken, ensures
 
@@ -57,22 +56,12 @@ def no_whole_vocabulary_loss(gm: fx.GraphModule) -> None:
 @ensures(no_whole_vocabulary_loss)
 def chunk_cross_entropy(gm: fx.GraphModule, *, rows: int = chunked_loss.ROWS) -> fx.GraphModule:
     """Rewrite each cross entropy over whole-vocabulary logits as the module doc says."""
-    if any(n.op == "call_function" and n.target is torch.ops.fxpar.localize_indices.default
-           for n in gm.graph.nodes):
-        raise PlanError(
-            "plan loss=chunked: tensor parallelism made this model's loss vocabulary-parallel "
-            "(its head is sharded over the vocabulary), and a chunked vocabulary-parallel loss is "
-            "not built yet. Fix: loss=full, or tp_rules that keep the output projection "
-            "replicated",
-            field="loss",
-            value="chunked",
-        )
     for node in list(gm.graph.nodes):
         if not _chunkable(node):
             continue
         options = _options(node)
         logits, target = node.args[:2]
-        widened = logits if _widens_only(logits) else None
+        widened = logits if widens_only(logits) else None
         if widened is not None:  # bf16-mixed's fp32 copy: the op widens block by block
             logits = widened.args[0]
         with gm.graph.inserting_before(node):
@@ -91,8 +80,9 @@ def chunk_cross_entropy(gm: fx.GraphModule, *, rows: int = chunked_loss.ROWS) ->
     return gm
 
 
-def _widens_only(node: fx.Node) -> bool:
-    """`node` is an fp32 copy of a lower-precision tensor and nothing else reads it."""
+def widens_only(node: fx.Node) -> bool:
+    """`node` is an fp32 copy of a lower-precision tensor and nothing else reads it (what
+    bf16-mixed puts before a loss, which a chunked loss widens a block at a time instead)."""
     if not (node.op == "call_function" and node.target is aten._to_copy.default and len(node.users) == 1):
         return False
     source = node.args[0]

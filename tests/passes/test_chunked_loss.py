@@ -1,6 +1,7 @@
 """`loss=chunked` (`ops.chunked_loss`, `passes.chunked_loss`): the cross entropy a block of rows
 at a time equals the whole one, the pass leaves no whole-vocabulary loss (and no fp32 copy of
-bf16 logits), the estimate counts what the op keeps, and a vocabulary-parallel loss is refused.
+bf16 logits), the estimate counts what the op keeps; a vocabulary-parallel loss is chunked by
+the tensor-parallel rewrite, its two reductions equal to the written-out ones.
 
 Tolerance: fp32 relative 1e-6 on the loss and the gradient. Each row's log-sum-exp and target
 pick are the whole loss's; only the order of the fp32 sum over rows differs (blocks' partial
@@ -17,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.errors import PlanError
 import fxpar.ops.chunked_loss  # noqa: F401  (registers the op)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
@@ -60,7 +60,32 @@ def test_the_pass_chunks_the_loss_and_drops_bf16_mixeds_fp32_copy_of_the_logits(
             == (4 * logits + 4) - (2 * logits + 4 * rows))
 
 
-def test_a_vocabulary_parallel_loss_is_refused_with_a_fix():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vocabulary_parallel_reductions_in_blocks_equal_the_written_out_ones(dtype):
+    """A rank's share of the vocabulary-parallel loss (`passes.tensor_parallel.vocab_loss`):
+    each row's maximum, then its shifted target logit and sum of exponentials, and their
+    gradient, equal the ops the unchunked rewrite writes out (the same fp32 ops per row)."""
+    torch.manual_seed(0)
+    logits = torch.randn(37, 20, dtype=dtype, requires_grad=True)
+    local_target, outside = torch.randint(0, 20, (37,)), torch.rand(37) < 0.5
+    shift = torch.ops.fxpar.chunked_row_max(logits.detach(), 8)
+    assert torch.equal(shift, logits.detach().float().amax(1))
+    stats = torch.ops.fxpar.chunked_vocab_stats(logits, local_target, outside, shift, 8)
+    shifted = logits.float() - shift[:, None]
+    expected = torch.stack([shifted.gather(1, local_target[:, None])[:, 0].masked_fill(outside, 0),
+                            shifted.exp().sum(1)])
+    assert torch.allclose(stats, expected, rtol=1e-6, atol=0)
+    weights = torch.randn(2, 37)
+    (grad,), (want,) = (torch.autograd.grad((s * weights).sum(), logits) for s in (stats, expected))
+    assert grad.dtype == dtype and (grad.float() - want.float()).norm() <= 1e-6 * want.float().norm()
+
+
+def test_a_vocabulary_parallel_loss_is_chunked_by_the_tensor_parallel_rewrite():
     tokens, labels = global_batches()[0]
-    with pytest.raises(PlanError, match=r"loss=chunked: .*vocabulary-parallel.* Fix: loss=full"):
-        fxpar.compile(build_model("gpt"), "tp=2 loss=chunked", (tokens, labels))
+    full, chunked = ([str(n.target) for n in fxpar.compile(build_model("gpt"), plan, (tokens, labels))
+                      .stage_modules(0)[0].graph.nodes]
+                     for plan in ("tp=2 precision=bf16-mixed", "tp=2 loss=chunked precision=bf16-mixed"))
+    assert "fxpar.chunked_vocab_stats.default" in chunked and "fxpar.chunked_row_max.default" in chunked
+    assert "aten.exp.default" in full and "aten.exp.default" not in chunked  # (the GPT's only exp)
+    # bf16-mixed's fp32 copy of the logits is gone
+    assert chunked.count("aten._to_copy.default") == full.count("aten._to_copy.default") - 1

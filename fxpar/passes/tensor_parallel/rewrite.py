@@ -81,14 +81,16 @@ def shard_tensor_parallel(
     sequence_parallel: bool = False,
     seq: frozenset = frozenset(),
     gathered_outputs: frozenset[str] = frozenset(),
+    loss_rows: int | None = None,
 ) -> fx.GraphModule:
     """Rewrite `gm` so that it computes one tensor-parallel rank's share (see module doc).
 
     `gathered_outputs` names the modules whose sharded projections and lookups give their
-    output whole (style colwise_gather_output), as `rules.parameter_placements` records.
+    output whole (style colwise_gather_output), as `rules.parameter_placements` records;
+    `loss_rows` (plan loss=chunked) has a vocabulary-parallel loss reduce that many rows at a time.
     """
     graph = gm.graph
-    walk = _Walk(graph, Context({}, tp, sequence_parallel, seq), gathered_outputs)
+    walk = _Walk(graph, Context({}, tp, sequence_parallel, seq), gathered_outputs, loss_rows)
     for node in list(graph.nodes):
         if node.op == "get_attr" and (name := meta.parameter_name(node)) is not None:
             walk.set(node, placements.get(name, R))
@@ -103,8 +105,8 @@ def shard_tensor_parallel(
 
 
 class _Walk:
-    def __init__(self, graph: fx.Graph, ctx: Context, gathered: frozenset[str]):
-        self.graph, self.ctx, self.gathered = graph, ctx, gathered
+    def __init__(self, graph: fx.Graph, ctx: Context, gathered: frozenset[str], loss_rows: int | None = None):
+        self.graph, self.ctx, self.gathered, self.loss_rows = graph, ctx, gathered, loss_rows
         self.converted: dict[tuple[fx.Node, Placement, bool], fx.Node] = {}
         self.sharded_uses: dict[fx.Node, list[fx.Node]] = {}  # parameter -> sharded consumers
 
@@ -348,7 +350,8 @@ class _Walk:
         node.args, node.kwargs = (weight, indices, AXIS, options.get("padding_idx", -1)), {}
 
     def _vocab_parallel_cross_entropy(self, node: fx.Node, decision: Decision) -> None:
-        vocab_parallel_cross_entropy(self.graph, node, axis=AXIS, size=self.ctx.tp, set_placement=self.set)
+        vocab_parallel_cross_entropy(self.graph, node, axis=AXIS, size=self.ctx.tp, set_placement=self.set,
+                                     chunk_rows=self.loss_rows)
 
     REWRITES = {
         Rewrite.LOCAL_SIZES: _local_sizes,

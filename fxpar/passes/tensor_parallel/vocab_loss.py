@@ -11,6 +11,10 @@ its V/t columns, and two all-reduces over the axis complete the per-token sums:
     both = fxpar.all_reduce(stack([picked, sum(exp(shifted), [1])]), 'tp')     # one call: g
     loss = sum((log(both[1]) - both[0]).masked_fill(target == ignore_index, 0))   [/ count]
 
+Under loss=chunked the amax and the sub/gather/exp/sum/stack run as two ops that reduce a
+block of rows at a time, `fxpar.chunked_row_max` and `fxpar.chunked_vocab_stats`
+(`ops.chunked_loss`), reading bf16-mixed's bf16 logits directly: no [N, V/t] fp32 tensor.
+
 Autograd differentiates it as written: the all-reduce is Megatron's g (identity backward),
 so each rank's logits receive softmax - onehot on their own columns, exactly one device's
 gradient; the max carries none (shifting by any constant leaves the loss unchanged, hence
@@ -31,16 +35,19 @@ from torch._guards import detect_fake_mode
 from fxpar.errors import PlanError
 from fxpar.ir import meta
 from fxpar.ir.placement import REPLICATED, P, Placement, R, Shard, local_shape
+import fxpar.ops.chunked_loss  # noqa: F401  (registers the chunked ops)
+from fxpar.passes.chunked_loss import widens_only
 
 aten = torch.ops.aten
 
 
 def vocab_parallel_cross_entropy(
     graph: fx.Graph, node: fx.Node, *, axis: str, size: int,
-    set_placement: Callable[[fx.Node, Placement], None],
+    set_placement: Callable[[fx.Node, Placement], None], chunk_rows: int | None = None,
 ) -> None:
     """Rewrite `node` (aten.cross_entropy_loss on [N, V] logits, V sharded) as above; `node`
-    stays the loss, so its users need no change."""
+    stays the loss, so its users need no change. With `chunk_rows` (plan loss=chunked) the two
+    reductions run that many rows at a time (`ops.chunked_loss`), never holding [N, V/t] fp32."""
     logits, target, *rest = node.args
     options = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), rest)) | node.kwargs
     if options.get("weight") is not None or options.get("label_smoothing", 0.0) != 0.0:
@@ -60,17 +67,18 @@ def vocab_parallel_cross_entropy(
     # Each rank's local targets differ; "R" here says only that every rank holds the whole shape.
     local_target = emit(operator.getitem, localized, 0, placement=R)
     outside = emit(operator.getitem, localized, 1, placement=R)
-    local_max = emit(aten.amax.default, emit(aten.detach.default, logits, placement=Shard(1)), [1], placement=P)
-    global_max = emit(torch.ops.fxpar.all_reduce_max.default, local_max, axis, placement=R)
-    shifted = emit(aten.sub.Tensor, logits, emit(aten.unsqueeze.default, global_max, 1, placement=R),
-                   placement=Shard(1), grad=grad)
-    picked = emit(aten.gather.default, shifted, 1, emit(aten.unsqueeze.default, local_target, 1, placement=R),
-                  placement=P, grad=grad)
-    picked = emit(aten.squeeze.dim, picked, 1, placement=P, grad=grad)
-    picked = emit(aten.masked_fill.Scalar, picked, outside, 0.0, placement=P, grad=grad)
-    sum_exp = emit(aten.sum.dim_IntList, emit(aten.exp.default, shifted, placement=Shard(1), grad=grad), [1],
-                   placement=P, grad=grad)
-    both = emit(aten.stack.default, [picked, sum_exp], placement=P, grad=grad)
+    widened = None
+    if chunk_rows is None:
+        both = _local_sums(emit, logits, local_target, outside, axis, grad)
+    else:
+        widened = logits if widens_only(logits) else None
+        if widened is not None:  # bf16-mixed's fp32 copy: the chunked ops widen a block at a time
+            logits = widened.args[0]
+        local_max = emit(torch.ops.fxpar.chunked_row_max.default,
+                         emit(aten.detach.default, logits, placement=Shard(1)), chunk_rows, placement=P)
+        global_max = emit(torch.ops.fxpar.all_reduce_max.default, local_max, axis, placement=R)
+        both = emit(torch.ops.fxpar.chunked_vocab_stats.default, logits, local_target, outside, global_max,
+                    chunk_rows, placement=P, grad=grad)
     both = emit(torch.ops.fxpar.all_reduce.default, both, axis, placement=R, grad=grad)
     log_sum = emit(aten.log.default, emit(aten.select.int, both, 0, 1, placement=R, grad=grad), placement=R, grad=grad)
     per_token = emit(aten.sub.Tensor, log_sum, emit(aten.select.int, both, 0, 0, placement=R, grad=grad),
@@ -84,6 +92,24 @@ def vocab_parallel_cross_entropy(
         count = emit(aten.sum.default, emit(aten.logical_not.default, ignored, placement=R), placement=R)
         node.target, node.args = aten.div.Tensor, (total, count)
     node.kwargs = {}
+    if widened is not None:  # the fp32 copy nothing reads now
+        graph.erase_node(widened)
+
+
+def _local_sums(emit, logits, local_target, outside, axis: str, grad: bool) -> fx.Node:
+    """This rank's [target logit, sum of exponentials] per row, both shifted by the row's global
+    maximum, written out op by op (the module doc's graph)."""
+    local_max = emit(aten.amax.default, emit(aten.detach.default, logits, placement=Shard(1)), [1], placement=P)
+    global_max = emit(torch.ops.fxpar.all_reduce_max.default, local_max, axis, placement=R)
+    shifted = emit(aten.sub.Tensor, logits, emit(aten.unsqueeze.default, global_max, 1, placement=R),
+                   placement=Shard(1), grad=grad)
+    picked = emit(aten.gather.default, shifted, 1, emit(aten.unsqueeze.default, local_target, 1, placement=R),
+                  placement=P, grad=grad)
+    picked = emit(aten.squeeze.dim, picked, 1, placement=P, grad=grad)
+    picked = emit(aten.masked_fill.Scalar, picked, outside, 0.0, placement=P, grad=grad)
+    sum_exp = emit(aten.sum.dim_IntList, emit(aten.exp.default, shifted, placement=Shard(1), grad=grad), [1],
+                   placement=P, grad=grad)
+    return emit(aten.stack.default, [picked, sum_exp], placement=P, grad=grad)
 
 
 class _Emitter:
