@@ -4,6 +4,7 @@ of this process alone for runtime pieces tested in one process."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -77,3 +78,15 @@ def world_of_one():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def torchrun_world_of_one(monkeypatch):
+    """The environment torchrun gives a world of one (a free port), for `program.bind()` in
+    this process; torchrun's variables come back after the test."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)

@@ -7,7 +7,6 @@ values)."""
 from __future__ import annotations
 
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -24,16 +23,6 @@ from fxpar.runtime.step.valid_targets import CountArrival
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
-
-
-@pytest.fixture
-def torchrun_world_of_one(monkeypatch):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(name, value)
 
 
 def test_a_restarted_job_compiles_from_inductors_caches(torchrun_world_of_one, monkeypatch, tmp_path):

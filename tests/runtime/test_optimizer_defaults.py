@@ -8,7 +8,6 @@ inner optimizer is checked on a bound world of one, on the CPU, whose fused Adam
 from __future__ import annotations
 
 import copy
-import socket
 import sys
 from pathlib import Path
 
@@ -37,16 +36,6 @@ def test_cuda_fuses_adam_adamw_and_sgd_by_default(optimizer_class):
 ])
 def test_what_the_user_chose_and_other_devices_are_left_alone(optimizer_class, options, device):
     assert with_defaults(optimizer_class, options, device) == options
-
-
-@pytest.fixture
-def torchrun_world_of_one(monkeypatch):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("plan", ["dp=1", "dp=1 precision=bf16-mixed"])
