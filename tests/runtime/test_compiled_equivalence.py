@@ -1,8 +1,8 @@
 """Tier 3: `compile=inductor` trains as one device does, with the step program's collectives.
 
 Each rank's forward and backward run as Inductor's C++ kernels on this CPU
-(`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under four
-plans (three fp32, one bf16-mixed), each compiled twice (the resized first step, then the training batch), and compares
+(`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under three
+plans (dp with ZeRO-2 and tp with sp in fp32, a bf16-mixed pipeline), each compiled twice (the resized first step, then the training batch), and compares
 with eager single-device training as the eager plans' tests do (test_data_parallel_equivalence):
 
 * fp32, the same tolerances as eager plans, relative 1e-5. Inductor fuses elementwise chains
@@ -18,10 +18,12 @@ Every step's collectives are the step program's, call for call: the distributed 
 registered ops inside the compiled graph and run on the same bound axes, so `comm_stats()`
 and the step guard see what eager mode sees. Model-state bytes equal the estimate, and so do
 the activations the compiled forward keeps for backward (`cost.compiled_activations` runs
-Inductor's own partitioner on the rank's module), within 0.5%: exact for dp with ZeRO-2 and
-for tp with sp and selective checkpointing; measured once 512 bytes above (tp=2 without sp, a
-[N] fp32 tensor), where the runtime compiles the step's static shapes and the estimate traces
-symbolic ones, on which the partitioner may choose differently.
+Inductor's own partitioner on the rank's module), within 2%. Not to the byte: the runtime
+compiles the step's static shapes and the estimate traces symbolic ones, and the min-cut
+partitioner breaks ties between equally cheap cuts in an order that differs between the two
+traces (and between runs, with Inductor's caches warm or cold): measured exact, or the
+positional embedding's [seq, 32] output and its arange kept by one side and recomputed by the
+other (2,176 bytes of 151,680, 1.4%), or one [N] fp32 tensor (tp=2 without sp, 0.13%).
 """
 
 import sys
@@ -38,9 +40,8 @@ from test_tensor_parallel_equivalence import assert_collectives_as_predicted  # 
 
 pytestmark = pytest.mark.multirank
 
-FP32 = ["dp=2 zero=2 mb=2 compile=inductor", "tp=2 sp=true checkpoint=selective compile=inductor",
-        "pp=2 mb=2 compile=inductor"]
-BF16 = "dp=2 precision=bf16-mixed compile=inductor"
+FP32 = ["dp=2 zero=2 mb=2 compile=inductor", "tp=2 sp=true checkpoint=selective compile=inductor"]
+BF16 = "pp=2 mb=2 precision=bf16-mixed compile=inductor"  # (each plan compiles for minutes on CI's cold cache)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,8 @@ def test_compiled_plans_match_single_device_with_the_predicted_collectives(ranks
                     assert result["memory"][term] == result["estimated_memory"][term], (plan, term)
                 if not result["schedule_row"]:  # (a pipeline's in-flight share is approximate, as in eager)
                     measured, estimated = result["memory"]["activations"], result["estimated_memory"]["activations"]
-                    assert abs(measured - estimated) <= 0.005 * estimated, (plan, measured, estimated)
-    assert_ran_its_schedule(ranks, ["pp=2 mb=2 compile=inductor"])
+                    assert abs(measured - estimated) <= 0.02 * estimated, (plan, measured, estimated)
+    assert_ran_its_schedule(ranks, [BF16])
 
 
 def test_compiled_bf16_mixed_within_bf16_of_fp32(ranks):
