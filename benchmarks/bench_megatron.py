@@ -1,6 +1,7 @@
 """fxpar tp=2 against Megatron tensor parallelism written by hand: the physical anchor.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_megatron.py --steps 30 --warmup 5
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_megatron.py --compile
 
 bench_tp.py measures fxpar against DTensor, whose per-op dispatch is a cost of its own. This
 script measures it against the fastest eager tensor parallelism we know how to write: the
@@ -27,9 +28,14 @@ implementation on the CPU. One timed step:
     megatron:  loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
     fxpar:     loss = runner.step(x, y);            opt.step(); opt.zero_grad()
 
+With `--compile` both sides run Inductor: fxpar `compile=inductor`, and the hand-written
+model under `torch.compile` (Dynamo traces its `dist.all_reduce` calls as functional
+collectives).
+
 The sides are timed in alternating blocks (`harness.run_interleaved`); their losses must agree
-to 1e-4 relative at every step (the sides do the same float ops, so they agree bit for bit), or
-the comparison is void and the script exits 1. It also prints the largest difference of the
+to 1e-4 relative at every step (in eager mode the sides do the same float ops, so they agree
+bit for bit; compiled, each fuses its own graph), or the comparison is void and the script
+exits 1. It also prints the largest difference of the
 trained weights (shards gathered against `runner.full_state_dict()`). `--breakdown N` times
 the phases of N more steps per side; `--profile` prints, on rank 0, a cProfile of 3 steps of
 each side timed with main-thread CPU time (waiting for the peer left out).
@@ -81,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="after the run, cProfile 3 steps of each side (rank 0 prints)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="both sides compiled by Inductor")
     return parser.parse_args()
 
 
@@ -205,14 +212,14 @@ def bench_model(name: str, args: argparse.Namespace) -> tuple[dict, Runner]:
     batches = global_batches(config.vocab_size, args.warmup + args.steps + 10, args.seed + 1,
                              batch=BATCH)
 
-    program = fxpar.compile(copy.deepcopy(model), f"tp={tp} tp_rules={RULES}",
-                            example_inputs=batches[0])
+    plan = f"tp={tp} tp_rules={RULES}" + (" compile=inductor" if args.compile else "")
+    program = fxpar.compile(copy.deepcopy(model), plan, example_inputs=batches[0])
     runner = program.bind(timeout=120)  # the first bind creates the process group
     fx_optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
     hand, split = megatron_model(model, dist.get_rank(), tp)
     hand_optimizer = torch.optim.AdamW(hand.parameters(), **OPTIMIZER)
 
-    hand_step = module_step(hand, hand_optimizer, batches)
+    hand_step = module_step(torch.compile(hand) if args.compile else hand, hand_optimizer, batches)
     fx_step = runner_step(runner, fx_optimizer, batches)
 
     runs = run_interleaved([Side("megatron", hand_step), Side("fxpar", fx_step)],
@@ -263,7 +270,8 @@ def main() -> int:
 
 def report(results: list[dict], args: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
-    print(f"\nfxpar tp={world} (explicit Megatron rules) vs Megatron TP by hand, gloo on CPU, "
+    mode = ", both compiled by Inductor" if args.compile else ""
+    print(f"\nfxpar tp={world} (explicit Megatron rules) vs Megatron TP by hand{mode}, gloo on CPU, "
           f"torch {torch.__version__}, {torch.get_num_threads()} thread/rank, batch {BATCH}x{SEQ} "
           f"(whole batch on every rank), median of {args.steps} steps after {args.warmup} "
           f"warm-up, block {args.block}, load average {os.getloadavg()[1]:.1f} (5 min)")

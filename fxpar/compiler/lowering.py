@@ -242,7 +242,7 @@ def _single_stage_row(program, per_microbatch: bool) -> tuple[tuple[StepAction, 
     mesh, gm, zero, buckets = program.mesh, program.graph_module, program.plan.zero, program.buckets
     actions = step_start_actions(mesh, counted=program.loss_reduction.sums,
                                  batch_dims=_batch_dims(program))
-    forward, backward = graph_calls(gm, mesh, prefetch=program.plan.prefetch)
+    forward, backward = graph_calls(gm, mesh, prefetch=program.plan.gathers_ahead)
     microbatches = program.plan.microbatches
     each = zero == 2 and per_microbatch
     for microbatch in range(microbatches):
@@ -291,7 +291,7 @@ def _scheduled_actions(program, local, row, ahead: int, per_microbatch: bool) ->
     completes (`_between_actions`); `per_microbatch` as `lower_row`'s."""
     mesh, stages, zero = program.mesh, program.stages, program.plan.zero
     each = zero == 2 and per_microbatch
-    calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.prefetch) for s in local}
+    calls = {s.index: graph_calls(s.graph_module, mesh, prefetch=program.plan.gathers_ahead) for s in local}
     last_backward = {s.index: max(i for i, a in enumerate(row) if a.stage == s.index and a.kind == "B")
                      for s in local}
     actions: list[StepAction] = []

@@ -17,10 +17,11 @@ the meter measured in the compiled step (eager's formula: 299,652).
 Checkpoint regions are recomputed by the partitioner: their nodes carry the tags
 `torch.utils.checkpoint` gives them when Dynamo traces the runtime's checkpoint calls
 (`recompute` MUST_RECOMPUTE, `ac_graph_id` per region), so the partitioner sees what it sees at
-run time; each region also saves the generator's state to draw again what it drew (CPU: 5,056
-bytes), as the meter measures. Tracing the backward runs Python that may read an axis's index (the
-vocabulary-parallel embedding's padding row), so the rank's axes are bound to stand-ins of its
-size and index meanwhile (`ir.axes.planned_axes`).
+run time, ZeRO-3's re-gathered layers included (`ops.recomputed_gathers`: the module is first
+put in the form the runtime compiles); each region also saves the generator's state to draw
+again what it drew (CPU: 5,056 bytes), as the meter measures. Tracing the backward runs Python
+that may read an axis's index (the vocabulary-parallel embedding's padding row), so the rank's
+axes are bound to stand-ins of its size and index meanwhile (`ir.axes.planned_axes`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
 from fxpar.ir.axes import PlannedAxis, planned_axes
 from fxpar.ir.recompute_regions import segments
+from fxpar.ops.recomputed_gathers import regathered_by_recomputation
 
 # Ops whose output shares its input's storage: a saved one holds its base's bytes.
 _VIEWS = {
@@ -49,6 +51,7 @@ def compiled_saved_bytes(module: fx.GraphModule, captured: CapturedGraph, given:
                          axes: dict[str, PlannedAxis]) -> sympy.Expr:
     """Bytes the compiled forward of `module` keeps for backward (module doc), a formula in
     the example's batch and sequence; `axes`: the rank's position on each mesh axis."""
+    module = regathered_by_recomputation(module)  # what the runtime compiles (ZeRO-3)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     inputs = [n.meta.get("val") for n in placeholders]
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])

@@ -44,6 +44,7 @@ from fxpar.ir.axes import bound
 from fxpar.ops.distributed import BY_NAME
 
 OP = BY_NAME["gather_parameters"]
+REGATHER = BY_NAME["regather_parameters"]
 
 
 def _binding(axis: str, size: int):
@@ -73,10 +74,15 @@ def whole_values(gathered: torch.Tensor, widths: list[int], size: int) -> list[t
 
 def gather(shards: list[torch.Tensor], axis: str, size: int, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Every rank's `shards`, whole, in `dtype` (default theirs): for each, the concatenation
-    of its pieces in rank order."""
+    of its pieces in rank order. Run by autograd's engine it is a compiled backward's
+    recomputation of the gather (`ops.recomputed_gathers`): the step program's re-gather."""
     flat = laid_out(shards, dtype)
     out = flat.new_empty(size * flat.numel())
-    _binding(axis, size).all_gather(out, flat, tag=OP.tag(axis, "forward"), phase="forward")
+    if torch._C._current_graph_task_id() == -1:
+        tag, phase = OP.tag(axis, "forward"), "forward"
+    else:
+        tag, phase = REGATHER.tag(axis, "backward"), "backward"
+    _binding(axis, size).all_gather(out, flat, tag=tag, phase=phase)
     return whole_values(out, [s.numel() for s in shards], size)
 
 
@@ -155,8 +161,6 @@ _gather_parameters.register_autograd(_backward, setup_context=_setup_context)
 
 
 # -- gathering again for backward (reshard_after_forward) -----------------------------------------
-
-REGATHER = BY_NAME["regather_parameters"]
 
 
 @torch.library.custom_op("fxpar::regather_parameters", mutates_args=(),

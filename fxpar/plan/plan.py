@@ -108,9 +108,10 @@ class Plan:
     # accumulate); "auto" takes what the cost model prices cheaper (`fxpar.plan.zero_reduction`).
     zero_reduce: str = "auto"
     # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
-    # gathered, and whether the gathered parameters are freed after forward and gathered again
-    # for backward (every layer's but the root's, as FSDP2's default).
-    prefetch: int = 1
+    # gathered (None: FSDP2's 1 under compile=eager; a compiled graph gathers each layer where
+    # it first reads it: `gathers_ahead`), and whether the gathered parameters are freed after
+    # forward and gathered again for backward (every layer's but the root's, as FSDP2's default).
+    prefetch: int | None = None
     reshard_after_forward: bool = True
     # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients
     # are reduced over dp in `reduce_dtype` (passes.mixed_precision, runtime.state.master_weights).
@@ -177,9 +178,10 @@ class Plan:
             if getattr(self, name) not in accepted:
                 raise invalid_value(name, getattr(self, name))
         prefetch = self.prefetch
-        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
-            raise invalid_value("prefetch", prefetch)
-        object.__setattr__(self, "prefetch", int(prefetch))
+        if prefetch is not None:
+            if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
+                raise invalid_value("prefetch", prefetch)
+            object.__setattr__(self, "prefetch", int(prefetch))
         if not isinstance(self.reshard_after_forward, bool):
             raise invalid_value("reshard_after_forward", self.reshard_after_forward)
         self._check_options_apply()
@@ -213,7 +215,7 @@ class Plan:
                 field="zero_reduce",
                 value=self.zero_reduce,
             )
-        for name, default in (("prefetch", 1), ("reshard_after_forward", True)):
+        for name, default in (("prefetch", None), ("reshard_after_forward", True)):
             if getattr(self, name) != default and self.zero != 3:
                 raise PlanError(
                     f"plan {name}={text_of(getattr(self, name))} tunes how ZeRO-3 gathers "
@@ -224,16 +226,25 @@ class Plan:
 
 
     def _check_compiled(self) -> None:
-        """What `compile=inductor` does not cover yet, refused (`fxpar.runtime.compiled_forward`)."""
+        """What `compile=inductor` does not cover, refused (`fxpar.runtime.compiled_forward`)."""
         if self.compile != "inductor":
             return
-        if self.zero == 3:
+        if self.zero == 3 and self.prefetch:
             raise PlanError(
-                "plan compile=inductor with zero=3: ZeRO-3's gathers are issued by the runtime's "
-                "parameter gatherer (prefetching layers ahead, freeing after use), Python that a "
-                "compiled graph cannot call. Fix: compile=eager, or zero=2 with compile=inductor",
-                field="compile",
-                value=self.compile,
+                f"plan compile=inductor with prefetch={self.prefetch}: a compiled ZeRO-3 graph "
+                "gathers each layer where it first reads it, and again in backward where the "
+                "partitioner recomputes it, so no gather can be issued layers ahead. Fix: drop "
+                "prefetch, or compile=eager to gather ahead",
+                field="prefetch",
+                value=self.prefetch,
+            )
+        if self.zero == 3 and self.zero_reduce == "step" and self.dp > 1:
+            raise PlanError(
+                "plan compile=inductor with zero=3 zero_reduce=step: a compiled backward "
+                "reduce-scatters each layer's gradients as it computes them, once per microbatch. "
+                "Fix: drop zero_reduce, or compile=eager to reduce once per step",
+                field="zero_reduce",
+                value=self.zero_reduce,
             )
         if self.schedule == "zb-h1" and self.pp > 1:
             raise PlanError(
@@ -244,6 +255,15 @@ class Plan:
                 field="compile",
                 value=self.compile,
             )
+
+    @property
+    def gathers_ahead(self) -> int:
+        """How many layers ahead ZeRO-3 gathers: the plan's `prefetch`, else FSDP2's 1 in eager
+        mode; a compiled graph gathers where a layer first reads it (0)."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return 0 if self.compile == "inductor" else 1
+
     def _check_pipeline(self) -> None:
         interleaved = self.schedule == "interleaved"
         if interleaved != (self.virtual_stages > 1):

@@ -22,7 +22,9 @@ extra reductions hide under the backwards, as on GPUs, where NCCL runs beside th
 since it never holds more memory; otherwise per step, the fewer bytes on the wire
 (always on the CPU, where gloo's thread and the compute share the cores and nothing hides:
 `cost.hardware.Hardware.comm_overlap`; measured there, per microbatch takes 1.25x per step's
-time at mb=4: benchmarks/RESULTS.md). A step of one microbatch reduces once either way.
+time at mb=4: benchmarks/RESULTS.md). A step of one microbatch reduces once either way. A
+compiled ZeRO-3 step reduces per microbatch: its backward graph reduce-scatters each layer's
+gradients where it computes them (`fxpar.ops.recomputed_gathers`).
 
 Where it shows: the step program lists the reductions where they happen (`fxpar.compiler.reduction_lowering`:
 each microbatch's bucket reduce-scatters after its backward, or ZeRO-3's layer reduce-scatters
@@ -88,6 +90,8 @@ def fixed(plan) -> ZeroReduction | None:
         return ZeroReduction("step", "no ZeRO-2/3 reduce-scatters")
     if plan.microbatches == 1:
         return ZeroReduction("step", "one microbatch: reduced once either way")
+    if plan.zero == 3 and plan.compile == "inductor":
+        return ZeroReduction("microbatch", "a compiled backward reduce-scatters each layer's gradients as it computes them")
     if plan.zero == 2 and plan.schedule == "zb-h1" and plan.pp > 1:
         return ZeroReduction("step", "zb-h1 runs a later microbatch's B before an earlier one's W")
     return None

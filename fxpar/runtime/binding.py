@@ -32,6 +32,7 @@ from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.mesh import Axis
 from fxpar.ir.step_program import Communicate, Purpose, StepProgram
 from fxpar.ops.distributed import lower_for_eager
+from fxpar.ops.recomputed_gathers import regathered_by_recomputation
 from fxpar.ops.random_streams import RandomStream
 from fxpar.runtime.checkpoint.whole_state import graph_parameters
 from fxpar.runtime.communicator import Communicator
@@ -180,12 +181,15 @@ def step_context(
     if flat_parameters:
         masters.shard(buckets)
     mine = dict(parameters_of(modules))
-    gatherers = _parameter_gatherers(program, modules, dp=dp, communicator=communicator)
-    arrival = CountArrival()  # the graphs wait for the step's count where they read it
     compiled = program.plan.compile == "inductor"
+    gatherers = () if compiled else _parameter_gatherers(program, modules, dp=dp, communicator=communicator)
+    arrival = CountArrival()  # the graphs wait for the step's count where they read it
     for module in modules if not compiled else ():  # a compiled forward settles it first
         await_count(module, arrival)
-    forwards = tuple(reading_flat(recomputing(m, None if compiled else meter)) for m in modules)
+    if compiled:  # ZeRO-3's gathers run inside the compiled graph, re-gathered by recomputation
+        forwards = tuple(reading_flat(recomputing(regathered_by_recomputation(m), None)) for m in modules)
+    else:
+        forwards = tuple(reading_flat(recomputing(m, meter)) for m in modules)
     for forward, gatherer in zip(forwards, gatherers):  # ZeRO-3: regions take gathered weights as recipes
         read_gathered_through(forward, gatherer)
     if compiled:
@@ -240,13 +244,14 @@ def _gradient_buckets(
 def _parameter_gatherers(
     program: CompiledProgram, modules: Sequence[torch.fx.GraphModule], *, dp: RankGroup, communicator: Communicator
 ) -> tuple[ParameterGatherer, ...]:
-    """ZeRO-3 over more than one dp rank: one `ParameterGatherer` per module, which runs the
-    module's gathers of its layers' parameters; none otherwise."""
+    """ZeRO-3 over more than one dp rank in eager mode: one `ParameterGatherer` per module, which
+    runs the module's gathers of its layers' parameters; none otherwise (a compiled module runs
+    the registered ops: `ops.recomputed_gathers`)."""
     plan = program.plan
     if not (plan.zero == 3 and dp.size > 1):
         return ()
     return tuple(
-        ParameterGatherer(m, dp, communicator, prefetch=plan.prefetch,
+        ParameterGatherer(m, dp, communicator, prefetch=plan.gathers_ahead,
                           reshard_after_forward=plan.reshard_after_forward,
                           per_microbatch=program.zero_reduce.per_microbatch)
         for m in modules

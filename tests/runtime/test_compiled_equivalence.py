@@ -1,8 +1,9 @@
 """Tier 3: `compile=inductor` trains as one device does, with the step program's collectives.
 
 Each rank's forward and backward run as Inductor's C++ kernels on this CPU
-(`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under three
-plans (dp with ZeRO-2 and tp with sp in fp32, a bf16-mixed pipeline), each compiled twice (the resized first step, then the training batch), and compares
+(`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under four
+plans (dp with ZeRO-2, ZeRO-3 with full checkpointing and tp with sp in fp32, a bf16-mixed
+pipeline), each compiled twice (the resized first step, then the training batch), and compares
 with eager single-device training as the eager plans' tests do (test_data_parallel_equivalence):
 
 * fp32, the same tolerances as eager plans, relative 1e-5. Inductor fuses elementwise chains
@@ -16,7 +17,8 @@ with eager single-device training as the eager plans' tests do (test_data_parall
 
 Every step's collectives are the step program's, call for call: the distributed ops stay the
 registered ops inside the compiled graph and run on the same bound axes, so `comm_stats()`
-and the step guard see what eager mode sees. Model-state bytes equal the estimate, and so do
+and the step guard see what eager mode sees; ZeRO-3's re-gathers are the partitioner's
+recomputations of each layer's gather (`ops.recomputed_gathers`), in the program's order. Model-state bytes equal the estimate, and so do
 the activations the compiled forward keeps for backward (`cost.compiled_activations` runs
 Inductor's own partitioner on the rank's module), within 2%. Not to the byte: the runtime
 compiles the step's static shapes and the estimate traces symbolic ones, and the min-cut
@@ -40,7 +42,8 @@ from test_tensor_parallel_equivalence import assert_collectives_as_predicted  # 
 
 pytestmark = pytest.mark.multirank
 
-FP32 = ["dp=2 zero=2 mb=2 compile=inductor", "tp=2 sp=true checkpoint=selective compile=inductor"]
+FP32 = ["dp=2 zero=2 mb=2 compile=inductor", "dp=2 zero=3 mb=2 checkpoint=full compile=inductor",
+        "tp=2 sp=true checkpoint=selective compile=inductor"]
 BF16 = "pp=2 mb=2 precision=bf16-mixed compile=inductor"  # (each plan compiles for minutes on CI's cold cache)
 
 

@@ -14,7 +14,9 @@ it. The non-reentrant variant restores the CPU and device RNG state before recom
 forward; it nests with custom autograd functions, the zero-bubble deferred linear included
 (its backward records the recomputed input for W). No collective is ever inside a region
 (the pass's contract): they stay in the outer forward, in the step program's order, and
-recomputation cannot issue one the step guard would refuse.
+recomputation cannot issue one the step guard would refuse. The one exception is made on
+purpose: a compiled ZeRO-3 module's layer gathers are regions of their own
+(`ops.recomputed_gathers`), whose recomputation is the re-gather the step program lists.
 
 Under ZeRO-3 a block's region reads the layer's gathered weights (the gather is a collective:
 outside every region). The checkpoint would keep them, as inputs, from forward to backward,
