@@ -11,6 +11,8 @@ Map of this module:
 - `Plan.check_sequence`       the plan against a sequence length (sequence parallelism)
 - `Plan.for_world`            the valid plans like this one for another world size
 - `fxpar.plan.text`          the field table and the text form, with their errors
+- `fxpar.plan.combinations`  the fields against each other (options that need another setting,
+                              compiled mode, the pipeline's schedule)
 - `fxpar.plan.file`          plan files read as untrusted input (size cap, no repeated keys or
                               YAML aliases, nothing of the file echoed)
 
@@ -41,6 +43,7 @@ from os import PathLike
 from pathlib import Path
 
 from fxpar.errors import PlanError, shown
+from fxpar.plan.combinations import check_options_apply, check_pipeline
 from fxpar.plan.file import FILE_SUFFIXES, describe_file, parse_mapping, read_plan_file
 from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of this API)
     DEGREE_FIELDS,
@@ -145,7 +148,7 @@ class Plan:
         if not isinstance(split, (tuple, list)) or not all(isinstance(m, str) for m in split):
             raise invalid_value("split", split)
         object.__setattr__(self, "split", tuple(split))
-        self._check_pipeline()
+        check_pipeline(self)
         if not isinstance(self.sequence_parallel, bool):
             raise invalid_value("sequence_parallel", self.sequence_parallel)
         rules = self.tp_rules
@@ -184,77 +187,7 @@ class Plan:
             object.__setattr__(self, "prefetch", int(prefetch))
         if not isinstance(self.reshard_after_forward, bool):
             raise invalid_value("reshard_after_forward", self.reshard_after_forward)
-        self._check_options_apply()
-
-    def _check_options_apply(self) -> None:
-        """Options that only one setting uses are refused without it: never silently ignored."""
-        self._check_compiled()
-        if self.reduce_dtype != "fp32" and self.precision != "bf16-mixed":
-            raise PlanError(
-                f"plan reduce_dtype={self.reduce_dtype} sets the dtype bf16-mixed training "
-                f"reduces gradients in, and precision={self.precision}. Fix: add "
-                "precision=bf16-mixed, or drop reduce_dtype",
-                field="reduce_dtype",
-                value=self.reduce_dtype,
-            )
-        if self.zero_reduce != "auto" and self.zero not in (2, 3):
-            raise PlanError(
-                f"plan zero_reduce={self.zero_reduce} says when ZeRO-2 and 3 reduce-scatter "
-                f"gradients, and zero={self.zero}"
-                + (": ZeRO-1 keeps every gradient whole and reduces once per step" if self.zero == 1 else "")
-                + ". Fix: zero=2 or zero=3, or drop zero_reduce",
-                field="zero_reduce",
-                value=self.zero_reduce,
-            )
-        if self.zero == 2 and self.zero_reduce == "microbatch" and self.schedule == "zb-h1" and self.pp > 1:
-            raise PlanError(
-                "plan zero=2 zero_reduce=microbatch with schedule=zb-h1: the zero-bubble schedule "
-                "runs a later microbatch's B (its bias and norm gradients) before an earlier one's "
-                "W (its weight gradients), so no point of the step holds exactly one microbatch's "
-                "gradients to reduce-scatter. Fix: zero_reduce=step, or schedule=1f1b",
-                field="zero_reduce",
-                value=self.zero_reduce,
-            )
-        for name, default in (("prefetch", None), ("reshard_after_forward", True)):
-            if getattr(self, name) != default and self.zero != 3:
-                raise PlanError(
-                    f"plan {name}={text_of(getattr(self, name))} tunes how ZeRO-3 gathers "
-                    f"parameters, and zero={self.zero}. Fix: add zero=3, or drop {name}",
-                    field=name,
-                    value=getattr(self, name),
-                )
-
-
-    def _check_compiled(self) -> None:
-        """What `compile=inductor` does not cover, refused (`fxpar.runtime.compiled_forward`)."""
-        if self.compile != "inductor":
-            return
-        if self.zero == 3 and self.prefetch:
-            raise PlanError(
-                f"plan compile=inductor with prefetch={self.prefetch}: a compiled ZeRO-3 graph "
-                "gathers each layer where it first reads it, and again in backward where the "
-                "partitioner recomputes it, so no gather can be issued layers ahead. Fix: drop "
-                "prefetch, or compile=eager to gather ahead",
-                field="prefetch",
-                value=self.prefetch,
-            )
-        if self.zero == 3 and self.zero_reduce == "step" and self.dp > 1:
-            raise PlanError(
-                "plan compile=inductor with zero=3 zero_reduce=step: a compiled backward "
-                "reduce-scatters each layer's gradients as it computes them, once per microbatch. "
-                "Fix: drop zero_reduce, or compile=eager to reduce once per step",
-                field="zero_reduce",
-                value=self.zero_reduce,
-            )
-        if self.schedule == "zb-h1" and self.pp > 1:
-            raise PlanError(
-                "plan compile=inductor with schedule=zb-h1: the zero-bubble schedule runs each "
-                "backward in two actions, B (input gradients) and later W (weight gradients), and "
-                "a compiled backward computes both at once. Fix: compile=eager, or schedule=1f1b "
-                "with compile=inductor",
-                field="compile",
-                value=self.compile,
-            )
+        check_options_apply(self)
 
     @property
     def gathers_ahead(self) -> int:
@@ -263,40 +196,6 @@ class Plan:
         if self.prefetch is not None:
             return self.prefetch
         return 0 if self.compile == "inductor" else 1
-
-    def _check_pipeline(self) -> None:
-        interleaved = self.schedule == "interleaved"
-        if interleaved != (self.virtual_stages > 1):
-            raise PlanError(
-                f"schedule={self.schedule} with virtual_stages={self.virtual_stages}: the "
-                "interleaved schedule needs virtual_stages >= 2, and only it uses them. Fix: "
-                "schedule=interleaved virtual_stages=2, or virtual_stages=1",
-                field="virtual_stages",
-                value=self.virtual_stages,
-            )
-        stages = self.pp * self.virtual_stages
-        if self.pp > 1 and self.schedule in ("1f1b", "interleaved", "zb-h1") and self.microbatches < self.pp:
-            raise PlanError(
-                f"schedule={self.schedule} with pp={self.pp} needs at least {self.pp} microbatches "
-                f"(one in flight per stage), got mb={self.microbatches}. Fix: mb={self.pp} or "
-                f"more (GPipe Sec. 2.3: the bubble is negligible from mb >= 4 pp = {4 * self.pp})",
-                field="microbatches",
-                value=self.microbatches,
-            )
-        if interleaved and self.microbatches % self.pp:
-            raise PlanError(
-                f"the interleaved schedule processes microbatches in groups of pp={self.pp}; "
-                f"mb={self.microbatches} is not a multiple. Fix: mb={self.microbatches + self.pp - self.microbatches % self.pp}",
-                field="microbatches",
-                value=self.microbatches,
-            )
-        if self.split and len(self.split) != stages - 1:
-            raise PlanError(
-                f"split names {len(self.split)} stage starts, but pp x virtual_stages = {stages} "
-                f"stages need {stages - 1}. Fix: name {stages - 1} module paths",
-                field="split",
-                value=list(self.split),
-            )
 
     # -- the degrees -----------------------------------------------------------------------------
 

@@ -1,0 +1,120 @@
+"""The plan's fields against each other: options that need another setting, what compiled mode
+does not cover, and the pipeline's schedule against its microbatches and stages.
+
+`Plan.__post_init__` checks each field's own value (`fxpar.plan.text`), then calls these, so a
+plan that exists is one whose fields make sense together. Each refusal is a `PlanError` naming
+the field, the value, the setting it conflicts with and a fix: an option is never silently
+ignored. Each function takes the `fxpar.plan.plan.Plan` being built (not imported here: the
+plan module imports this one).
+"""
+
+from __future__ import annotations
+
+from fxpar.errors import PlanError
+from fxpar.plan.text import text_of
+
+
+def check_options_apply(plan) -> None:
+    """Options that only one setting uses are refused without it: never silently ignored."""
+    check_compiled(plan)
+    if plan.reduce_dtype != "fp32" and plan.precision != "bf16-mixed":
+        raise PlanError(
+            f"plan reduce_dtype={plan.reduce_dtype} sets the dtype bf16-mixed training "
+            f"reduces gradients in, and precision={plan.precision}. Fix: add "
+            "precision=bf16-mixed, or drop reduce_dtype",
+            field="reduce_dtype",
+            value=plan.reduce_dtype,
+        )
+    if plan.zero_reduce != "auto" and plan.zero not in (2, 3):
+        raise PlanError(
+            f"plan zero_reduce={plan.zero_reduce} says when ZeRO-2 and 3 reduce-scatter "
+            f"gradients, and zero={plan.zero}"
+            + (": ZeRO-1 keeps every gradient whole and reduces once per step" if plan.zero == 1 else "")
+            + ". Fix: zero=2 or zero=3, or drop zero_reduce",
+            field="zero_reduce",
+            value=plan.zero_reduce,
+        )
+    if plan.zero == 2 and plan.zero_reduce == "microbatch" and plan.schedule == "zb-h1" and plan.pp > 1:
+        raise PlanError(
+            "plan zero=2 zero_reduce=microbatch with schedule=zb-h1: the zero-bubble schedule "
+            "runs a later microbatch's B (its bias and norm gradients) before an earlier one's "
+            "W (its weight gradients), so no point of the step holds exactly one microbatch's "
+            "gradients to reduce-scatter. Fix: zero_reduce=step, or schedule=1f1b",
+            field="zero_reduce",
+            value=plan.zero_reduce,
+        )
+    for name, default in (("prefetch", None), ("reshard_after_forward", True)):
+        if getattr(plan, name) != default and plan.zero != 3:
+            raise PlanError(
+                f"plan {name}={text_of(getattr(plan, name))} tunes how ZeRO-3 gathers "
+                f"parameters, and zero={plan.zero}. Fix: add zero=3, or drop {name}",
+                field=name,
+                value=getattr(plan, name),
+            )
+
+
+def check_compiled(plan) -> None:
+    """What `compile=inductor` does not cover, refused (`fxpar.runtime.compiled_forward`)."""
+    if plan.compile != "inductor":
+        return
+    if plan.zero == 3 and plan.prefetch:
+        raise PlanError(
+            f"plan compile=inductor with prefetch={plan.prefetch}: a compiled ZeRO-3 graph "
+            "gathers each layer where it first reads it, and again in backward where the "
+            "partitioner recomputes it, so no gather can be issued layers ahead. Fix: drop "
+            "prefetch, or compile=eager to gather ahead",
+            field="prefetch",
+            value=plan.prefetch,
+        )
+    if plan.zero == 3 and plan.zero_reduce == "step" and plan.dp > 1:
+        raise PlanError(
+            "plan compile=inductor with zero=3 zero_reduce=step: a compiled backward "
+            "reduce-scatters each layer's gradients as it computes them, once per microbatch. "
+            "Fix: drop zero_reduce, or compile=eager to reduce once per step",
+            field="zero_reduce",
+            value=plan.zero_reduce,
+        )
+    if plan.schedule == "zb-h1" and plan.pp > 1:
+        raise PlanError(
+            "plan compile=inductor with schedule=zb-h1: the zero-bubble schedule runs each "
+            "backward in two actions, B (input gradients) and later W (weight gradients), and "
+            "a compiled backward computes both at once. Fix: compile=eager, or schedule=1f1b "
+            "with compile=inductor",
+            field="compile",
+            value=plan.compile,
+        )
+
+
+def check_pipeline(plan) -> None:
+    interleaved = plan.schedule == "interleaved"
+    if interleaved != (plan.virtual_stages > 1):
+        raise PlanError(
+            f"schedule={plan.schedule} with virtual_stages={plan.virtual_stages}: the "
+            "interleaved schedule needs virtual_stages >= 2, and only it uses them. Fix: "
+            "schedule=interleaved virtual_stages=2, or virtual_stages=1",
+            field="virtual_stages",
+            value=plan.virtual_stages,
+        )
+    stages = plan.pp * plan.virtual_stages
+    if plan.pp > 1 and plan.schedule in ("1f1b", "interleaved", "zb-h1") and plan.microbatches < plan.pp:
+        raise PlanError(
+            f"schedule={plan.schedule} with pp={plan.pp} needs at least {plan.pp} microbatches "
+            f"(one in flight per stage), got mb={plan.microbatches}. Fix: mb={plan.pp} or "
+            f"more (GPipe Sec. 2.3: the bubble is negligible from mb >= 4 pp = {4 * plan.pp})",
+            field="microbatches",
+            value=plan.microbatches,
+        )
+    if interleaved and plan.microbatches % plan.pp:
+        raise PlanError(
+            f"the interleaved schedule processes microbatches in groups of pp={plan.pp}; "
+            f"mb={plan.microbatches} is not a multiple. Fix: mb={plan.microbatches + plan.pp - plan.microbatches % plan.pp}",
+            field="microbatches",
+            value=plan.microbatches,
+        )
+    if plan.split and len(plan.split) != stages - 1:
+        raise PlanError(
+            f"split names {len(plan.split)} stage starts, but pp x virtual_stages = {stages} "
+            f"stages need {stages - 1}. Fix: name {stages - 1} module paths",
+            field="split",
+            value=list(plan.split),
+        )
