@@ -55,7 +55,8 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
 from fxpar.cost.compiled_activations import compiled_saved_bytes
-from fxpar.cost.memo import memoised
+from fxpar.cost.input_pieces import Pieces, boundary_pieces, piece_values
+from fxpar.cost.memo import memoised, module_key
 from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
 from fxpar.ir.axes import PlannedAxis
@@ -160,19 +161,26 @@ def saved_in_flight(schedule) -> tuple[int, ...]:
 def rank_activation_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     """Bytes `rank` saves for one forward of each module it runs over the example's global
     batch, summed (`module_activation_bytes`; under `compile=inductor` what the compiled
-    forwards keep, `cost.compiled_activations`; memoised with the program's graph)."""
+    forwards keep, `cost.compiled_activations`; memoised with the program's graph, and each
+    distinct module with the capture's, `cost.memo.module_key`)."""
     captured, given = program.captured, set(program.input_names)
+    pieces, axes = boundary_pieces(program), None
     if program.plan.compile == "inductor":
         coord, sizes = program.mesh.coord(rank), program.mesh.sizes
         axes = {axis: PlannedAxis(size, coord[axis]) for axis, size in sizes.items()}
 
         def saved(m: fx.GraphModule) -> sympy.Expr:
-            return compiled_saved_bytes(m, captured, given, axes)
+            return compiled_saved_bytes(m, captured, given, axes, pieces)
     else:
         def saved(m: fx.GraphModule) -> sympy.Expr:
-            return module_activation_bytes(m, captured, given)
+            return module_activation_bytes(m, captured, given, pieces)
+
+    def shared(m: fx.GraphModule) -> sympy.Expr:  # one trace per distinct module of the capture
+        key = module_key(m, program.plan.compile, sorted(pieces.items()), sorted(given), axes)
+        return memoised(captured.graph_module, f"module_activations.{key}", lambda: saved(m))
+
     return memoised(program.graph_module, f"rank_activations.{rank}", lambda: sympy.expand(sum(
-        (saved(m) for m in program.stage_modules(rank)), sympy.Integer(0))))
+        (shared(m) for m in program.stage_modules(rank)), sympy.Integer(0))))
 
 
 def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, str]:
@@ -205,19 +213,22 @@ def _captured_saved_bytes(captured: CapturedGraph, checkpoint: str) -> dict[fx.N
     return _saved_bytes(gm, captured, getters, runs)
 
 
-def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph, given: set[str]) -> sympy.Expr:
+def module_activation_bytes(module: fx.GraphModule, captured: CapturedGraph, given: set[str],
+                            pieces: Pieces | None = None) -> sympy.Expr:
     """Bytes saved for backward by one forward of a rank's `module` (`saved_bytes_by_node`,
     summed): what the runtime's meter counts (`runtime.step.saved_tensors`)."""
-    return _total(saved_bytes_by_node(module, captured, given))
+    return _total(saved_bytes_by_node(module, captured, given, pieces))
 
 
-def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: set[str]) -> dict[fx.Node, sympy.Expr]:
+def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: set[str],
+                        pieces: Pieces | None = None) -> dict[fx.Node, sympy.Expr]:
     """Bytes saved for backward by one forward of `module` (a rank's: its tensor-parallel
     shards, its pipeline stage, the checkpoint regions its pass marked, which
     `runtime.step.recompute` runs as the same `segments`; or the global graph the pipeline cut
     balances), per node whose op saved them, over the example's symbolic global batch. The
     inputs named in `given`, what a step gives its modules (the batch, the count of valid
-    targets), are left out as the runtime's meter leaves them out."""
+    targets), are left out as the runtime's meter leaves them out; the inputs named in `pieces`
+    are a rank's piece of them (`fake_inputs`)."""
     getters = {}
     for node in module.graph.nodes:
         if node.op == "get_attr":
@@ -228,7 +239,7 @@ def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: 
                 computed = node.meta["val"].dtype if isinstance(node.meta.get("val"), torch.Tensor) else None
                 getters[node.target] = (value, value.requires_grad, computed)
     runs = segments(module.graph.nodes, meta.recompute_region)
-    return _saved_bytes(module, captured, getters, runs, given=given)
+    return _saved_bytes(module, captured, getters, runs, given=given, pieces=pieces or {})
 
 
 def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
@@ -236,23 +247,15 @@ def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
 
 
 def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
-                 given: set[str] = frozenset()) -> dict[fx.Node, sympy.Expr]:
+                 given: set[str] = frozenset(), pieces: Pieces = {}) -> dict[fx.Node, sympy.Expr]:  # noqa: B006
     """The fake forward of the module doc over `gm`, its state given as (tensor whose shape,
     stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the
     inputs named in `given` (the step's batch, which the step does not allocate) are not
     counted, like the state. Each storage's bytes go to the node whose op saved it first (a
     checkpointed run's kept inputs: to the run's last node)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # A pipeline stage's received activations need a gradient, as the runtime receives them
-    # (`runtime.step.pipeline_executor`): the ops reading them save what that gradient needs
-    # (Llama's RMSNorm, the first op of a stage, saves its input only then).
-    inputs = [
-        value.detach().requires_grad_() if isinstance(value := n.meta.get("val"), torch.Tensor)
-        and meta.requires_grad(n) else value
-        for n in placeholders
-    ]
+    inputs = fake_inputs(placeholders, pieces)
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
-    assert fake_mode is not None, "captured graphs carry export's fake tensors"
     device = next(i.device for i in inputs if isinstance(i, torch.Tensor))  # the capture's (module doc)
     saved: list[tuple[torch.Tensor, fx.Node]] = []
 
@@ -282,6 +285,17 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
         seen.add(storage._cdata)
         by_node[node] = by_node.get(node, sympy.Integer(0)) + captured.readable(storage.nbytes())
     return by_node
+
+
+def fake_inputs(placeholders: list[fx.Node], pieces: Pieces) -> list:
+    """The fake values a module's fake forward takes: a rank's piece of each
+    (`cost.input_pieces`). A pipeline stage's received activations need a gradient, as the
+    runtime receives them (`runtime.step.pipeline_executor`): the ops reading them save what
+    that gradient needs (Llama's RMSNorm, the first op of a stage, saves its input only then)."""
+    return [
+        value.detach().requires_grad_() if isinstance(value, torch.Tensor) and meta.requires_grad(node) else value
+        for node, value in zip(placeholders, piece_values(placeholders, pieces))
+    ]
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxpar.cost.input_pieces import Pieces, piece_values
 from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
 from fxpar.ir.axes import PlannedAxis, planned_axes
@@ -48,12 +49,13 @@ _VIEWS = {
 
 
 def compiled_saved_bytes(module: fx.GraphModule, captured: CapturedGraph, given: set[str],
-                         axes: dict[str, PlannedAxis]) -> sympy.Expr:
+                         axes: dict[str, PlannedAxis], pieces: Pieces | None = None) -> sympy.Expr:
     """Bytes the compiled forward of `module` keeps for backward (module doc), a formula in
-    the example's batch and sequence; `axes`: the rank's position on each mesh axis."""
+    the example's batch and sequence; `axes`: the rank's position on each mesh axis; `pieces`:
+    the inputs it gets a piece of (`cost.input_pieces`)."""
     module = regathered_by_recomputation(module)  # what the runtime compiles (ZeRO-3)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    inputs = [n.meta.get("val") for n in placeholders]
+    inputs = piece_values(placeholders, pieces or {})
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
     device = next(i.device for i in inputs if isinstance(i, torch.Tensor))  # the capture's
     traced = _with_fake_state(module, fake_mode)

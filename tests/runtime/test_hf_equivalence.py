@@ -72,6 +72,9 @@ ZERO_ON_FOUR_RANKS = [
     "bert sdpa dp=2 pp=2 mb=2 zero=1", "gpt2 sdpa dp=2 pp=2 mb=4 zero=2 schedule=1f1b",
     "qwen2 sdpa dp=2 pp=2 mb=2 zero=3", "mistral sdpa dp=4 zero=3",
     "phi3 sdpa dp=2 tp=2 tp_rules=infer zero=3",  # ZeRO-3's pieces inside q|k|v's unequal blocks
+    # Rides in this launch: the second stage receives its sequence shard, which the estimate's
+    # fake forward must take as the rank does (its activations are held to the byte).
+    "llama sdpa tp=2 sp=true pp=2 mb=2",
 ]
 
 
