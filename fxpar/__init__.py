@@ -15,7 +15,7 @@ layer reads), `ops` (the operators rank modules call), `passes` (graph rewrites)
 `pictures` and `tools` (what people read and run).
 """
 
-from fxpar.compiler.program import Program, compile
+from fxpar.compiler.program import Program, compile, plan_auto
 from fxpar.errors import (
     BatchError, BatchMismatchError, BindError, CaptureError, CheckpointError, CollectiveError, FxparError, PlanError, StepMismatchError,
     VerifyError,
@@ -25,6 +25,7 @@ from fxpar.ir.mesh import Mesh
 import fxpar.ops.distributed  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
 import fxpar.ops.vocab_parallel  # noqa: F401
 from fxpar.plan.plan import Plan
+from fxpar.planner.search import PlanSearch
 from fxpar.tools.diff import PlanDiff, diff
 from fxpar.tools.verify import verify
 from fxpar.tools.verify_report import VerifyReport
@@ -42,6 +43,7 @@ __all__ = [
     "Plan",
     "PlanDiff",
     "PlanError",
+    "PlanSearch",
     "Program",
     "StepMismatchError",
     "VerifyError",
@@ -49,6 +51,7 @@ __all__ = [
     "capture",
     "compile",
     "diff",
+    "plan_auto",
     "verify",
 ]
 __version__ = "0.1.0"

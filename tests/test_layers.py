@@ -23,7 +23,7 @@ LAYERS = (  # bottom to top: (layer, the folders under fxpar/ that make it)
     ("core", ("ir", "plan", "frontend", "ops", "schedule", "errors.py")),
     ("cost", ("cost",)),
     ("passes", ("passes",)),
-    ("program", ("compiler",)),
+    ("program", ("compiler", "planner")),
     ("runtime", ("runtime",)),
     ("tools", ("pictures", "tools", "__main__.py")),
 )

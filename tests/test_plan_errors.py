@@ -46,8 +46,8 @@ def test_unknown_key_suggestion_uses_difflib_for_other_typos() -> None:
 
 
 @pytest.mark.parametrize("text", ["auto", " AUTO "])
-def test_auto_is_not_available_yet(text: str) -> None:
-    with pytest.raises(PlanError, match=r"automatic planning.*not available.*'dp=2'") as caught:
+def test_auto_is_a_search_not_a_plan(text: str) -> None:
+    with pytest.raises(PlanError, match=r"not one plan but a search.*fxpar.plan_auto") as caught:
         Plan.parse(text)
     assert caught.value.field == "plan" and caught.value.value == text
 

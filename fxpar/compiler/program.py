@@ -20,6 +20,7 @@ writes each rank's step program (`step_program`).
 from __future__ import annotations
 
 import functools
+import os
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from fxpar.compiler.pipeline_program import (
 )
 from fxpar.compiler.rank_specialisation import specialise
 from fxpar.cost.profiles import hardware_profile
+from fxpar.errors import PlanError
 from fxpar.frontend import step_sizes
 from fxpar.frontend.model_io import ExampleInputs
 from fxpar.frontend.replaced_state import check_state_not_replaced
@@ -51,6 +53,8 @@ from fxpar.ir.stages import Stage
 from fxpar.ir.step_program import StepProgram
 from fxpar.plan.plan import Plan
 from fxpar.plan.zero_reduction import ZeroReduction, decide, fixed
+from fxpar.planner.auto import search_plans
+from fxpar.planner.search import PlanSearch
 from fxpar.schedule.schedules import Schedule
 
 if TYPE_CHECKING:
@@ -69,6 +73,8 @@ def compile(
     *,
     hardware: str | None = None,
     check: bool = True,
+    world_size: int | None = None,
+    memory_per_device: float | str | None = None,
 ) -> Program:
     """Capture `model(*example_inputs) -> loss` and compile it for `plan`.
 
@@ -85,16 +91,67 @@ def compile(
     that cannot be captured. With `check` (the default), the compiled program is proved before
     it is returned (`Program.prove`: every group's calls match, every send has its receive, the
     schedule cannot deadlock); `check=False` skips it, for tools that prove it themselves.
+
+    `plan="auto"` compiles the plan `plan_auto` chooses for `world_size` devices (default:
+    torchrun's WORLD_SIZE) of `memory_per_device` each (default: this machine's, see
+    `fxpar.planner.budget`); `program.plan` is the choice.
     """
-    plan = Plan.parse(plan)
+    auto = isinstance(plan, str) and plan.strip().lower() == "auto"
+    plan = plan if auto else Plan.parse(plan)  # a bad plan is refused before the capture
     captured = captured_of(model, example_inputs)
     hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
+    if auto:
+        plan = plan_auto(captured, world_size=world_from_launch(world_size), hardware=hardware,
+                         memory_per_device=memory_per_device).plan
     compiled = compile_graph(captured, plan, hardware=hardware)  # checks, passes, warnings, stages
     program = Program(plan=plan, mesh=compiled.mesh, captured=captured, graph_module=compiled.graph_module,
                       stages=compiled.stages, hardware=hardware, passes=compiled.passes)
     if check:
         program.prove()
     return program
+
+
+def plan_auto(
+    model: torch.nn.Module | CapturedGraph,
+    example_inputs: ExampleInputs | None = None,
+    *,
+    world_size: int,
+    memory_per_device: float | str | None = None,
+    hardware: str | None = None,
+    devices_per_node: int | None = None,
+    fixed: str | dict | None = None,
+    optimizer: str = "adamw",
+) -> PlanSearch:
+    """Choose a plan for `world_size` devices: every candidate (`fxpar.planner.space`) compiled
+    from one capture, priced by its own `estimate()`, the fastest that fits the memory chosen.
+
+        search = fxpar.plan_auto(model, (tokens, labels), world_size=8, memory_per_device="80GB",
+                                 hardware="h100", fixed="precision=bf16-mixed")
+        print(search.table())    # the choice, the ten fastest, and why the others were left out
+        program = fxpar.compile(model, search.plan, (tokens, labels))
+
+    `memory_per_device` is bytes or text ("80GB", "24GiB"; default this machine's),
+    `devices_per_node` bounds tp (default the profile's), `fixed` holds plan fields every
+    candidate keeps. A PlanError when no plan fits names the least memory one needs, and the plan.
+    """
+    return search_plans(captured_of(model, example_inputs), compile_plan=compile, world_size=world_size,
+                        hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"),
+                        memory_per_device=memory_per_device, devices_per_node=devices_per_node,
+                        fixed=fixed, optimizer=optimizer)
+
+
+def world_from_launch(world_size: int | None) -> int:
+    """`world_size` as given, else torchrun's WORLD_SIZE; a PlanError without either."""
+    if world_size is None and (world_size := os.environ.get("WORLD_SIZE")) is None:
+        raise PlanError(
+            "plan 'auto' searches plans for a number of devices, and neither world_size nor "
+            "torchrun's WORLD_SIZE gives it. Fix: fxpar.compile(model, 'auto', inputs, "
+            "world_size=8), or run under torchrun",
+            field="world_size", value=None)
+    if not str(world_size).isdigit() or int(world_size) < 1:
+        raise PlanError(f"world_size must be a positive integer, got {world_size!r}. Fix: world_size=8",
+                        field="world_size", value=world_size)
+    return int(world_size)
 
 
 class Program:

@@ -174,11 +174,11 @@ class Estimate:
                 shown = "" if formula is None or formula.is_number else f"   = {_short(formula)}"
                 peak = (group, key) == ("memory", "total")
                 label = f"{group}.{key}" + (" (peak)" if peak else "")
-                lines.append(f"  {label:<22}{_si(value, unit):>12}{shown}")
+                lines.append(f"  {label:<22}{si(value, unit):>12}{shown}")
         for kind, entry in self.comm.items():
             lines.append(
                 f"  comm.{kind:<17}{entry['count']:>6.0f} calls, payload "
-                f"{_si(entry['payload_bytes'], 'B')}, wire {_si(entry['wire_bytes'], 'B')}"
+                f"{si(entry['payload_bytes'], 'B')}, wire {si(entry['wire_bytes'], 'B')}"
             )
         if not self.comm:
             lines.append("  comm                  none")
@@ -243,8 +243,7 @@ def estimate(
                                "total")),
         comm=comm,
         time=pick("time", ("compute", "recompute", "optimizer", "comm_exposed", "bubble", "total")),
-        formulas={k: sympy.nsimplify(v) if v.is_number else _rounded(v)
-                  for k, v in ((k, sympy.sympify(v)) for k, v in formulas.items())},
+        formulas={k: _rounded(sympy.sympify(v)) for k, v in formulas.items()},
         uncosted=compute.uncosted,
         peak_flops=device.peak_flops[precision],
         world_size=program.world_size,
@@ -391,7 +390,8 @@ def exposed_comm_seconds(program: CompiledProgram, device: Hardware,
 
 
 def _rounded(expr: sympy.Expr) -> sympy.Expr:
-    """Floats in a formula shown to 4 significant digits; integers kept exact."""
+    """Floats in a formula shown to 4 significant digits; integers and fractions kept exact.
+    (Not `sympy.nsimplify`, whose search for a closed form took most of the planner's time.)"""
     return expr.xreplace({f: sympy.Float(f, 4) for f in expr.atoms(sympy.Float)})
 
 
@@ -403,7 +403,8 @@ def _short(expr: sympy.Expr) -> str:
 _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
-def _si(value: float, unit: str) -> str:
+def si(value: float, unit: str) -> str:
+    """`value` with an SI prefix ("3.200 MB"), seconds as ms below one ("0.740 ms")."""
     if unit == "s":
         return f"{value * 1e3:.3f} ms" if value < 1 else f"{value:.3f} s"
     for scale, prefix in _PREFIXES:

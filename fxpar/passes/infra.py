@@ -81,10 +81,10 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[GraphPass]) -> fx.GraphModul
             after = f"after {', '.join(done)}" if done else "as the first pass"
             error.add_note(f"fxpar: pass {name} failed ({after})")
             raise
-        gm.recompile()
         log.debug(
             "%s: %.1f ms, %d -> %d nodes",
             name, 1e3 * (time.perf_counter() - start), before, len(gm.graph.nodes),
         )
         done.append(name)
+    gm.recompile()  # once: passes read and write the graph, never the generated code
     return gm

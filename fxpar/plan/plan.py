@@ -226,7 +226,7 @@ class Plan:
         A path (`os.PathLike`) is read with `from_file`, and so is a `str` that looks like one
         (it ends in .json, .yaml or .yml, or is one word with a suffix, such as `plan.toml`),
         which is refused unless it names an existing plan file: nothing else is ever read. The
-        text `auto` is refused: automatic planning is not available yet.
+        text `auto` is refused: it asks for a search (`fxpar.plan_auto`), not one plan.
         """
         if isinstance(spec, Plan):
             return spec
@@ -242,14 +242,26 @@ class Plan:
         text = spec.strip()
         if text.lower() == "auto":
             raise PlanError(
-                "plan 'auto' asks for automatic planning, which is not available in this fxpar "
-                "version yet. Fix: give explicit degrees such as 'dp=2'.",
+                "plan 'auto' is not one plan but a search for one, which needs the model, its "
+                "example batch and the world size. Fix: fxpar.compile(model, 'auto', inputs, "
+                "world_size=N) compiles the plan the search chooses; fxpar.plan_auto(model, "
+                "inputs, world_size=N) shows the ranking",
                 field="plan",
                 value=spec,
             )
         if text.lower().endswith(FILE_SUFFIXES) or LOOKS_LIKE_PATH.fullmatch(text):
             return cls.from_file(text)
         return cls._from_entries(split_entries(text))
+
+    @classmethod
+    def fields_given(cls, spec: str | Mapping[str, object]) -> dict[str, object]:
+        """The fields `spec` sets, checked as `parse` checks them, by field name:
+        `"precision=bf16-mixed, sp=true"` -> `{"precision": "bf16-mixed", "sequence_parallel":
+        True}`. A default written out counts as given (the planner keeps every given field)."""
+        entries = list(spec.items()) if isinstance(spec, Mapping) else split_entries(spec)
+        plan = cls._from_entries(entries)
+        names = [FIELD_OF_KEY[str(key)] for key, _ in entries]
+        return {name: getattr(plan, name) for name in names}
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

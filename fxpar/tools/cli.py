@@ -6,6 +6,7 @@
     fxpar check    --hf llama --config num_hidden_layers=2 hidden_size=64 --plan "dp=2 tp=2"
     fxpar estimate --model examples/gpt.py:factory --plan dp=8 --hardware h100
     fxpar diff "dp=4" "dp=2 tp=2" --model examples/gpt.py:factory
+    fxpar plan     --model examples/gpt.py:factory --world 8 --hardware h100 --memory 80GB
     fxpar verify   --model examples/gpt.py:factory --config n_layer=2 seq=16 batch=8 --plan "dp=2 tp=2"
 
 The model is `--model FILE.py:FACTORY` or `package.module:FACTORY` (a function returning the
@@ -48,6 +49,8 @@ COMMANDS = {
                  f"fxpar estimate {EXAMPLE} --plan dp=8 --hardware h100"),
     "diff": ("what changes between two plans of one model",
              f'fxpar diff "dp=4" "dp=2 tp=2" {EXAMPLE}'),
+    "plan": ("choose a plan for N devices: the fastest that fits, the ten fastest, why the rest do not",
+             f"fxpar plan {EXAMPLE} --world 8 --hardware h100 --memory 80GB"),
     "verify": ("run one step of the plan on CPU ranks and one device; name the first node that differs",
                f'fxpar verify {EXAMPLE} --config n_layer=2 seq=16 batch=8 --plan "dp=2 tp=2"'),
 }
@@ -84,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "diff":
             sub.add_argument("plans", nargs=2, metavar=("PLAN_A", "PLAN_B"), help="two plans: text or .json/.yaml files")
-        _model_options(sub, plan=name != "diff")
+        _model_options(sub, plan=name not in ("diff", "plan"))
         if name in ("explain", "viz", "report", "diff"):
             sub.add_argument("--rank", type=int, default=None,
                              help="the rank to show (viz: default the global view; others: 0)")
-        if name in ("explain", "report", "estimate", "diff"):
+        if name in ("explain", "report", "estimate", "diff", "plan"):
             sub.add_argument("--hardware", default="h100", help="cost profile: cpu, a100, h100, h200 (default h100)")
         if name in ("viz", "report"):
             sub.add_argument("-o", "--output", type=Path, default=Path(f"plan.{'svg' if name == 'viz' else 'html'}"),
@@ -99,7 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--expand", nargs="+", default=[], metavar="MODULE", help="modules to open, e.g. h.3")
         if name == "report":
             sub.add_argument("--compare", metavar="PLAN", help="another plan of the model to diff against")
-        if name == "estimate":
+        if name == "plan":
+            sub.add_argument("--world", type=int, required=True, help="the number of devices")
+            sub.add_argument("--memory", help="memory per device: 80GB, 24GiB, bytes (default this machine's)")
+            sub.add_argument("--devices-per-node", type=int, help="bounds tp (default the profile's)")
+            sub.add_argument("--fix", default=None, metavar="FIELDS",
+                             help='plan fields every candidate keeps, e.g. "precision=bf16-mixed"')
+            sub.add_argument("--top", type=int, default=10, help="how many of the fastest to list (default 10)")
+        if name in ("estimate", "plan"):
             sub.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd-momentum"))
         if name == "verify":
             from fxpar.tools.verify_report import ATOL, RTOL
@@ -242,6 +252,18 @@ def _check_output(path: Path, *, suffixes: tuple[str, ...]) -> None:
     raise UsageError(f"-o {str(path)!r} {problem}. Fix: {fix}")
 
 
+def run_plan(args) -> int:
+    from fxpar.compiler.program import plan_auto
+
+    if args.world < 1:
+        raise UsageError(f"--world {args.world}: the number of devices is a positive integer")
+    search = plan_auto(_capture(args), world_size=args.world, hardware=_hardware(args.hardware),
+                       memory_per_device=args.memory, devices_per_node=args.devices_per_node,
+                       fixed=args.fix, optimizer=args.optimizer)
+    print(search.table(top=args.top))
+    return 0
+
+
 def _options_checked(call: Callable[[], T]) -> T:
     """`call()`, where a ValueError can only be about the options it was given (a suffix, a
     module to expand, a rank, two models): a usage error."""
@@ -283,4 +305,4 @@ def run_verify(args) -> int:
 
 
 RUN = {"explain": run_explain, "viz": run_viz, "report": run_report, "check": run_check,
-       "estimate": run_estimate, "diff": run_diff, "verify": run_verify}
+       "estimate": run_estimate, "diff": run_diff, "plan": run_plan, "verify": run_verify}

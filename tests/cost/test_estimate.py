@@ -333,3 +333,16 @@ def test_tensor_parallel_stages_split_their_weight_gradients():
 
 def test_no_pipeline_no_simulation(program):
     assert program.estimate("h100").pipeline is None
+
+
+def test_plans_of_one_capture_are_estimated_as_from_their_own_capture():
+    """Rank modules alike across plans share one activation trace per capture
+    (`cost.memo.module_key`): each estimate equals the one made from a fresh capture."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, 256, (8, 32))
+    shared = capture(model, (tokens, tokens))
+    for plan in ("dp=2", "dp=4 zero=1", "tp=2 pp=2 sp=true mb=2", "dp=2 checkpoint=selective"):
+        once = fxpar.compile(shared, plan).estimate("h100")
+        alone = fxpar.compile(capture(model, (tokens, tokens)), plan).estimate("h100")
+        assert (once.memory, once.time) == (alone.memory, alone.time), plan

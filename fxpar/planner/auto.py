@@ -1,0 +1,70 @@
+"""`plan="auto"` for one capture: its search space, its memory bound, and each candidate priced
+by the program's own estimate.
+
+One capture serves every candidate: each is compiled from it (`compile(captured, plan)`, no
+second `torch.export`) and priced by `program.estimate()`, the same numbers `fxpar estimate`
+prints for that plan, so the ranking is never a second cost model that can disagree with the
+first. The compile function is passed in by `fxpar.compiler.program`, which owns it.
+
+The hardware profile is resolved once for the whole search. "cpu" is nominal here, not
+measured: under torchrun every rank runs this search for itself, and only constants every rank
+shares make them all choose the same plan (as gradient-bucket sizes, `cost.profiles`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+
+from fxpar.cost.hardware import Hardware
+from fxpar.cost.memory import model_state_bytes
+from fxpar.cost.profiles import hardware_profile
+from fxpar.frontend.trace import CapturedGraph
+from fxpar.plan.plan import Plan
+from fxpar.planner.budget import memory_budget
+from fxpar.planner.search import PlanSearch, Scored, search
+from fxpar.planner.space import SearchSpace
+
+
+def search_plans(
+    captured: CapturedGraph,
+    *,
+    compile_plan: Callable[..., object],
+    world_size: int,
+    hardware: str,
+    memory_per_device: float | str | None = None,
+    devices_per_node: int | None = None,
+    fixed: str | Mapping[str, object] | None = None,
+    optimizer: str = "adamw",
+) -> PlanSearch:
+    """Search every plan of `world_size` ranks for `captured` (module doc, `planner.search`)."""
+    device = hardware_profile(hardware, measured=False)
+    space = SearchSpace(world_size=world_size, devices_per_node=devices_per_node or device.devices_per_node,
+                        batch=captured.example_batch, fixed=Plan.fields_given(fixed) if fixed else {})
+    parameters = captured.parameter_count()
+
+    def bound(plan: Plan) -> float:
+        """Bytes the worst rank holds at least: its weights and optimizer state, for at least
+        an even share of the parameters (tp and pp split no parameter more finely)."""
+        state = model_state_bytes(parameters / (plan.tp * plan.pp), precision=plan.precision,
+                                  optimizer=optimizer, zero=plan.zero, dp=plan.dp,
+                                  reduce_dtype=plan.reduce_dtype)
+        return float(state["params"] + state["optimizer"])
+
+    def evaluate(plan: Plan) -> Scored:
+        return priced(compile_plan, captured, plan, hardware=hardware, device=device, optimizer=optimizer)
+
+    return search(space, hardware=device.name, budget_bytes=memory_budget(memory_per_device, world_size=world_size),
+                  bound=bound, evaluate=evaluate)
+
+
+def priced(compile_plan, captured: CapturedGraph, plan: Plan, *, hardware: str, device: Hardware,
+           optimizer: str) -> Scored:
+    """`plan` compiled from `captured` and estimated on `device`. Compile's warnings (a mean
+    loss over unequal pieces, ...) are the chosen plan's to give when it is compiled for real,
+    not every candidate's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = compile_plan(captured, plan, hardware=hardware, check=False)
+    estimate = program.estimate(hardware=device, optimizer=optimizer)
+    return Scored(plan=plan, seconds=estimate.time["total"], peak_bytes=estimate.memory["total"], estimate=estimate)

@@ -1,0 +1,105 @@
+"""The plans `plan="auto"` chooses among: the search space, one candidate at a time.
+
+A candidate is a set of plan fields. The space crosses
+
+    layout          every dp x tp x pp that multiplies to the world size, tp within a node
+                    (its all-reduces sit on every layer's critical path: Megatron's rule,
+                    Narayanan et al. 2021 Sec. 3.3), pp at most the model's blocks
+    ZeRO            0-3 with dp > 1 (with dp = 1 there is nothing to shard over: a stage
+                    the caller fixes leaves the dp = 1 layouts out)
+    microbatches    without a pipeline 1, 2, 4 (fewer activations per pass, more passes); with
+                    one, pp, 2 pp and 4 pp (GPipe Sec. 2.3: the bubble shrinks as mb grows)
+    schedule        with a pipeline: 1F1B, GPipe, interleaved 1F1B (two chunks per rank),
+                    zero-bubble ZB-H1
+    sp              with tp > 1, sequence parallelism off and on
+    checkpoint      none, selective (attention's core), full (every block)
+
+and keeps the fields the caller fixes (`precision`, `tp_rules`, or a degree: `fixed`) in every
+candidate. A candidate whose batch cannot split `dp x mb` ways is left out here; every other
+rule (heads divisible by tp, blocks by the stages, ...) is the plan's and the compiler's own,
+and the search reports the candidates they refuse with their reasons.
+
+Compiled mode is not searched: its time is priced as eager mode's until the cost model prices
+fused kernels (issue #32, item 2), so the search could not tell the two apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from fxpar.plan.plan import Plan
+
+# The fields the search varies, and the plan fields that also fix a layout's degrees.
+SEARCHED = ("dp", "tp", "pp", "zero", "microbatches", "schedule", "sequence_parallel", "checkpoint")
+STEPS_PER_STAGE = (1, 2, 4)  # pipeline microbatches as multiples of pp
+MICROBATCHES = (1, 2, 4)  # without a pipeline
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+CHECKPOINTS = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the search may choose: the world, the batch it splits, and the fixed fields."""
+
+    world_size: int
+    devices_per_node: int  # tp stays within one node
+    batch: int  # the global batch, in sequences
+    fixed: Mapping[str, object] = field(default_factory=dict)  # plan fields every candidate keeps
+
+    def __post_init__(self) -> None:
+        Plan(**self.fixed)  # an invalid fixed field is the caller's PlanError, named as such
+
+    def layouts(self) -> list[tuple[int, int, int]]:
+        """Every (dp, tp, pp) whose product is the world size, tp within a node, and each
+        matching the degrees the caller fixed."""
+        found = []
+        for tp in divisors(self.world_size):
+            for pp in divisors(self.world_size // tp):
+                dp = self.world_size // (tp * pp)
+                degrees = {"dp": dp, "tp": tp, "pp": pp}
+                if tp <= self.devices_per_node and all(self.fixed.get(k, v) == v for k, v in degrees.items()):
+                    found.append((dp, tp, pp))
+        return found
+
+    def candidates(self) -> Iterator[dict[str, object]]:
+        """The plan fields of every candidate, layouts in `layouts` order."""
+        for dp, tp, pp in self.layouts():
+            options = {
+                "zero": (0, 1, 2, 3) if dp > 1 else (0,),
+                "microbatches": tuple(pp * k for k in STEPS_PER_STAGE) if pp > 1 else MICROBATCHES,
+                "schedule": SCHEDULES if pp > 1 else ("1f1b",),
+                "sequence_parallel": (False, True) if tp > 1 else (False,),
+                "checkpoint": CHECKPOINTS,
+            }
+            options = {k: (self.fixed[k],) if k in self.fixed else v for k, v in options.items()}
+            for values in itertools.product(*options.values()):
+                fields = {**self.fixed, "dp": dp, "tp": tp, "pp": pp, **dict(zip(options, values))}
+                if self.batch % (dp * fields["microbatches"]) or (fields["zero"] and dp == 1):
+                    continue  # the batch does not split; ZeRO with nothing to shard over
+                if fields["schedule"] == "interleaved":
+                    fields["virtual_stages"] = 2
+                yield fields
+
+
+def memory_trade(fields: Mapping[str, object]) -> tuple[tuple, tuple[int, ...]]:
+    """A candidate split into what its time depends on and the options that only trade time
+    for memory, as ranks (higher saves more, costs more): recomputation, and without a
+    pipeline the microbatch count (more passes of less work; with one, microbatches also
+    shrink the bubble). Of two candidates with the same first part, one whose ranks are all
+    at most the other's is at least as fast: the cost model adds recomputation's forward
+    and each microbatch's op overheads and exposed collectives, and takes nothing away."""
+    pipelined = fields["pp"] > 1
+    traded = {"checkpoint": CHECKPOINTS.index(fields["checkpoint"])}
+    if not pipelined:
+        traded["microbatches"] = fields["microbatches"]
+    rest = tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in traded))
+    return rest, tuple(traded.values())
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
