@@ -60,18 +60,20 @@ def test_as_the_budget_tightens_it_trades_time_for_memory_zero_first(captured, a
     """Budgets of 90%, 50% and 30% of what pure data parallelism needs: every choice fits its
     budget and none is faster than the last; ZeRO comes first (it costs least time), then
     recomputation, pipelining or ZeRO-3; when nothing fits, the error names the least memory a
-    plan needs. (tp=1 is fixed: data and pipeline layouts keep the test short.)"""
+    plan needs. (tp=1 and 1F1B are fixed: data and pipeline layouts, one schedule, keep the
+    test short.)"""
     chosen = [ample.best]
     for share in (0.9, 0.5):
         budget = share * ample.best.peak_bytes
-        best = fxpar.plan_auto(captured, world_size=2, hardware="h100", memory_per_device=budget, fixed="tp=1").best
+        best = fxpar.plan_auto(captured, world_size=2, hardware="h100", memory_per_device=budget,
+                                   fixed="tp=1 schedule=1f1b").best
         assert best.peak_bytes <= budget and best.seconds >= chosen[-1].seconds
         chosen.append(best)
     assert chosen[1].plan.zero in (1, 2) and chosen[1].plan.checkpoint == "none" and chosen[1].plan.pp == 1
     assert chosen[2].plan.checkpoint != "none" or chosen[2].plan.pp > 1 or chosen[2].plan.zero == 3
     with pytest.raises(fxpar.PlanError, match="the least a plan needs is") as caught:
         fxpar.plan_auto(captured, world_size=2, hardware="h100", memory_per_device=0.3 * ample.best.peak_bytes,
-                        fixed="tp=1")
+                        fixed="tp=1 schedule=1f1b")
     assert caught.value.field == "memory_per_device"
 
 

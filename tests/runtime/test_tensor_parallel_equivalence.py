@@ -50,7 +50,7 @@ def train_and_compare(torchrun, nproc: int, plans: list[str], model: str) -> lis
     return ranks
 
 
-@pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
+@pytest.mark.parametrize("model", ["gpt"])  # gpt2 and llama: tp=2 with and without sp at dp=2 below
 def test_tp2_matches_single_device(torchrun, model):
     # (loss=chunked: the vocabulary-parallel loss's reductions a block of rows at a time)
     plans = ["tp=2", "tp=2 sp=true"] + ([MEGATRON, MEGATRON_SP, "tp=2 loss=chunked"] if model == "gpt" else [])
