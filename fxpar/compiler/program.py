@@ -102,7 +102,7 @@ def compile(
     hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
     if auto:
         plan = plan_auto(captured, world_size=world_from_launch(world_size), hardware=hardware,
-                         memory_per_device=memory_per_device).plan
+                         memory_per_device=memory_per_device, measured=False).plan  # alike on every rank
     compiled = compile_graph(captured, plan, hardware=hardware)  # checks, passes, warnings, stages
     program = Program(plan=plan, mesh=compiled.mesh, captured=captured, graph_module=compiled.graph_module,
                       stages=compiled.stages, hardware=hardware, passes=compiled.passes)
@@ -121,6 +121,7 @@ def plan_auto(
     devices_per_node: int | None = None,
     fixed: str | dict | None = None,
     optimizer: str = "adamw",
+    measured: bool = True,
 ) -> PlanSearch:
     """Choose a plan for `world_size` devices: every candidate (`fxpar.planner.space`) compiled
     from one capture, priced by its own `estimate()`, the fastest that fits the memory chosen.
@@ -132,12 +133,14 @@ def plan_auto(
 
     `memory_per_device` is bytes or text ("80GB", "24GiB"; default this machine's),
     `devices_per_node` bounds tp (default the profile's), `fixed` holds plan fields every
-    candidate keeps. A PlanError when no plan fits names the least memory one needs, and the plan.
+    candidate keeps; `measured=False` prices "cpu" with nominal constants instead of this
+    machine's (`cost.profiles`). A PlanError when no plan fits names the least memory one needs,
+    and the plan.
     """
     return search_plans(captured_of(model, example_inputs), compile_plan=compile, world_size=world_size,
                         hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"),
                         memory_per_device=memory_per_device, devices_per_node=devices_per_node,
-                        fixed=fixed, optimizer=optimizer)
+                        fixed=fixed, optimizer=optimizer, measured=measured)
 
 
 def world_from_launch(world_size: int | None) -> int:

@@ -6,8 +6,9 @@ second `torch.export`) and priced by `program.estimate()`, the same numbers `fxp
 prints for that plan, so the ranking is never a second cost model that can disagree with the
 first. The compile function is passed in by `fxpar.compiler.program`, which owns it.
 
-The hardware profile is resolved once for the whole search. "cpu" is nominal here, not
-measured: under torchrun every rank runs this search for itself, and only constants every rank
+The hardware profile is resolved once for the whole search. "cpu" is measured on this machine
+(as `program.estimate("cpu")` is) unless `measured=False`, which `compile(model, "auto")`
+passes: under torchrun every rank runs the search for itself, and only constants every rank
 shares make them all choose the same plan (as gradient-bucket sizes, `cost.profiles`).
 """
 
@@ -36,9 +37,10 @@ def search_plans(
     devices_per_node: int | None = None,
     fixed: str | Mapping[str, object] | None = None,
     optimizer: str = "adamw",
+    measured: bool = True,
 ) -> PlanSearch:
     """Search every plan of `world_size` ranks for `captured` (module doc, `planner.search`)."""
-    device = hardware_profile(hardware, measured=False)
+    device = hardware_profile(hardware, measured=measured)
     space = SearchSpace(world_size=world_size, devices_per_node=devices_per_node or device.devices_per_node,
                         batch=captured.example_batch, fixed=Plan.fields_given(fixed) if fixed else {})
     parameters = captured.parameter_count()

@@ -190,6 +190,13 @@ def _refused(plan: str, error: PlanError) -> Rejected:
 
 def _nothing_fits(space: SearchSpace, budget_bytes: float | None, rejected: list[Rejected]) -> PlanError:
     over = [r for r in rejected if r.reason == "memory"]
+    if not rejected:
+        fixed = " ".join(f"{FIELDS[k][0]}={text_of(v)}" for k, v in space.fixed.items()) or "none"
+        return PlanError(
+            f"plan auto: no layout of {space.world_size} ranks (tp at most {space.devices_per_node} "
+            f"devices per node) splits the batch of {space.batch} under the fixed fields ({fixed}). "
+            "Fix: fix fewer fields, or a batch or world size that divide each other",
+            field="world_size", value=space.world_size)
     if not over:
         reasons = sorted({f"{r.reason}: {_first_sentence(r.message)}" for r in rejected})
         return PlanError(

@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 
 from fxpar.plan.plan import Plan
 
-# The fields the search varies, and the plan fields that also fix a layout's degrees.
-SEARCHED = ("dp", "tp", "pp", "zero", "microbatches", "schedule", "sequence_parallel", "checkpoint")
 STEPS_PER_STAGE = (1, 2, 4)  # pipeline microbatches as multiples of pp
 MICROBATCHES = (1, 2, 4)  # without a pipeline
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")

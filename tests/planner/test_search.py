@@ -108,3 +108,9 @@ def _valid(fields):
         return True
     except fxpar.PlanError:
         return False
+
+
+def test_fixed_fields_that_leave_no_candidate_are_named():
+    space = SearchSpace(world_size=4, devices_per_node=2, batch=8, fixed={"tp": 4})
+    with pytest.raises(fxpar.PlanError, match=r"no layout of 4 ranks \(tp at most 2 .*fixed fields \(tp=4\)"):
+        run(budget=None, space=space)
