@@ -239,7 +239,7 @@ def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: 
                 computed = node.meta["val"].dtype if isinstance(node.meta.get("val"), torch.Tensor) else None
                 getters[node.target] = (value, value.requires_grad, computed)
     runs = segments(module.graph.nodes, meta.recompute_region)
-    return _saved_bytes(module, captured, getters, runs, given=given, pieces=pieces or {})
+    return _saved_bytes(module, captured, getters, runs, given=given, pieces=pieces)
 
 
 def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
@@ -247,14 +247,14 @@ def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
 
 
 def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
-                 given: set[str] = frozenset(), pieces: Pieces = {}) -> dict[fx.Node, sympy.Expr]:  # noqa: B006
+                 given: set[str] = frozenset(), pieces: Pieces | None = None) -> dict[fx.Node, sympy.Expr]:
     """The fake forward of the module doc over `gm`, its state given as (tensor whose shape,
     stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the
     inputs named in `given` (the step's batch, which the step does not allocate) are not
     counted, like the state. Each storage's bytes go to the node whose op saved it first (a
     checkpointed run's kept inputs: to the run's last node)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = fake_inputs(placeholders, pieces)
+    inputs = fake_inputs(placeholders, pieces or {})
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
     device = next(i.device for i in inputs if isinstance(i, torch.Tensor))  # the capture's (module doc)
     saved: list[tuple[torch.Tensor, fx.Node]] = []

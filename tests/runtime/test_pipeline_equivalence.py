@@ -29,7 +29,7 @@ def assert_ran_its_schedule(ranks: list[dict], plans: list[str]) -> None:
             assert results[plan]["executed"] == results[plan]["schedule_row"], (plan, results[plan]["rank"])
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["llama"])  # the GPT's: in NCCL's transfer order below, and at pp=4
 def test_pp2_every_schedule_matches_single_device(torchrun, model):
     plans = ["pp=2 mb=4", "pp=2 mb=8 schedule=gpipe", "pp=2 mb=4 schedule=interleaved virtual_stages=2",
              "pp=2 mb=4 schedule=zb-h1"]

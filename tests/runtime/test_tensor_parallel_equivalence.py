@@ -50,7 +50,7 @@ def train_and_compare(torchrun, nproc: int, plans: list[str], model: str) -> lis
     return ranks
 
 
-@pytest.mark.parametrize("model", ["gpt"])  # gpt2 and llama: tp=2 with and without sp at dp=2 below
+@pytest.mark.parametrize("model", ["gpt"])  # llama: tp=2, with and without sp, at dp=2 below; GPT-2: the HF tests
 def test_tp2_matches_single_device(torchrun, model):
     # (loss=chunked: the vocabulary-parallel loss's reductions a block of rows at a time)
     plans = ["tp=2", "tp=2 sp=true"] + ([MEGATRON, MEGATRON_SP, "tp=2 loss=chunked"] if model == "gpt" else [])
@@ -79,6 +79,6 @@ def test_tp2_matches_single_device(torchrun, model):
         }
 
 
-@pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama"])  # GPT-2's fused c_attn: tests/runtime/test_hf_equivalence.py
 def test_tp4_and_dp2_tp2_match_single_device(torchrun, model):
     train_and_compare(torchrun, 4, ["tp=4", "dp=2 tp=2 mb=2", "dp=2 tp=2 sp=true"], model)
