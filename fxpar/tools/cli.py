@@ -6,7 +6,7 @@
     fxpar check    --hf llama --config num_hidden_layers=2 hidden_size=64 --plan "dp=2 tp=2"
     fxpar estimate --model examples/gpt.py:factory --plan dp=8 --hardware h100
     fxpar diff "dp=4" "dp=2 tp=2" --model examples/gpt.py:factory
-    fxpar plan     --model examples/gpt.py:factory --world 8 --hardware h100 --memory 80GB
+    fxpar plan     --model examples/gpt.py:factory --config n_layer=2 --world 4 --hardware h100 --memory 80GB
     fxpar verify   --model examples/gpt.py:factory --config n_layer=2 seq=16 batch=8 --plan "dp=2 tp=2"
 
 The model is `--model FILE.py:FACTORY` or `package.module:FACTORY` (a function returning the
@@ -50,7 +50,7 @@ COMMANDS = {
     "diff": ("what changes between two plans of one model",
              f'fxpar diff "dp=4" "dp=2 tp=2" {EXAMPLE}'),
     "plan": ("choose a plan for N devices: the fastest that fits, the ten fastest, why the rest do not",
-             f"fxpar plan {EXAMPLE} --world 8 --hardware h100 --memory 80GB"),
+             f"fxpar plan {EXAMPLE} --config n_layer=2 --world 4 --hardware h100 --memory 80GB"),
     "verify": ("run one step of the plan on CPU ranks and one device; name the first node that differs",
                f'fxpar verify {EXAMPLE} --config n_layer=2 seq=16 batch=8 --plan "dp=2 tp=2"'),
 }
