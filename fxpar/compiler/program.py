@@ -99,7 +99,7 @@ def compile(
     auto = isinstance(plan, str) and plan.strip().lower() == "auto"
     plan = plan if auto else Plan.parse(plan)  # a bad plan is refused before the capture
     captured = captured_of(model, example_inputs)
-    hardware = hardware or ("h100" if torch.cuda.is_available() else "cpu")
+    hardware = hardware or default_hardware()
     if auto:
         plan = plan_auto(captured, world_size=world_from_launch(world_size), hardware=hardware,
                          memory_per_device=memory_per_device, measured=False).plan  # alike on every rank
@@ -138,9 +138,15 @@ def plan_auto(
     and the plan.
     """
     return search_plans(captured_of(model, example_inputs), compile_plan=compile, world_size=world_size,
-                        hardware=hardware or ("h100" if torch.cuda.is_available() else "cpu"),
+                        hardware=hardware or default_hardware(),
                         memory_per_device=memory_per_device, devices_per_node=devices_per_node,
                         fixed=fixed, optimizer=optimizer, measured=measured)
+
+
+def default_hardware() -> str:
+    """The cost profile compile and the planner use when none is named: "h100" where CUDA is,
+    else "cpu"."""
+    return "h100" if torch.cuda.is_available() else "cpu"
 
 
 def world_from_launch(world_size: int | None) -> int:

@@ -26,15 +26,16 @@ fused kernels (issue #32, item 2), so the search could not tell the two apart.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+import sympy
+
 from fxpar.plan.plan import Plan
+from fxpar.schedule.schedules import SCHEDULES
 
 STEPS_PER_STAGE = (1, 2, 4)  # pipeline microbatches as multiples of pp
 MICROBATCHES = (1, 2, 4)  # without a pipeline
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 CHECKPOINTS = ("none", "selective", "full")
 
 
@@ -99,5 +100,4 @@ def memory_trade(fields: Mapping[str, object]) -> tuple[tuple, tuple[int, ...]]:
 
 def divisors(n: int) -> list[int]:
     """The positive divisors of `n`, ascending."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
+    return [int(d) for d in sympy.divisors(n)]
