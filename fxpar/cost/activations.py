@@ -32,14 +32,8 @@ leaving out the batch the step is given, as the runtime's meter does
 (`runtime.step.saved_tensors`); times the microbatches its schedule keeps in flight, that is the
 estimate's `memory.activations`.
 
-The saved bytes are not the whole of backward's memory: when backward starts, every saved
-tensor is still alive and the loss's backward allocates its own tensors on top.
-`backward_workspace_bytes` gives that term, W = 2 x the largest tensor the loss is computed
-from: for cross-entropy over logits, the logits' gradient and the log-softmax gradient. It
-was fitted on the example GPT on the CPU, where the measured peak of all nine configurations
-is at the start of backward and this W accounts for it (RESULTS.md, "memory peak"). It is not
-2 x the largest tensor of the graph: a GPT's MLP hidden (4h wide) is often larger than its
-logits, but its gradient exists only once later layers have freed their saved tensors.
+The saved bytes are not the whole of backward's memory: what backward allocates beside them
+is `cost.workspace`'s.
 """
 
 from __future__ import annotations
@@ -86,8 +80,9 @@ class _FakeStateInterpreter(fx.Interpreter):
     recomputed run save nothing, and the run's inputs go to `kept` (module doc)."""
 
     def __init__(self, gm: fx.GraphModule, state: dict[str, torch.Tensor], runs: list[list[fx.Node]],
-                 kept: list[torch.Tensor], device: torch.device):
+                 kept: list[torch.Tensor], device: torch.device, observe=None):
         super().__init__(gm)
+        self.observe = observe  # called with (node, its inputs' values, its value) after each op
         self.state = state
         self.device = device
         self.run_of = {node: run for run in runs for node in run}
@@ -114,6 +109,8 @@ class _FakeStateInterpreter(fx.Interpreter):
     def run_node(self, node: fx.Node):
         self.running = node
         value = self._run_node(node)
+        if self.observe is not None and node.op == "call_function":
+            self.observe(node, [self.env[a] for a in node.all_input_nodes], value)
         source = node.args[0] if node.op == "call_function" and node.args else None
         if isinstance(source, fx.Node) and isinstance(x := self.env.get(source), torch.Tensor) \
                 and shares_storage_at_run_time(node, x):
@@ -229,6 +226,26 @@ def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: 
     inputs named in `given`, what a step gives its modules (the batch, the count of valid
     targets), are left out as the runtime's meter leaves them out; the inputs named in `pieces`
     are a rank's piece of them (`fake_inputs`)."""
+    runs = segments(module.graph.nodes, meta.recompute_region)
+    return _saved_bytes(module, captured, module_getters(module), runs, given=given, pieces=pieces)
+
+
+def observe_fake_forward(module: fx.GraphModule, captured: CapturedGraph, given: set[str],
+                         pieces: Pieces | None, observe) -> None:
+    """Run `saved_bytes_by_node`'s fake forward of a rank's `module`, calling
+    `observe(node, input values, value)` after each op: what else a fake forward can tell
+    (`cost.workspace`)."""
+    runs = segments(module.graph.nodes, meta.recompute_region)
+    _saved_bytes(module, captured, module_getters(module), runs, given=given, pieces=pieces, observe=observe)
+
+
+def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
+    return sympy.expand(sum(by_node.values(), sympy.Integer(0)))
+
+
+def module_getters(module: fx.GraphModule) -> dict:
+    """A rank module's state for the fake forward: (tensor whose shape, stride and dtype to take,
+    requires_grad, the dtype the graph computes it in or None) per get_attr target."""
     getters = {}
     for node in module.graph.nodes:
         if node.op == "get_attr":
@@ -238,21 +255,18 @@ def saved_bytes_by_node(module: fx.GraphModule, captured: CapturedGraph, given: 
                 # parameter (`passes.mixed_precision`), whatever the tensor holds before bind.
                 computed = node.meta["val"].dtype if isinstance(node.meta.get("val"), torch.Tensor) else None
                 getters[node.target] = (value, value.requires_grad, computed)
-    runs = segments(module.graph.nodes, meta.recompute_region)
-    return _saved_bytes(module, captured, getters, runs, given=given, pieces=pieces)
-
-
-def _total(by_node: dict[fx.Node, sympy.Expr]) -> sympy.Expr:
-    return sympy.expand(sum(by_node.values(), sympy.Integer(0)))
+    return getters
 
 
 def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, runs: list[list[fx.Node]],
-                 given: set[str] = frozenset(), pieces: Pieces | None = None) -> dict[fx.Node, sympy.Expr]:
+                 given: set[str] = frozenset(), pieces: Pieces | None = None,
+                 observe=None) -> dict[fx.Node, sympy.Expr]:
     """The fake forward of the module doc over `gm`, its state given as (tensor whose shape,
     stride and dtype to take, requires_grad, another dtype or None) per get_attr target; the
     inputs named in `given` (the step's batch, which the step does not allocate) are not
     counted, like the state. Each storage's bytes go to the node whose op saved it first (a
-    checkpointed run's kept inputs: to the run's last node)."""
+    checkpointed run's kept inputs: to the run's last node). `observe`, where given, sees
+    every op's fake inputs and value as the forward runs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = fake_inputs(placeholders, pieces or {})
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])
@@ -270,7 +284,7 @@ def _saved_bytes(gm: fx.GraphModule, captured: CapturedGraph, getters: dict, run
             for name, (value, grad, dtype) in getters.items()
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            interpreter = _FakeStateInterpreter(gm, state, runs, saved, device)
+            interpreter = _FakeStateInterpreter(gm, state, runs, saved, device, observe)
             interpreter.run(*inputs)
     state_storages = {t.untyped_storage()._cdata for t in (*state.values(), *interpreter.gathered)} | {
         value.untyped_storage()._cdata for n, value in zip(placeholders, inputs)
@@ -310,21 +324,3 @@ def _dispatch_cache(fake_mode):
         yield
     finally:
         fake_mode.cache_enabled = enabled
-
-
-def backward_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:
-    """W: 2 x bytes of the largest tensor input of the op that computes the loss (module doc).
-
-    A formula in the example's (global) batch and seq, like `saved_activation_bytes`.
-    """
-    gm = captured.graph_module
-    (output,) = (n for n in gm.graph.nodes if n.op == "output")
-    loss = output.args[0]
-    if isinstance(loss, (tuple, list)):
-        loss = loss[0]
-    candidates = [sympy.Integer(0)]
-    for node in loss.all_input_nodes if isinstance(loss, fx.Node) else ():
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            candidates.append(sympy.Mul(*captured.shape(node)) * value.dtype.itemsize)
-    return 2 * sympy.Max(*candidates)

@@ -5,7 +5,8 @@ sequences) and `seq`; plan degrees and hardware constants are already numbers in
 pieces, each in its own module:
 
     compute     cost.ops            FLOPs, bytes and op counts per aten op, over the captured graph
-    activations cost.activations    bytes autograd saves (symbolic fake forward), backward workspace
+    activations cost.activations    bytes autograd saves (symbolic fake forward)
+    workspace   cost.workspace      what backward allocates beside them: the loss's, one op's, transfers
     model state cost.memory         params, grads, optimizer state by precision and ZeRO stage;
                                     the step's peak
     comm        fxpar.ir.collectives   the collectives each rank issues (the runtime's own list)
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from fxpar.cost.activations import backward_workspace_bytes, rank_activation_bytes, recomputed_nodes, saved_in_flight
+from fxpar.cost.activations import rank_activation_bytes, recomputed_nodes, saved_in_flight
 from fxpar.cost.collectives import collective_time
 from fxpar.cost.hardware import Hardware
 from fxpar.cost.layout import shares
@@ -68,6 +69,7 @@ from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.step_time import comm_terms, piece_seconds
+from fxpar.cost.workspace import backward_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
@@ -280,6 +282,11 @@ def _holding(program: CompiledProgram, rank: int):
     return all_shares, mine, held, tensors
 
 
+def _buckets(program: CompiledProgram, share) -> tuple:
+    """The gradient buckets of the stage `share` is part of (the program's, without a pipeline)."""
+    return program.buckets if share.stage is None else program.stages[share.stage].buckets
+
+
 def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str = "adamw") -> dict[str, sympy.Expr]:
     """`rank`'s memory terms, formulas in batch and seq: the model state of the parameters it
     holds (`params`, `grads`, `optimizer`), the activations of the microbatches it keeps in
@@ -301,13 +308,18 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     terms["activations"] = (
         rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
     )
-    workspace = backward_workspace_bytes(program.captured) if holds_loss else sympy.Integer(0)
-    terms["workspace"] = workspace.subs(BATCH, local_batch)
+    # Beside the saved activations (`cost.workspace`): the loss's backward where the loss is, else
+    # one op's, and zero-bubble's deferred weight gradients; with a pipeline, its transfers (each
+    # already one microbatch of the rank's: no substitution).
+    one_op, deferred = backward_bytes(program, rank)
+    backward = (loss_workspace_bytes(program.captured) if holds_loss else one_op) + deferred
+    terms["workspace"] = backward.subs(BATCH, local_batch) + transfer_bytes(program, rank)
     terms["total"] = peak_bytes(
         terms, terms["activations"], terms["workspace"],
         parameters=parameters, precision=plan.precision, zero=plan.zero, dp=plan.dp, microbatches=plan.microbatches,
         reduce_per_microbatch=program.zero_reduce.per_microbatch, reduce_dtype=plan.reduce_dtype,
         released=terms["activations"] / sympy.nsimplify(round(in_flight, 4)),
+        largest_bucket=max((b.nbytes for s in mine for b in _buckets(program, s)), default=0),
     )
     return terms
 

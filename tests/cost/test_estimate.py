@@ -69,21 +69,26 @@ def test_total_memory_without_buckets_is_the_larger_end_of_backward():
     assert tiny["total"] == pytest.approx(tiny["params"] + tiny["grads"] + tiny["optimizer"])
 
 
-def test_zero2_whole_gradients_come_in_backward_with_one_microbatch_and_stay_with_several():
+def test_zero2_whole_gradients_come_bucket_by_bucket_in_backward_and_stay_with_several():
     """ZeRO-2's reduced shards live all step; its whole gradients (4P fp32) exist from a
-    bucket's first gradient to its reduction (`runtime.state.gradient_buckets`): one microbatch's
-    come as the activations go, several microbatches' are kept through the later forwards."""
+    bucket's first gradient to the wait for its reduction (`runtime.state.gradient_buckets`):
+    with one microbatch its first bucket comes while every activation is saved and all are
+    held when backward ends; several microbatches' are kept through the later forwards."""
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (8, 32))
     model = GPT(CONFIG)
     whole = 4 * sum(p.numel() for p in model.parameters())  # (the tied head once)
-    for plan, batch, seq in [("dp=2 zero=2", 8, 32), ("dp=2 zero=2", 2, 1), ("dp=2 zero=2 mb=2", 8, 32)]:
-        m = fxpar.compile(model, plan, example_inputs=(tokens, tokens)).estimate("h100", batch=batch, seq=seq).memory
+    for plan, batch, seq in [("dp=2 zero=2", 8, 32), ("dp=2 zero=2 bucket_mb=0.02", 8, 32),
+                             ("dp=2 zero=2", 2, 1), ("dp=2 zero=2 mb=2", 8, 32)]:
+        program = fxpar.compile(model, plan, example_inputs=(tokens, tokens))
+        m = program.estimate("h100", batch=batch, seq=seq).memory
         held = m["params"] + m["optimizer"] + m["grads"]
+        bucket = max(b.nbytes for b in program.buckets)
         if "mb=2" in plan:
             assert m["total"] == pytest.approx(held + whole + m["activations"] + m["workspace"])
         else:
-            assert m["total"] == pytest.approx(held + max(m["activations"] + m["workspace"], whole))
+            assert m["total"] == pytest.approx(held + max(m["activations"] + m["workspace"] + bucket, whole))
+            assert (bucket < whole) == ("bucket_mb" in plan)
     assert m["grads"] == pytest.approx(whole / 2)  # the shard
 
 

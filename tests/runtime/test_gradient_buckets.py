@@ -1,9 +1,8 @@
 """Gradient buckets on a world of one real gloo group: when ZeRO-2's whole gradients exist.
 
 `runtime.state.gradient_buckets` allocates a ZeRO-2 bucket's whole buffer at its first gradient in
-backward and frees it once the bucket is reduced, so a one-microbatch step never holds the
-whole gradients beside the forward's activations (what `cost.memory.peak_bytes` prices);
-with two microbatches they accumulate over both backwards and are reduced once, or, reducing
+backward and frees it once the bucket is reduced, so the forward runs without the whole
+gradients and backward holds them bucket by bucket (what `cost.memory.peak_bytes` prices); with two microbatches they accumulate over both backwards and are reduced once, or, reducing
 per microbatch (`fxpar.plan.zero_reduction`), each microbatch's are reduced after its backward and
 freed, and only the reduced shards accumulate.
 """

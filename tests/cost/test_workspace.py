@@ -1,0 +1,72 @@
+"""Tier 2: what backward allocates beside the saved activations (`cost.workspace`).
+
+Each term is checked against the thing it reads: the step program's transfers, the stage's
+ops, the zero-bubble store. The measured peaks these terms close (4 CPU ranks) are in the
+module doc of `cost.workspace`; benchmarks/bench_planner.py measures every plan.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.cost.estimate import rank_memory_formulas
+from fxpar.cost.workspace import backward_bytes, transfer_bytes, waiting_for_w
+from fxpar.ir.symbols import BATCH, SEQ
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+H, V = 64, 256
+CONFIG = GPTConfig(n_layer=2, n_embd=H, n_head=4, vocab_size=V, block_size=64)
+SIZES = {BATCH: 16, SEQ: 32}
+
+
+@pytest.fixture(scope="module")
+def captured():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, V, (16, 32))
+    return fxpar.capture(GPT(CONFIG), (tokens, tokens))
+
+
+def _bytes(formula) -> float:
+    return float(formula.subs(SIZES))
+
+
+@pytest.mark.parametrize("microbatches", [4, 8])
+def test_a_pipeline_rank_holds_every_send_of_the_step_and_two_receives(captured, microbatches):
+    """The executor waits for sends at the end of the step; receives go one action ahead."""
+    program = fxpar.compile(captured, f"dp=2 pp=2 mb={microbatches}")
+    boundary = 16 // (2 * microbatches) * 32 * H * 4  # one microbatch's hidden state, fp32
+    # Stage 0 sends each microbatch's activations and receives their gradients; stage 1 the reverse.
+    for rank in (0, 1):
+        assert _bytes(transfer_bytes(program, rank)) == (microbatches + 2) * boundary
+    assert transfer_bytes(fxpar.compile(captured, "dp=2"), 0) == 0
+
+
+def test_a_stage_without_the_loss_prices_its_largest_op_backward(captured):
+    """Stage 0 of a GPT: an MLP linear's backward, the hidden's gradient with the weight's and
+    the input's (the fp32 numbers of `cost.workspace`'s module doc)."""
+    program = fxpar.compile(captured, "dp=2 pp=2 mb=4")
+    one_op, deferred = backward_bytes(program, 0)
+    rows = 16 * 32  # the global batch's tokens: the estimate substitutes a rank's microbatch
+    mlp_in = 4 * (rows * H + 4 * H * H + 4 * H + rows * 4 * H)  # x, weight, bias, hidden
+    mlp_out = 4 * (rows * 4 * H + H * 4 * H + H + rows * H)
+    gelu = 4 * 2 * rows * 4 * H
+    assert _bytes(one_op) == max(mlp_in, mlp_out, gelu) and deferred == 0
+    terms = rank_memory_formulas(program, 0)
+    assert _bytes(terms["workspace"]) == _bytes(one_op.subs(BATCH, BATCH / 8) + transfer_bytes(program, 0))
+
+
+def test_zero_bubble_keeps_the_deferred_weight_gradients_of_the_microbatches_between_b_and_w(captured):
+    one_f_one_b = fxpar.compile(captured, "dp=2 pp=2 mb=4")
+    zero_bubble = fxpar.compile(captured, "dp=2 pp=2 mb=4 schedule=zb-h1")
+    pending = waiting_for_w(zero_bubble.schedule)
+    assert min(pending) >= 1
+    for rank in (0, 1):
+        _, deferred = backward_bytes(zero_bubble, rank)
+        assert _bytes(deferred) > 0
+        grown = rank_memory_formulas(zero_bubble, rank)["workspace"] - rank_memory_formulas(one_f_one_b, rank)["workspace"]
+        assert _bytes(grown) == pytest.approx(_bytes(deferred.subs(BATCH, BATCH / 8)))
