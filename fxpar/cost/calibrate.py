@@ -107,6 +107,8 @@ def profile_of(readings: dict[str, float]) -> Hardware:
         op_overhead=readings["op_overhead"],
         optimizer_tensor_overhead=readings["optimizer_tensor_overhead"],
         comm_overlap=0.0,  # gloo's thread shares the cores with compute (hardware.py)
+        cores=int(readings["cores"]),
+        threads=int(readings["threads"]),
         intra_node=link,
         inter_node=link,
         measured=readings,

@@ -45,6 +45,10 @@ Time model, per rank:
   gradients of the stage's linears, each its forward matmul FLOPs at the matmul rate (half
   the linear's backward; `cost.layout`), B the rest of the backward.
 
+CPU ranks of one machine share its cores: where the profile knows them (the measured `cpu`
+profile), compute and optimizer are priced at the rate each rank gets when all compute at
+once (`Hardware.shared_by`: four 1-thread ranks on two cores run at half speed).
+
 Per rank: tensor parallelism divides the work of sharded ops and the parameters it splits,
 a pipeline gives each rank its stages (`cost.layout`). Its activations are the bytes its own
 modules save for backward (`cost.activations.rank_activation_bytes`, a fake forward of what
@@ -209,6 +213,7 @@ def estimate(
 ) -> Estimate:
     """Predict one training step of `program` (see module doc)."""
     device = hardware if isinstance(hardware, Hardware) else hardware_profile(hardware)
+    device = device.shared_by(program.mesh.world_size)  # CPU ranks taking turns on a node's cores
     plan, captured = program.plan, program.captured
     sizes = {s.name: v for s, v in captured.example_sizes.items()}
     sizes.update({k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None})

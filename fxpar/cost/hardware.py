@@ -24,7 +24,12 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
   whole lists per launch, so the default is 0;
 * `comm_overlap`: the share of a phase's compute that collectives may hide under. 1 on GPUs
   (NCCL runs on its own streams and SMs); 0 for the CPU, where gloo's thread and the compute
-  thread share the cores (measured: a dp=2 step on 2 cores hides nothing, RESULTS.md).
+  thread share the cores (measured: a dp=2 step on 2 cores hides nothing, RESULTS.md);
+* `cores` and `threads`: where the devices of a node are processes sharing its cores (CPU
+  ranks), how many cores there are and how many threads each process computes with (the
+  rates above are one such process's, alone). More ranks than cores take turns: each
+  computes at cores / (ranks x threads) of its rate (`shared_by`). None for devices of their
+  own (GPUs), and for the nominal CPU profile, whose machine is not known.
 
 A link follows the alpha-beta model (Hockney 1994; the form of nccl-tests'
 PERFORMANCE.md): one hop of n bytes costs `alpha + n / bandwidth` seconds. GPU link numbers
@@ -38,7 +43,7 @@ that every rank must take identically (gradient-bucket sizes at compile time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +68,8 @@ class Hardware:
     op_overhead: float = 5e-6  # seconds per forward op and per backward node
     optimizer_tensor_overhead: float = 0.0  # seconds per parameter tensor of an AdamW step
     comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
+    cores: int | None = None  # cores a node's ranks share (CPU processes), or None (module doc)
+    threads: int = 1  # compute threads of one rank, where `cores` is given
     measured: dict[str, float] = field(default_factory=dict)  # raw calibration readings
 
     def matmul_rate(self, precision: str) -> float:
@@ -85,6 +92,21 @@ class Hardware:
         dense = (matmul_flops - attention_flops) / self.matmul_rate(precision)
         attention = attention_flops / self.attention_rate(precision)
         return dense + attention + other_bytes / self.elementwise_bandwidth()
+
+    def shared_by(self, ranks: int) -> Hardware:
+        """This device as each of `ranks` ranks sees it when they compute at once on one
+        node's `cores` (module doc): compute rates divided and per-op overheads multiplied
+        by ranks x threads / cores, where that exceeds 1. Links are left as measured."""
+        slowdown = 1.0 if self.cores is None else min(ranks, self.devices_per_node) * self.threads / self.cores
+        if slowdown <= 1:
+            return self
+        return replace(
+            self,
+            peak_flops={k: v / slowdown for k, v in self.peak_flops.items()},
+            memory_bandwidth=self.memory_bandwidth / slowdown,
+            op_overhead=self.op_overhead * slowdown,
+            optimizer_tensor_overhead=self.optimizer_tensor_overhead * slowdown,
+        )
 
     def link(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link a collective over `ranks` crosses."""

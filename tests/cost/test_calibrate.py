@@ -5,6 +5,7 @@ import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -105,3 +106,16 @@ def test_bucket_rule_keeps_latency_at_a_tenth_and_caps_at_ddp_default():
     link = NOMINAL_CPU.intra_node  # 50 us, 2 GB/s: M = n alpha bandwidth (1 - 0.1) / 0.1
     assert gradient_bucket_bytes(2, link) == pytest.approx(2 * 50e-6 * 2e9 * 9, rel=1e-6)
     assert gradient_bucket_bytes(64, hardware_profile("h100").inter_node) == 25 * MiB
+
+
+def test_ranks_sharing_the_cores_each_compute_at_their_share_of_the_rate():
+    """Four 1-thread ranks on two cores take turns: half the rate each (`Hardware.shared_by`);
+    no more ranks than cores, or a device of its own (cores None), change nothing."""
+    machine = replace(NOMINAL_CPU, cores=2, threads=1)
+    assert machine.shared_by(2) is machine and PROFILES["h100"].shared_by(64) is PROFILES["h100"]
+    shared = machine.shared_by(4)
+    assert shared.matmul_rate("fp32") == machine.matmul_rate("fp32") / 2
+    assert shared.elementwise_bandwidth() == machine.elementwise_bandwidth() / 2
+    assert shared.op_overhead == 2 * machine.op_overhead
+    assert shared.optimizer_tensor_overhead == 2 * machine.optimizer_tensor_overhead
+    assert shared.intra_node == machine.intra_node  # gloo's link is measured as it is
