@@ -12,10 +12,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from fxpar.cost.hardware import PROFILES
+from fxpar.cost.profile_files import save_profile
 from fxpar.tools.cli import COMMANDS, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +89,9 @@ def test_estimate_and_diff(in_tmp, capsys):
     assert status == 0 and out.startswith("fxpar estimate: plan 'dp=2' on a100, sgd")
     status, out, _ = run(capsys, "diff", "dp=2", "tp=2", *SMALL)
     assert status == 0 and "+ rank 0 per step: all_reduce tp all_reduce" in out
+    save_profile(replace(PROFILES["a100"], name="our-a100"), in_tmp / "ours.json")  # a measured machine
+    status, out, _ = run(capsys, "estimate", *SMALL, "--plan", "dp=2", "--hardware", "ours.json")
+    assert status == 0 and out.startswith("fxpar estimate: plan 'dp=2' on our-a100")
 
 
 def test_plans_from_json_and_yaml_files(in_tmp, capsys):
@@ -115,6 +121,7 @@ def test_a_hugging_face_model_from_its_config(in_tmp, capsys):
     (["viz", *SMALL, "--plan", "dp=2", "--expand", "h.7"], "names no module"),
     (["explain", *SMALL, "--plan", "dp=2", "--rank", "2"], "ranks 0..1"),
     (["estimate", *SMALL, "--plan", "dp=2", "--hardware", "tpu"], "known profiles are cpu"),
+    (["estimate", *SMALL, "--plan", "dp=2", "--hardware", "absent.json"], "'absent.json' does not exist"),
     (["verify", "--hf", "llama", "--plan", "dp=2"], "--hf builds it on the meta device without weights"),
 ])
 def test_usage_errors_exit_2_with_what_was_wrong_and_the_fix(in_tmp, capsys, argv, message):

@@ -36,11 +36,13 @@ The cache is written atomically (a temporary file, then `os.replace`).
 
 The cache is JSON under `$FXPAR_CACHE_DIR` (default `~/.cache/fxpar`), keyed by the thread
 count and torch version; a file that lacks a reading (an older fxpar's) is measured again.
-`python -m fxpar.cost.calibrate` measures and prints the profile.
+`python -m fxpar.cost.calibrate` measures and prints the profile; `-o FILE.json` also writes
+it as a profile file (`cost.profile_files`) that `estimate`, `compile` and the CLI take.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import logging
@@ -61,6 +63,7 @@ import torch.nn.functional as F
 
 from fxpar.cost.hardware import NOMINAL_CPU, Hardware, Link
 from fxpar.cost.optimizer import BYTES_PER_PARAMETER
+from fxpar.cost.profile_files import is_profile_file, save_profile
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +110,8 @@ def profile_of(readings: dict[str, float]) -> Hardware:
         op_overhead=readings["op_overhead"],
         optimizer_tensor_overhead=readings["optimizer_tensor_overhead"],
         comm_overlap=0.0,  # gloo's thread shares the cores with compute (hardware.py)
-        cores=int(readings["cores"]),
-        threads=int(readings["threads"]),
+        cores=int(readings["cores"]) if "cores" in readings else None,  # (a cache of an older fxpar's)
+        threads=int(readings.get("threads", 1)),
         intra_node=link,
         inter_node=link,
         measured=readings,
@@ -329,11 +332,22 @@ def _gloo_link(timeout: float = 120) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
+    """`python -m fxpar.cost.calibrate [-o FILE.json]`: measure this machine (or read the cache)
+    and print the readings; with -o also write the profile file estimates can be given
+    (`cost.profile_files`)."""
     if argv[:1] == ["--link-worker"]:
         rank, store, out = argv[1:4]
         _link_worker(int(rank), store, out)
         return 0
-    print(json.dumps(measure_cpu().measured, indent=1))
+    parser = argparse.ArgumentParser(prog="python -m fxpar.cost.calibrate", description=main.__doc__)
+    parser.add_argument("-o", "--output", help="write the profile here (a .json file)")
+    args = parser.parse_args(argv)
+    if args.output is not None and not is_profile_file(args.output):
+        parser.error(f"-o {args.output!r}: a profile file's name ends in .json")
+    profile = measure_cpu()
+    print(json.dumps(profile.measured, indent=1))
+    if args.output is not None:
+        print(f"wrote {save_profile(profile, args.output)}; price with it: program.estimate({args.output!r})")
     return 0
 
 

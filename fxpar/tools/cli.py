@@ -274,10 +274,14 @@ def _options_checked(call: Callable[[], T]) -> T:
 
 
 def _hardware(name: str) -> str:
+    from fxpar.cost.profile_files import is_profile_file, load_profile
     from fxpar.cost.profiles import KNOWN
 
-    if name not in KNOWN:
-        raise UsageError(f"--hardware {name!r}: known profiles are {', '.join(KNOWN)}")
+    if is_profile_file(name):
+        _options_checked(lambda: load_profile(name))  # read now: a bad file is a usage error
+    elif name not in KNOWN:
+        raise UsageError(f"--hardware {name!r}: known profiles are {', '.join(KNOWN)}, or a profile "
+                         "file FILE.json (`python -m fxpar.cost.calibrate -o FILE.json`)")
     return name
 
 

@@ -1,0 +1,86 @@
+"""Hardware profiles as files: a measured machine, written once, read by every estimate.
+
+`python -m fxpar.cost.calibrate -o profile.json` writes the profile measured here; then
+`program.estimate("profile.json")`, `fxpar.compile(..., hardware="profile.json")` and the
+CLI's `--hardware profile.json` read it, so a plan can be priced for a machine on another
+one, and every rank of a job prices with the same numbers. The file is JSON, one key per
+field of `cost.hardware.Hardware` (the links as {"alpha", "bandwidth"}), beside a format
+version:
+
+    {"format": "fxpar-hardware/1", "name": "cpu", "peak_flops": {"fp32": 1.04e11, ...},
+     "matmul_efficiency": 1.0, "memory_bandwidth": 3.2e10, "intra_node": {...}, ...}
+
+A field the file lacks, one it has that `Hardware` does not, or a value of the wrong kind is
+a ValueError naming the file, the field and the fix: a profile with a silently defaulted
+rate would price every plan wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from pathlib import Path
+
+from fxpar.cost.hardware import Hardware, Link
+
+FORMAT = "fxpar-hardware/1"
+_LINKS = ("intra_node", "inter_node")
+
+
+def is_profile_file(name: str) -> bool:
+    """Whether the hardware `name` names a profile file rather than a built-in profile."""
+    return name.endswith(".json")
+
+
+def save_profile(hardware: Hardware, path: str | Path) -> Path:
+    """Write `hardware` to `path` as a profile file (module doc)."""
+    fields = dataclasses.asdict(hardware)
+    path = Path(path)
+    path.write_text(json.dumps({"format": FORMAT, **fields}, indent=1) + "\n")
+    return path
+
+
+def load_profile(path: str | Path) -> Hardware:
+    """The Hardware a profile file describes; a ValueError says what is wrong with it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"hardware profile file {str(path)!r} does not exist. Fix: write one with "
+                         "`python -m fxpar.cost.calibrate -o FILE.json`, or name a built-in profile") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"hardware profile file {str(path)!r} is not JSON ({error})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"hardware profile file {str(path)!r}: format {found!r}, expected {FORMAT!r}. "
+                         "Fix: write it again with `python -m fxpar.cost.calibrate -o FILE.json`")
+    fields = {f.name: f for f in dataclasses.fields(Hardware)}
+    given = {k: v for k, v in data.items() if k != "format"}
+    unknown = sorted(set(given) - set(fields))
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = sorted(set(required) - set(given))
+    if unknown or missing:
+        raise ValueError(f"hardware profile file {str(path)!r}: "
+                         + "; ".join(filter(None, [f"unknown fields {unknown}" if unknown else "",
+                                                   f"missing fields {missing}" if missing else ""]))
+                         + f". Known fields: {', '.join(fields)}")
+    for name in _LINKS:
+        link = given[name]
+        if not (isinstance(link, dict) and set(link) == {"alpha", "bandwidth"}):
+            raise ValueError(f"hardware profile file {str(path)!r}: {name} must be "
+                             f'{{"alpha": seconds, "bandwidth": bytes per second}}, got {link!r}')
+        given[name] = Link(**{k: _number(path, f"{name}.{k}", v) for k, v in link.items()})
+    for name, value in given.items():
+        if name in _LINKS or name in ("name", "measured", "peak_flops", "cores"):
+            continue
+        given[name] = _number(path, name, value)
+    given["peak_flops"] = {k: _number(path, f"peak_flops.{k}", v) for k, v in dict(given["peak_flops"]).items()}
+    return Hardware(**given)
+
+
+def _number(path: Path, field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+        raise ValueError(f"hardware profile file {str(path)!r}: {field} must be a number >= 0, got {value!r}")
+    return value
