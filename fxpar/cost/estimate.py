@@ -220,9 +220,6 @@ def estimate(
     numbers = {s: sizes[s.name] for s in captured.example_sizes}
 
     precision = plan.compute_precision
-    # bf16 tensors, in the time of the elementwise ops priced on the captured (fp32) graph; the
-    # memory terms read the rank modules, whose values have the dtypes they are computed in.
-    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
     compute = graph_compute(program)
     params = captured.parameter_count()
     formulas = _step_flops(program, compute)
@@ -231,7 +228,7 @@ def estimate(
     # coordinate holds other stages. The worst (by peak memory) is reported.
     mesh = program.mesh
     candidates = [mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)]
-    per_rank = {r: _rank_terms(program, r, device, optimizer, precision, narrow, numbers) for r in candidates}
+    per_rank = {r: _rank_terms(program, r, device, optimizer, precision, numbers) for r in candidates}
     rank = max(candidates, key=lambda r: float(per_rank[r][0]["memory.total"].subs(numbers)))
     rank_formulas, comm, pipeline_run = per_rank[rank]
     formulas.update(rank_formulas)
@@ -329,7 +326,7 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     return terms
 
 
-def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
+def _rank_terms(program, rank, device, optimizer, precision, numbers):
     """Memory, time and communication formulas of one rank, its comm table and, with a
     pipeline, the simulated step behind its bubble."""
     plan = program.plan
@@ -340,7 +337,7 @@ def _rank_terms(program, rank, device, optimizer, precision, narrow, numbers):
     pp_index = program.mesh.coord(rank).pp
     formulas = {f"memory.{k}": v for k, v in rank_memory_formulas(program, rank, optimizer=optimizer).items()}
 
-    timed = {id(p): piece_seconds(p, plan, device, precision, narrow) for p in all_shares}
+    timed = {id(p): piece_seconds(p, plan, device, precision) for p in all_shares}
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
     backward = sum((timed[id(p)][1] for p in mine), sympy.Integer(0))
     # rng=exact: the whole value drawn (fp32, written once) for each microbatch.
@@ -393,11 +390,10 @@ def exposed_comm_seconds(program: CompiledProgram, device: Hardware,
     lowers the rank's step in the mode being priced (`Program.zero_reduce`)."""
     plan, mesh = program.plan, program.mesh
     numbers = dict(program.captured.example_sizes)
-    narrow = sympy.Rational(1, 2) if plan.precision == "bf16-mixed" else 1
     worst = (0.0, 0.0)
     for rank in (mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)):
         mine = _holding(program, rank)[1]
-        timed = [piece_seconds(p, plan, device, plan.compute_precision, narrow) for p in mine]
+        timed = [piece_seconds(p, plan, device, plan.compute_precision) for p in mine]
         forward = sum((t[0] for t in timed), sympy.Integer(0))
         backward = sum((t[1] for t in timed), sympy.Integer(0))
         exposed, _ = comm_terms(program, step_program(rank), device, forward, backward)

@@ -13,18 +13,19 @@ from fxpar.cost.hardware import Hardware
 from fxpar.ir.step_program import Compute, StepProgram
 
 
-def piece_seconds(piece, plan, device: Hardware, precision: str, narrow):
+def piece_seconds(piece, plan, device: Hardware, precision: str):
     """Forward, backward, weight-gradient and recompute seconds of one share of the work
     (`cost.layout`) over this rank's share of the batch; `weight` is the part of `backward`
-    that is weight gradients of linears (W in a split schedule)."""
+    that is weight gradients of linears (W in a split schedule). Bytes are in the dtypes the
+    rank's graph computes in (`cost.layout`: bf16-mixed's bf16 ops, its fp32 loss and casts)."""
     share = sympy.Rational(1, plan.dp)
-    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, narrow * piece.other_bytes, precision)
+    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, piece.other_bytes, precision)
     overhead = plan.microbatches * sympy.Float(device.op_overhead)
     forward = kernels + piece.forward_ops * overhead
     backward = 2 * kernels + piece.backward_nodes * overhead
     weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
     recompute = share * device.kernel_seconds(
-        piece.recompute_matmul_flops, piece.recompute_attention_flops, narrow * piece.recompute_bytes, precision,
+        piece.recompute_matmul_flops, piece.recompute_attention_flops, piece.recompute_bytes, precision,
     ) + piece.recompute_ops * overhead
     return forward, backward, weight, recompute
 

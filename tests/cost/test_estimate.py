@@ -354,3 +354,21 @@ def test_plans_of_one_capture_are_estimated_as_from_their_own_capture():
         once = fxpar.compile(shared, plan).estimate("h100")
         alone = fxpar.compile(capture(model, (tokens, tokens)), plan).estimate("h100")
         assert (once.memory, once.time) == (alone.memory, alone.time), plan
+
+
+def test_bf16_mixed_elementwise_time_reads_the_bytes_of_the_dtypes_it_computes_in():
+    """The rank graph's values carry bf16-mixed's dtypes (bf16 ops, the fp32 loss and the cast
+    to it), so its bytes are priced as they are: not halved again (they once were: the loss's
+    fp32 log-softmax over the logits was priced at bf16's half)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 32))
+    only_bytes = replace(PROFILES["h100"], peak_flops={"fp32": 1e30, "bf16": 1e30}, op_overhead=0.0)
+    times = {}
+    for precision in ("fp32", "bf16-mixed"):
+        program = fxpar.compile(GPT(CONFIG), f"dp=1 precision={precision}", example_inputs=(tokens, tokens))
+        (share,) = shares(program)
+        sizes = {BATCH: 8, SEQ: 32}
+        moved = float(share.other_bytes.subs(sizes))
+        times[precision] = program.estimate(only_bytes).time["compute"]
+        assert times[precision] == pytest.approx(3 * moved / only_bytes.elementwise_bandwidth(), rel=1e-6)
+    assert 0.5 < times["bf16-mixed"] / times["fp32"] < 1  # bf16 ops, but an fp32 loss and its cast
