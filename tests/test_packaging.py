@@ -190,6 +190,9 @@ def test_wheel_holds_every_source_module(installed):
     missing = [str(path.relative_to(source)) for path in sorted((source / "fxpar").rglob("*.py"))
                if "__pycache__" not in path.parts and path.relative_to(source).as_posix() not in in_wheel]
     assert not missing, "in the repository but not in the wheel (is its folder a package, with an __init__.py?):\n  " + "\n  ".join(missing)
+    # The shipped hardware profiles are data (`fxpar.cost.profiles`): [tool.setuptools.package-data].
+    profiles = [p.relative_to(source).as_posix() for p in sorted((source / "fxpar" / "cost" / "measured").glob("*.json"))]
+    assert profiles and set(profiles) <= in_wheel, f"hardware profiles missing from the wheel: {set(profiles) - in_wheel}"
 
 
 def test_venv_imports_every_module_from_the_wheel(installed):

@@ -10,13 +10,19 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
   on the CPU: 0.40-0.65 of the matmul rate, depending on the head dim (`cost.calibrate`);
 * `elementwise_efficiency`: the share of memory bandwidth that the other ops (elementwise,
   norms, softmax, losses) reach over forward and backward, their bytes counted as `cost.ops`
-  counts them. GPU default 1 (bytes at full bandwidth: not measured here). Measured on the
+  counts them; `bandwidths`, where a profile measured them, the bytes/s of each class of
+  those ops instead (`cost.ops.BYTE_KINDS`: pointwise, norm, loss, copy). GPU default 1 (bytes at full bandwidth: not measured here). Measured on the
   CPU: 0.3-0.5; the exact GELU and softmax are compute-bound there, and backward runs ops the
   forward graph does not show (bias-gradient sums, gradient fills, copies of transposes);
 * `op_overhead`: seconds each op pays besides its FLOPs and bytes (dispatch, autograd
   bookkeeping, on a GPU the kernel launch), added to them. GPU default 5 us, the order of a
   CUDA launch seen from Python; as a GPU launches while earlier kernels run, adding it is
   pessimistic there unless the ops are tiny;
+* `host_overlap`: whether the device runs its kernels while the host dispatches the next
+  ops (a GPU, asynchronous), so that a phase takes the longer of its kernels and its
+  per-op overhead rather than their sum (a CPU, which does both on the same cores). False
+  in the nominal profiles, which add them (pessimistic unless the ops are tiny); the
+  measured h200 profile sets it;
 * `optimizer_tensor_overhead`: seconds the AdamW step pays per parameter tensor, beyond its
   bytes. On the CPU, torch runs the single-tensor for-loop (foreach kernels exist only for
   CUDA-like devices: `torch.optim.optimizer._get_foreach_kernels_supported_devices`), about
@@ -68,6 +74,9 @@ class Hardware:
     op_overhead: float = 5e-6  # seconds per forward op and per backward node
     optimizer_tensor_overhead: float = 0.0  # seconds per parameter tensor of an AdamW step
     comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
+    bandwidths: dict[str, float] = field(default_factory=dict)  # bytes/s by class of op, where measured
+    host_overlap: bool = False  # kernels run while the host dispatches the next ops (module doc)
+    optimizer_bytes_per_parameter: float | None = None  # Adam's b where measured (`cost.optimizer`)
     cores: int | None = None  # cores a node's ranks share (CPU processes), or None (module doc)
     threads: int = 1  # compute threads of one rank, where `cores` is given
     measured: dict[str, float] = field(default_factory=dict)  # raw calibration readings
@@ -80,18 +89,24 @@ class Hardware:
         """FLOP/s of attention, forward and backward, under `cost.ops`' FLOP convention."""
         return self.matmul_rate(precision) * self.attention_efficiency
 
-    def elementwise_bandwidth(self) -> float:
-        """Bytes/s the non-matmul ops reach, forward and backward, bytes as `cost.ops` counts."""
-        return self.memory_bandwidth * self.elementwise_efficiency
+    def elementwise_bandwidth(self, kind: str = "pointwise") -> float:
+        """Bytes/s the non-matmul ops of class `kind` (`cost.ops.BYTE_KINDS`) reach, forward and
+        backward, bytes as `cost.ops` counts them: the profile's own for that class where it
+        measured one (`bandwidths`), else `elementwise_efficiency` x memory bandwidth."""
+        return self.bandwidths.get(kind, self.memory_bandwidth * self.elementwise_efficiency)
 
     def kernel_seconds(self, matmul_flops, attention_flops, other_bytes, precision: str):
         """One forward of ops with these totals, per-op overhead aside: dense matmul FLOPs at the
-        matmul rate, attention's at the attention rate, the other ops' bytes at the bandwidth
-        they reach (a backward takes twice this: Narayanan et al. 2021). The one pricing rule of
-        the estimate and the pipeline cut; numbers or sympy formulas alike."""
+        matmul rate, attention's at the attention rate, the other ops' bytes (a total, or a
+        dict by class of op) at the bandwidth they reach (a backward takes twice this:
+        Narayanan et al. 2021). The one pricing rule of the estimate and the pipeline cut;
+        numbers or sympy formulas alike."""
         dense = (matmul_flops - attention_flops) / self.matmul_rate(precision)
         attention = attention_flops / self.attention_rate(precision)
-        return dense + attention + other_bytes / self.elementwise_bandwidth()
+        if not isinstance(other_bytes, dict):
+            other_bytes = {"pointwise": other_bytes}
+        streamed = sum(b / self.elementwise_bandwidth(kind) for kind, b in other_bytes.items())
+        return dense + attention + streamed
 
     def shared_by(self, ranks: int) -> Hardware:
         """This device as each of `ranks` ranks sees it when they compute at once on one
@@ -104,6 +119,7 @@ class Hardware:
             self,
             peak_flops={k: v / slowdown for k, v in self.peak_flops.items()},
             memory_bandwidth=self.memory_bandwidth / slowdown,
+            bandwidths={k: v / slowdown for k, v in self.bandwidths.items()},
             op_overhead=self.op_overhead * slowdown,
             optimizer_tensor_overhead=self.optimizer_tensor_overhead * slowdown,
         )
@@ -131,15 +147,6 @@ PROFILES: dict[str, Hardware] = {
         memory_bandwidth=0.9 * 3.35e12,
         intra_node=Link(alpha=6e-6, bandwidth=370e9),
         inter_node=Link(alpha=12e-6, bandwidth=50e9),  # 400 Gb/s NDR InfiniBand per GPU
-        devices_per_node=8,
-    ),
-    "h200": Hardware(
-        name="h200",
-        peak_flops={"bf16": 989e12, "fp32": 67e12},
-        matmul_efficiency=790 / 989,  # measured here: 8192^3 bf16 matmul (docs/design.md, "Formulas and published numbers")
-        memory_bandwidth=4.3e12,  # measured here: device copy (docs/design.md, "Formulas and published numbers")
-        intra_node=Link(alpha=6e-6, bandwidth=370e9),
-        inter_node=Link(alpha=12e-6, bandwidth=50e9),
         devices_per_node=8,
     ),
 }

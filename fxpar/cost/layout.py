@@ -20,13 +20,13 @@ on fake tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch.fx as fx
 
 from fxpar.cost.memo import memoised
-from fxpar.cost.ops import cost_of, op_counts
+from fxpar.cost.ops import BYTE_KINDS, cost_of, op_counts
 from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.placement import Partial, R, Shard, local_numel
@@ -52,6 +52,9 @@ class Share:
     recompute_attention_flops: sympy.Expr = sympy.Integer(0)
     recompute_bytes: sympy.Expr = sympy.Integer(0)
     recompute_ops: int = 0
+    # `other_bytes` and `recompute_bytes` by the class of op that moves them (`cost.ops.BYTE_KINDS`).
+    bytes_by_kind: dict[str, sympy.Expr] = field(default_factory=dict)
+    recompute_bytes_by_kind: dict[str, sympy.Expr] = field(default_factory=dict)
 
 
 def shares(program: CompiledProgram) -> list[Share]:
@@ -72,8 +75,10 @@ def _shares(program: CompiledProgram) -> list[Share]:
     result = []
     for stage, gm, mine in graphs:
         nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
-        matmul = attention = weight = moved = sympy.Integer(0)
-        again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "bytes": sympy.Integer(0), "ops": 0}
+        matmul = attention = weight = sympy.Integer(0)
+        moved = dict.fromkeys(BYTE_KINDS, sympy.Integer(0))
+        again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "ops": 0,
+                 "bytes": dict.fromkeys(BYTE_KINDS, sympy.Integer(0))}
         for node in nodes:
             cost = cost_of(node, program.captured.shape)
             if cost is None:
@@ -84,11 +89,11 @@ def _shares(program: CompiledProgram) -> list[Share]:
             if has_weight_gradient(node):
                 weight += cost.matmul_flops / split
             if cost.matmul_flops == 0:
-                moved += cost.bytes / split
+                moved[cost.kind] += cost.bytes / split
             if meta.recompute_region(node) is not None:
                 again["matmul"] += cost.matmul_flops / split
                 again["attention"] += cost.attention_flops / split
-                again["bytes"] += cost.bytes / split if cost.matmul_flops == 0 else 0
+                again["bytes"][cost.kind] += cost.bytes / split if cost.matmul_flops == 0 else 0
                 again["ops"] += 1
         forward_ops, backward_nodes = op_counts(gm)
         # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
@@ -96,10 +101,12 @@ def _shares(program: CompiledProgram) -> list[Share]:
             name: local_numel(node.meta["val"].shape, meta.placements(node).on("dp", R), program.mesh.sizes)
             for name, node in meta.parameter_nodes(gm.graph).items()
         }
+        moved = {kind: sympy.expand(b) for kind, b in moved.items()}
+        again_moved = {kind: sympy.expand(b) for kind, b in again["bytes"].items()}
         result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
-                            sympy.expand(moved), forward_ops, backward_nodes, parameters,
-                            sympy.expand(again["matmul"]),
-                            sympy.expand(again["attention"]), sympy.expand(again["bytes"]), again["ops"]))
+                            sum(moved.values(), sympy.Integer(0)), forward_ops, backward_nodes, parameters,
+                            sympy.expand(again["matmul"]), sympy.expand(again["attention"]),
+                            sum(again_moved.values(), sympy.Integer(0)), again["ops"], moved, again_moved))
     return result
 
 

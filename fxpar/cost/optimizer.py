@@ -15,8 +15,9 @@ Time of one step on one rank, for n parameter tensors holding P parameters:
   the three GPT sizes of RESULTS.md to about 15%). Its kernels move 80 B per fp32 parameter
   (`_single_tensor_adam`: decay mul_ 8, lerp_ 12, mul_ 8 + addcmul_ 12 for the second
   moment, sqrt 8, div 8, add_ 8, addcdiv_ 16); less reaches memory because the temporaries
-  stay in cache. Not measured on a GPU. For SGD, the state read and written once (not
-  measured).
+  stay in cache. A profile that measured Adam on its device gives its own b
+  (`Hardware.optimizer_bytes_per_parameter`: the h200 profile's, fused AdamW). For SGD, the
+  state read and written once (not measured).
 
 Memory: torch.optim.Adam and AdamW keep `state["step"]` as a 0-dim fp32 tensor per parameter
 tensor (torch/optim/adam.py `_init_group`, dtype `_get_scalar_dtype()`), 4 bytes each
@@ -47,6 +48,9 @@ def optimizer_seconds(
     optimizer: str, tensors: int, parameters: sympy.Expr | int, device: Hardware
 ) -> sympy.Expr:
     """Seconds of one optimizer step over `tensors` tensors of `parameters` parameters."""
+    b = BYTES_PER_PARAMETER[optimizer]
+    if optimizer in ("adamw", "adam") and device.optimizer_bytes_per_parameter is not None:
+        b = device.optimizer_bytes_per_parameter  # measured on that device (`cost.hardware`)
     return sympy.Float(tensors * per_tensor_seconds(optimizer, device)) + sympy.sympify(
-        BYTES_PER_PARAMETER[optimizer] * parameters
+        b * parameters
     ) / sympy.Float(device.memory_bandwidth)

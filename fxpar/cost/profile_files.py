@@ -26,6 +26,7 @@ from fxpar.cost.hardware import Hardware, Link
 
 FORMAT = "fxpar-hardware/1"
 _LINKS = ("intra_node", "inter_node")
+_TABLES = ("peak_flops", "bandwidths")
 
 
 def is_profile_file(name: str) -> bool:
@@ -73,10 +74,14 @@ def load_profile(path: str | Path) -> Hardware:
                              f'{{"alpha": seconds, "bandwidth": bytes per second}}, got {link!r}')
         given[name] = Link(**{k: _number(path, f"{name}.{k}", v) for k, v in link.items()})
     for name, value in given.items():
-        if name in _LINKS or name in ("name", "measured", "peak_flops", "cores"):
+        if name in _LINKS or name in ("name", "measured", "cores", "host_overlap", *_TABLES) or value is None:
             continue
         given[name] = _number(path, name, value)
-    given["peak_flops"] = {k: _number(path, f"peak_flops.{k}", v) for k, v in dict(given["peak_flops"]).items()}
+    for name in _TABLES:
+        if name in given:
+            if not isinstance(given[name], dict):
+                raise ValueError(f"hardware profile file {str(path)!r}: {name} must map names to numbers, got {given[name]!r}")
+            given[name] = {k: _number(path, f"{name}.{k}", v) for k, v in given[name].items()}
     return Hardware(**given)
 
 

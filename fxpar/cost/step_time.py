@@ -19,14 +19,15 @@ def piece_seconds(piece, plan, device: Hardware, precision: str):
     that is weight gradients of linears (W in a split schedule). Bytes are in the dtypes the
     rank's graph computes in (`cost.layout`: bf16-mixed's bf16 ops, its fp32 loss and casts)."""
     share = sympy.Rational(1, plan.dp)
-    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, piece.other_bytes, precision)
+    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, piece.bytes_by_kind, precision)
     overhead = plan.microbatches * sympy.Float(device.op_overhead)
-    forward = kernels + piece.forward_ops * overhead
-    backward = 2 * kernels + piece.backward_nodes * overhead
+    together = sympy.Max if device.host_overlap else sympy.Add  # (`Hardware.host_overlap`)
+    forward = together(kernels, piece.forward_ops * overhead)
+    backward = together(2 * kernels, piece.backward_nodes * overhead)
     weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
-    recompute = share * device.kernel_seconds(
-        piece.recompute_matmul_flops, piece.recompute_attention_flops, piece.recompute_bytes, precision,
-    ) + piece.recompute_ops * overhead
+    recompute = together(share * device.kernel_seconds(
+        piece.recompute_matmul_flops, piece.recompute_attention_flops, piece.recompute_bytes_by_kind, precision,
+    ), piece.recompute_ops * overhead)
     return forward, backward, weight, recompute
 
 

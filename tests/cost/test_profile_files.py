@@ -26,7 +26,7 @@ FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
 
 
 def test_a_profile_survives_its_file(tmp_path):
-    for hardware in (MACHINE, PROFILES["h200"]):
+    for hardware in (MACHINE, hardware_profile("h200")):
         path = save_profile(hardware, tmp_path / f"{hardware.name}.json")
         assert load_profile(path) == hardware
         assert hardware_profile(str(path)) == hardware
