@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import fxpar
-from tiny_training import build_model, global_batches
+from tiny_training import build_model, fresh_capture, global_batches
 
 # (batch, what comes before its step). SGD, not AdamW: AdamW's first update is lr x sign(g)
 # whatever the size of g, so it would not tell an accumulated gradient from a scaled one.
@@ -58,13 +58,15 @@ def main(out_dir: Path, plans: list[str]) -> None:
     results = {}
     tokens, labels = global_batches()[0]
     for plan in plans:
-        program = fxpar.compile(build_model(), plan, example_inputs=(tokens, labels))
+        _, captured = fresh_capture("gpt", (tokens, labels))
+        program = fxpar.compile(captured, plan)
         runner = program.bind(timeout=60)
         optimizer = runner.optimizer(torch.optim.SGD, **SGD)
         step = lambda *batch: runner.step(*runner.local_batch(*batch))  # noqa: E731
         results[plan] = run(step, runner.full_gradients, optimizer) | {"state": runner.full_state_dict()}
-    torch.save(results, out_dir / f"rank{runner.rank}.pt")
-    runner.close()
+        rank = runner.rank
+        runner.close()  # the next plan trains the same (captured) model's parameters
+    torch.save(results, out_dir / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 import fxpar
-from tiny_training import build_model, global_batches
+from tiny_training import fresh_capture, global_batches
 
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 batches = global_batches()
 results = {}
 for plan in plans:
-    runner = fxpar.compile(build_model(), plan, example_inputs=batches[0]).bind(timeout=20)
+    runner = fxpar.compile(fresh_capture("gpt", batches[0])[1], plan).bind(timeout=20)
     tokens, labels = batches[0]
     labels = labels.clone()
     labels[1, 3], labels[5, 2] = 64, -1

@@ -19,7 +19,7 @@ import torch
 import fxpar
 from fxpar.pictures.rank_memory import predicted_memory
 from explicit_attention import ExplicitAttentionGPT
-from tiny_training import OPTIMIZER, build_model, global_batches
+from tiny_training import OPTIMIZER, fresh_capture, global_batches
 
 out_dir, arguments = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
@@ -32,8 +32,8 @@ for argument in arguments:
         torch.manual_seed(0)
         model = ExplicitAttentionGPT()
     else:
-        model = build_model(model_name or "gpt")
-    program = fxpar.compile(model, plan, example_inputs=(tokens, labels))
+        model = fresh_capture(model_name or "gpt", (tokens, labels))[1]
+    program = fxpar.compile(model, plan, example_inputs=(tokens, labels) if model_name == "explicit" else None)
     program.check()
     runner = program.bind(timeout=60)
     if optimizer_name == "sgd":

@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 import fxpar
-from tiny_training import build_model, global_batches
+from tiny_training import fresh_capture, global_batches
 
 TIMEOUT_S = 5
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 batches = global_batches()
 results = {}
 for plan in plans:
-    runner = fxpar.compile(build_model(), plan, example_inputs=batches[0]).bind(timeout=TIMEOUT_S)
+    runner = fxpar.compile(fresh_capture("gpt", batches[0])[1], plan).bind(timeout=TIMEOUT_S)
     outcome = {"steps": 0}
     for i, (tokens, labels) in enumerate(batches[:3]):
         start = time.perf_counter()

@@ -96,6 +96,28 @@ def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
     return MODELS[name]()
 
 
+_CAPTURES: dict[str, tuple] = {}
+
+
+def fresh_capture(name: str, example_inputs: tuple) -> tuple[torch.nn.Module, "fxpar.CapturedGraph"]:
+    """`build_model(name)` and its capture, captured once per process: each later call puts
+    the weights back as `build_model` made them, so a worker's plans all start alike and
+    pay torch.export once (most of a tiny plan's compile) instead of once per plan."""
+    import fxpar
+
+    if name not in _CAPTURES:
+        model = build_model(name)
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        _CAPTURES[name] = (model, fxpar.capture(model, example_inputs), initial)
+    model, captured, initial = _CAPTURES[name]
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            value.copy_(initial[key])
+        for parameter in model.parameters():
+            parameter.grad = None
+    return model, captured
+
+
 def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     shape = (GLOBAL_BATCH, SEQ)
