@@ -99,8 +99,8 @@ def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
 _CAPTURES: dict[str, tuple] = {}
 
 
-def fresh_capture(name: str, example_inputs: tuple) -> tuple[torch.nn.Module, "fxpar.CapturedGraph"]:
-    """`build_model(name)` and its capture, captured once per process: each later call puts
+def fresh_capture(name: str, example_inputs: tuple) -> tuple:
+    """`build_model(name)` and its capture (model, CapturedGraph), captured once per process: each later call puts
     the weights back as `build_model` made them, so a worker's plans all start alike and
     pay torch.export once (most of a tiny plan's compile) instead of once per plan."""
     import fxpar
