@@ -100,9 +100,9 @@ _CAPTURES: dict[str, tuple] = {}
 
 
 def fresh_capture(name: str, example_inputs: tuple) -> tuple:
-    """`build_model(name)` and its capture (model, CapturedGraph), captured once per process: each later call puts
-    the weights back as `build_model` made them, so a worker's plans all start alike and
-    pay torch.export once (most of a tiny plan's compile) instead of once per plan."""
+    """`build_model(name)` and its capture, (model, CapturedGraph), captured once per process:
+    each later call puts the weights back as `build_model` made them, so a worker's plans all
+    start alike and pay torch.export once (most of a tiny plan's compile), not once per plan."""
     import fxpar
 
     if name not in _CAPTURES:
