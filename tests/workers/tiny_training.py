@@ -107,14 +107,19 @@ def fresh_capture(name: str, example_inputs: tuple) -> tuple:
 
     if name not in _CAPTURES:
         model = build_model(name)
-        initial = {k: v.clone() for k, v in model.state_dict().items()}
-        _CAPTURES[name] = (model, fxpar.capture(model, example_inputs), initial)
-    model, captured, initial = _CAPTURES[name]
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            value.copy_(initial[key])
-        for parameter in model.parameters():
-            parameter.grad = None
+        random_state = torch.random.get_rng_state()  # as build_model leaves it: bind draws the seed
+        captured = fxpar.capture(model, example_inputs)
+        tensors = {id(t): t for m in (model, captured.graph_module)
+                   for t in (*m.parameters(), *m.buffers(), *vars(m).get("_tensor_constants", {}).values())}
+        _CAPTURES[name] = (model, captured, [(t, t.detach().clone()) for t in tensors.values()], random_state)
+    model, captured, initial, random_state = _CAPTURES[name]
+    torch.random.set_rng_state(random_state)
+    # New storage, same tensors, the model's and the capture's: a runner may have left a
+    # parameter a view into its flat buffer (ZeRO) or cast in place, and the memory meter
+    # counts storages. Tied weights are one tensor.
+    for tensor, value in initial:
+        tensor.data = value.clone()
+        tensor.grad = None
     return model, captured
 
 

@@ -22,7 +22,7 @@ import torch
 
 import fxpar
 from tiny_training import (
-    MUON, OPTIMIZER, Optimizers, fresh_capture, full_optimizer_state, global_batches, lr_scheduler, muon_and_adamw,
+    MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, lr_scheduler, muon_and_adamw,
     parameter_groups,
 )
 
@@ -31,8 +31,9 @@ torch.set_num_threads(1)
 results = {}
 for plan in plans:
     tokens, labels = global_batches()[0]
-    compiled, captured = fresh_capture(os.environ.get("FXPAR_TEST_MODEL", "gpt"), (tokens, labels))
-    program = fxpar.compile(captured, plan)
+    model = os.environ.get("FXPAR_TEST_MODEL", "gpt")
+    compiled = build_model(model)
+    program = fxpar.compile(compiled, plan, example_inputs=(tokens, labels))
     program.check()
     runner = program.bind(
         timeout=60,
@@ -100,6 +101,5 @@ for plan in plans:
             if program.holds_loss(runner.rank) else [],  # (the loss is the last stage's output)
         },
     }
-    rank = runner.rank
-    runner.close()  # the next plan trains the same (captured) model's parameters
-torch.save(results, out_dir / f"rank{rank}.pt")
+torch.save(results, out_dir / f"rank{runner.rank}.pt")
+runner.close()
