@@ -145,11 +145,17 @@ def saved_in_flight(schedule) -> tuple[int, ...]:
     W's store then keeps only its linears' inputs and output gradients
     (`runtime.step.weight_gradients`), which `memory.activations` does not count (nor the meter).
     `simulation.Simulation.peak_in_flight` counts to W instead: the schedule's own bound."""
+    return most_open(schedule, opened_by="F", closed_by="B")
+
+
+def most_open(schedule, *, opened_by: str, closed_by: str) -> tuple[int, ...]:
+    """Per pipeline rank, the most (stage, microbatch) whose `opened_by` action has run on
+    its row and whose `closed_by` action has not yet."""
     peaks = []
     for row in schedule.actions:
         held = peak = 0
         for action in row:
-            held += {"F": 1, "B": -1}.get(action.kind, 0)
+            held += {opened_by: 1, closed_by: -1}.get(action.kind, 0)
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)

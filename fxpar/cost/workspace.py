@@ -46,7 +46,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from fxpar.cost.activations import observe_fake_forward
+from fxpar.cost.activations import most_open, observe_fake_forward
 from fxpar.cost.input_pieces import boundary_pieces
 from fxpar.cost.memo import memoised, module_key
 from fxpar.frontend.trace import CapturedGraph
@@ -115,14 +115,7 @@ def backward_bytes(program: CompiledProgram, rank: int) -> tuple[sympy.Expr, sym
 
 def waiting_for_w(schedule) -> tuple[int, ...]:
     """Per pipeline rank, the most (stage, microbatch) whose B has run and W not yet."""
-    peaks = []
-    for row in schedule.actions:
-        held = peak = 0
-        for action in row:
-            held += {"B": 1, "W": -1}.get(action.kind, 0)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return tuple(peaks)
+    return most_open(schedule, opened_by="B", closed_by="W")
 
 
 def transfer_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
