@@ -11,7 +11,8 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
 * `elementwise_efficiency`: the share of memory bandwidth that the other ops (elementwise,
   norms, softmax, losses) reach over forward and backward, their bytes counted as `cost.ops`
   counts them; `bandwidths`, where a profile measured them, the bytes/s of each class of
-  those ops instead (`cost.ops.BYTE_KINDS`: pointwise, norm, loss, copy). GPU default 1 (bytes at full bandwidth: not measured here). Measured on the
+  those ops instead (`cost.ops.BYTE_KINDS`: pointwise, norm, loss, copy). GPU default 1
+  (bytes at full bandwidth; the measured h200 profile has its own per class). Measured on the
   CPU: 0.3-0.5; the exact GELU and softmax are compute-bound there, and backward runs ops the
   forward graph does not show (bias-gradient sums, gradient fills, copies of transposes);
 * `op_overhead`: seconds each op pays besides its FLOPs and bytes (dispatch, autograd

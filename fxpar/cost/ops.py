@@ -179,7 +179,8 @@ _INTEGER_MASKS = {
 
 # The classes of memory-bound ops a hardware profile may give bandwidths of their own
 # (`Hardware.bandwidths`): on an H200 a layer norm's forward moves 878 GB/s, a GELU 2930, the
-# fp32 cross-entropy over the logits about 410 (as its bytes are counted here), a copy 3910.
+# fp32 cross-entropy over the logits about 1210 (its bytes as counted here), a copy 3910
+# (`benchmarks/fit_h200_profile.py`).
 BYTE_KINDS = ("pointwise", "norm", "loss", "copy")
 _NORMS = {aten.layer_norm, aten.rms_norm, aten.var_mean}
 _LOSSES = {
