@@ -310,11 +310,11 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     terms["activations"] = (
         rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
     )
-    # Beside the saved activations (`cost.workspace`): the loss's backward where the loss is, or
-    # one op's if larger, and zero-bubble's deferred weight gradients; with a pipeline, its
-    # transfers (each already one microbatch of the rank's: no substitution).
+    # Beside the saved activations (`cost.workspace`): the loss's backward where the loss is, else
+    # one op's, and zero-bubble's deferred weight gradients; with a pipeline, its transfers
+    # (each already one microbatch of the rank's: no substitution).
     one_op, deferred = backward_bytes(program, rank)
-    backward = (sympy.Max(loss_workspace_bytes(program.captured), one_op) if holds_loss else one_op) + deferred
+    backward = (loss_workspace_bytes(program.captured) if holds_loss else one_op) + deferred
     terms["workspace"] = backward.subs(BATCH, local_batch) + transfer_bytes(program, rank)
     terms["total"] = peak_bytes(
         terms, terms["activations"], terms["workspace"],

@@ -15,9 +15,10 @@ from depends on what the rank runs:
   backward at its last op, with the activations of every microbatch in flight saved, so no
   loss's gradient frees room first: the incoming gradient of one op's output and the
   gradients of its differentiable inputs, weights included, exist together on top of them.
-  On the loss's rank it counts where it is larger than the loss's W (a small vocabulary, a
-  pipeline's small microbatch: the last stage of `dp=2 pp=2 mb=8` below measured 6.71 MiB
-  against 6.48 predicted from W alone); a bound there, as later ops run with less saved. The largest over
+  Not on the loss's rank: there the large ops' backwards run once later layers have freed
+  their saved tensors (the measured peaks of RESULTS.md, "memory peak", are W's). A
+  pipeline's last stage with small microbatches comes out above it: `dp=2 pp=2 mb=8` measured
+  6.71 MiB against 6.48 predicted, 3.5% (open); The largest over
   the rank's ops, from the fake forward of its modules (`cost.activations`), with their
   tensor-parallel pieces (for a GPT block, an MLP linear: the hidden's gradient, the input's
   and the weight's). An op whose value is a view of its input allocates nothing;

@@ -93,14 +93,11 @@ def test_zero2_whole_gradients_come_bucket_by_bucket_in_backward_and_stay_with_s
 
 
 def test_workspace_is_twice_the_local_logits(program):
-    """W = the logits' gradient and the log-softmax gradient, for one rank's microbatch, where
-    that is larger than one op's backward (`cost.workspace`): here from a few rows on."""
+    """W = the logits' gradient and the log-softmax gradient, for one rank's microbatch."""
     estimate = program.estimate("h100")
     local_batch, seq = 8 // 2, 32
     assert estimate.memory["workspace"] == 2 * local_batch * seq * CONFIG.vocab_size * 4
-    formula = estimate.formulas["memory.workspace"]
-    assert formula.subs({BATCH: 64, SEQ: 64}) == 1024 * 64 * 64
-    assert formula.subs({BATCH: 2, SEQ: 1}) > 1024 * 2  # one op's weight gradient is larger
+    assert sympy.expand(estimate.formulas["memory.workspace"] - 1024 * BATCH * SEQ) == 0
 
 
 def test_adam_keeps_a_step_counter_per_tensor(program):
