@@ -279,7 +279,7 @@ def _holding(program: CompiledProgram, rank: int):
     held = {}
     for piece in mine:
         held.update(piece.parameters)
-    buckets = [program.stages[s.stage].buckets for s in mine] if pipeline else [program.buckets]
+    buckets = [_buckets(program, s) for s in mine]
     tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
     return all_shares, mine, held, tensors
 
