@@ -22,7 +22,7 @@ import torch
 
 import fxpar
 from tiny_training import (
-    MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, lr_scheduler, muon_and_adamw,
+    MUON, OPTIMIZER, Optimizers, fresh_capture, full_optimizer_state, global_batches, lr_scheduler, muon_and_adamw,
     parameter_groups,
 )
 
@@ -31,9 +31,9 @@ torch.set_num_threads(1)
 results = {}
 for plan in plans:
     tokens, labels = global_batches()[0]
-    model = os.environ.get("FXPAR_TEST_MODEL", "gpt")
-    compiled = build_model(model)
-    program = fxpar.compile(compiled, plan, example_inputs=(tokens, labels))
+    # Every plan compiled from one capture, its weights put back as built (`fresh_capture`).
+    compiled, captured = fresh_capture(os.environ.get("FXPAR_TEST_MODEL", "gpt"), (tokens, labels))
+    program = fxpar.compile(captured, plan)
     program.check()
     runner = program.bind(
         timeout=60,
@@ -101,5 +101,5 @@ for plan in plans:
             if program.holds_loss(runner.rank) else [],  # (the loss is the last stage's output)
         },
     }
+    runner.close()  # before the next plan binds the same parameters
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
-runner.close()
