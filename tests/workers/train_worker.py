@@ -28,6 +28,21 @@ from tiny_training import (
 
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
+
+
+def estimated_once(program, runner) -> dict:
+    """`program.estimate("h100")`'s comm, worst rank and memory, computed by rank 0 and sent to
+    the others: every rank would compute the same numbers, and four ranks on CI's two cores
+    computing them at once took a third of a launch."""
+    shared = [None]
+    if runner.rank == 0:
+        estimate = program.estimate("h100")
+        shared = [{"estimated_comm": estimate.comm, "estimated_rank": estimate.rank,
+                   "estimated_memory": estimate.memory}]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 results = {}
 for plan in plans:
     tokens, labels = global_batches()[0]
@@ -83,9 +98,7 @@ for plan in plans:
         "comm": step_logs,
         "predicted": program.collectives(runner.rank, backend=runner.backend,
                                          receives_ahead=runner.receives_ahead),
-        "estimated_comm": (estimate := program.estimate("h100")).comm,
-        "estimated_rank": estimate.rank,
-        "estimated_memory": estimate.memory,
+        **estimated_once(program, runner),
         "memory": memory,
         "rank": runner.rank,
         "executed": [action for action, _, _ in runner.timeline()],
