@@ -123,6 +123,9 @@ SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
                            n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                            use_cache=False, multi_query=True, bos_token_id=1, eos_token_id=2),
     "mixtral": _causal("MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2),
+    # Its declared plan names dense-MLP modules an all-expert configuration lacks (skipped).
+    "qwen3_moe": _causal("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32),
     "smollm3": _causal("SmolLM3Config", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "bloom": _causal("BloomConfig", vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4,
                      hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),

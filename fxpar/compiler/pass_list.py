@@ -34,6 +34,7 @@ earlier passes inserted is marked too and their collectives are left out
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -58,7 +59,7 @@ from fxpar.passes.mixed_precision import cast_to_bf16
 from fxpar.passes.pipeline import assign_stages
 from fxpar.passes.random_draws import draw_from_streams, draws_randomness
 from fxpar.passes.tensor_parallel.rewrite import shard_tensor_parallel
-from fxpar.passes.tensor_parallel.rules import parameter_placements
+from fxpar.passes.tensor_parallel.rules import parameter_placements, rules_matching_nothing
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.passes.zero3 import shard_parameters
 from fxpar.plan.plan import Plan
@@ -176,7 +177,7 @@ def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str
     """The plan's tp_rules with the model's own plans in place of "auto" and "model"."""
     declared = captured.declared_plans
     if plan.tp_rules == "auto":
-        return dict(declared.base) or "infer"
+        return _declared_rules(declared.base, captured, "auto") or "infer"
     if plan.tp_rules == "model":
         if not declared.whole:
             raise PlanError(
@@ -186,5 +187,23 @@ def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str
                 field="tp_rules",
                 value="model",
             )
-        return dict(declared.whole)
+        return _declared_rules(declared.whole, captured, "model")
     return plan.tp_rules
+
+
+def _declared_rules(rules: dict[str, str], captured: CapturedGraph, asked: str) -> dict[str, str]:
+    """A model's own plan without the entries this configuration has no module for, with one
+    warning naming them. A model family declares one plan for all its configurations (a
+    shared expert, dense MLPs beside the experts) and transformers skips what a given one
+    lacks; the user did not write those globs, so they are not the user's error. A user's
+    `tp_rules` mapping stays strict (`rules._match_rules`)."""
+    unmatched = rules_matching_nothing(captured.graph_module, rules)
+    if unmatched:
+        warnings.warn(
+            f"plan tp_rules={asked}: the model's own tensor-parallel plan has "
+            f"{len(unmatched)} entr{'y' if len(unmatched) == 1 else 'ies'} that match no module of "
+            f"this configuration, skipped as transformers skips them: "
+            f"{', '.join(repr(p) for p in unmatched)}",
+            stacklevel=4,
+        )
+    return {pattern: style for pattern, style in rules.items() if pattern not in unmatched}

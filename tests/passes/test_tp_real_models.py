@@ -333,3 +333,19 @@ def test_the_pad_row_of_a_vocabulary_parallel_embedding_gets_no_gradient():
 def test_eager_attention_auto_plan_equals_one_device():
     model, inputs, program = compiled("gpt2", "tp=2", "eager")
     assert_equals_one_device(program, model, inputs)
+
+
+def test_a_models_own_plan_skips_the_entries_its_configuration_lacks_with_one_warning():
+    """Qwen3-MoE declares one plan for its family, naming the dense MLP some configurations put
+    beside the experts (`layers.*.mlp.gate_proj`); an all-expert configuration has none.
+    transformers skips such entries, and so does fxpar, naming them in one warning; the rest is
+    the model's plan (attention split, experts replicated) and trains as one device. The same
+    glob in a user's own mapping stays a PlanError: the user wrote it."""
+    model, inputs, graph = captured("qwen3_moe")
+    with pytest.warns(UserWarning, match=r"3 entries that match no module of this configuration") as record:
+        program = fxpar.compile(graph, "tp=2")
+    skipped = [str(w.message) for w in record if "match no module" in str(w.message)]
+    assert len(skipped) == 1 and "'model.model.layers.*.mlp.gate_proj'" in skipped[0]
+    assert_equals_one_device(program, model, inputs)
+    with pytest.raises(fxpar.PlanError, match=r"tp_rules\['model.layers.\*.mlp.gate_proj'\] matches no module"):
+        fxpar.compile(graph, fxpar.Plan(tp=2, tp_rules={"model.layers.*.mlp.gate_proj": "colwise"}))

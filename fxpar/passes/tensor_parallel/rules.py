@@ -55,6 +55,7 @@ from fxpar.passes.tensor_parallel.projections import fused_projections, packet, 
 __all__ = [
     "HF_STYLES", "STYLES", "ParameterPlacements", "Use", "fused_projections",
     "infer_styles", "parameter_placements", "parameter_roles", "parameter_uses", "placement_for",
+    "rules_matching_nothing",
 ]
 
 Style = str
@@ -281,11 +282,24 @@ def _disagreeing_uses(name: str, asked: dict[Placement, Use]) -> PlanError:
     )
 
 
+def rules_matching_nothing(gm: fx.GraphModule, rules: Mapping[str, str]) -> list[str]:
+    """The globs of `rules` that match no module path or parameter name of `gm`: for a plan a
+    model declares about itself, entries its family has and this configuration lacks (a
+    shared expert, a dense layer's MLP in an all-MoE config)."""
+    modules, names = _rule_targets(gm)
+    return [pattern for pattern in rules if not any(_matches(m, pattern) for m in modules | names)]
+
+
+def _rule_targets(gm: fx.GraphModule) -> tuple[set[str], set[str]]:
+    """(module paths that hold parameters, parameter names): what a rule's glob may name."""
+    names = set(meta.parameter_nodes(gm.graph)) | set(meta.graph_aliases(gm))
+    return {_module_of(n) for n in names}, names
+
+
 def _match_rules(gm: fx.GraphModule, rules: Mapping[str, str]) -> dict[str, Style]:
     """{module path or parameter name: fxpar style} for every rule; PlanError for a rule that
     names no style fxpar honours or matches nothing."""
-    names = set(meta.parameter_nodes(gm.graph)) | set(meta.graph_aliases(gm))
-    modules = {_module_of(n) for n in names}
+    modules, names = _rule_targets(gm)
     styles: dict[str, Style] = {}
     for pattern, style in rules.items():
         fxpar_style = _fxpar_style(pattern, style)
