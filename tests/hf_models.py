@@ -127,6 +127,9 @@ SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
     "qwen3_moe": _causal("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32),
     "smollm3": _causal("SmolLM3Config", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # No attention (eager only, as transformers has it): tp=2 splits its embedding alone.
+    "mamba": _causal("MambaConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8,
+                     use_cache=False),
     "bloom": _causal("BloomConfig", vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4,
                      hidden_dropout=0.0, attention_dropout=0.0, use_cache=False),
 }

@@ -45,6 +45,7 @@ from fxpar.cost.collectives import MiB, gradient_bucket_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.errors import PlanError
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir import meta
 from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import Placements, Shard, local_shape
 from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_lists
@@ -91,6 +92,7 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         graph.append(cast_to_bf16)
     if plan.tp > 1:
         placements = parameter_placements(captured.graph_module, _tensor_parallel_rules(plan, captured), tp=plan.tp)
+        _warn_when_little_is_split(placements, captured, plan)
         graph.append(partial(
             shard_tensor_parallel, placements=placements, tp=plan.tp,
             sequence_parallel=plan.sequence_parallel, seq=frozenset(captured.export_symbols("seq")),
@@ -191,6 +193,29 @@ def _tensor_parallel_rules(plan: Plan, captured: CapturedGraph) -> dict[str, str
     return plan.tp_rules
 
 
+LITTLE_SPLIT = 0.5  # a tp plan splitting less of the parameters than this is worth a warning
+
+
+def _warn_when_little_is_split(placements: dict, captured: CapturedGraph, plan: Plan) -> None:
+    """One warning when tensor parallelism splits under half of the parameters (Mamba's mixers
+    match no projection rule: only its embedding is split): every rank then holds and computes
+    the rest whole, and the plan buys little for its collectives. Silence is what a user would
+    take for tp working."""
+    sizes = {name: node.meta["val"].numel() for name, node in meta.parameter_nodes(captured.graph_module.graph).items()
+             if name in placements}
+    split = [name for name in sizes if isinstance(placements[name], Shard)]
+    share = sum(sizes[name] for name in split) / max(sum(sizes.values()), 1)
+    if share < LITTLE_SPLIT:
+        named = ", ".join(repr(name) for name in split[:3]) + (", ..." if len(split) > 3 else "")
+        warnings.warn(
+            f"plan tp={plan.tp} splits only {share:.0%} of the parameters ({len(split)} of {len(sizes)} "
+            f"tensors{': ' + named if split else ''}); every rank holds and computes the other "
+            f"{1 - share:.0%} whole. Fix: name the modules to split in tp_rules, or spend these "
+            "ranks on dp (with zero) or pp",
+            stacklevel=5,
+        )
+
+
 def _declared_rules(rules: dict[str, str], captured: CapturedGraph, asked: str) -> dict[str, str]:
     """A model's own plan without the entries this configuration has no module for, with one
     warning naming them. A model family declares one plan for all its configurations (a
@@ -204,6 +229,6 @@ def _declared_rules(rules: dict[str, str], captured: CapturedGraph, asked: str) 
             f"{len(unmatched)} entr{'y' if len(unmatched) == 1 else 'ies'} that match no module of "
             f"this configuration, skipped as transformers skips them: "
             f"{', '.join(repr(p) for p in unmatched)}",
-            stacklevel=4,
+            stacklevel=6,
         )
     return {pattern: style for pattern, style in rules.items() if pattern not in unmatched}

@@ -16,6 +16,7 @@ graph cuts into blocks: test_tp_fused_projections.py). Three kinds of check:
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -339,7 +340,8 @@ def test_a_models_own_plan_skips_the_entries_its_configuration_lacks_with_one_wa
     """Qwen3-MoE declares one plan for its family, naming the dense MLP some configurations put
     beside the experts (`layers.*.mlp.gate_proj`); an all-expert configuration has none.
     transformers skips such entries, and so does fxpar, naming them in one warning; the rest is
-    the model's plan (attention split, experts replicated) and trains as one device. The same
+    the model's plan (attention split, experts replicated: the warning that tp splits 23% of
+    the parameters comes too) and trains as one device. The same
     glob in a user's own mapping stays a PlanError: the user wrote it."""
     model, inputs, graph = captured("qwen3_moe")
     with pytest.warns(UserWarning, match=r"3 entries that match no module of this configuration") as record:
@@ -349,3 +351,18 @@ def test_a_models_own_plan_skips_the_entries_its_configuration_lacks_with_one_wa
     assert_equals_one_device(program, model, inputs)
     with pytest.raises(fxpar.PlanError, match=r"tp_rules\['model.layers.\*.mlp.gate_proj'\] matches no module"):
         fxpar.compile(graph, fxpar.Plan(tp=2, tp_rules={"model.layers.*.mlp.gate_proj": "colwise"}))
+
+
+def test_a_tp_plan_that_splits_little_of_the_model_says_so_in_one_warning():
+    """Mamba's mixers match no projection rule, so tp=2 splits its embedding alone: a run that
+    looks tensor-parallel and is not. One warning says what share is split; a transformer
+    whose layers are split (Llama) gets none."""
+    model, inputs = build("mamba", "eager")
+    with pytest.warns(UserWarning, match=r"tp=2 splits only 22% of the parameters \(1 of 22 tensors: "
+                                         r"'model\.backbone\.embeddings\.weight'\)") as record:
+        fxpar.compile(model, "tp=2", example_inputs=inputs)
+    assert sum("splits only" in str(w.message) for w in record) == 1
+    _, _, graph = captured("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxpar.compile(graph, "tp=2")
