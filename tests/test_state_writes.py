@@ -138,10 +138,28 @@ def test_a_parameter_written_under_no_grad_names_the_parameter_and_module():
     assert torch.equal(model.proj.weight, before)
 
 
-def test_a_no_grad_block_without_writes_is_refused_as_a_nested_graph():
-    message = refusal(_NoGradBlock())
-    assert "has a `with torch.no_grad()` (or `torch.enable_grad()`) block in the root module's forward" in message
-    assert "torch.ops.higher_order.wrap_with_set_grad_enabled" in message and "Fix: " in message
+def test_a_no_grad_block_without_writes_is_captured_on_detached_inputs():
+    """Its ops inline, reading detached copies: the loss is the model's, and no gradient flows
+    through the block (the multi-rank training is tests/runtime/test_no_grad_blocks.py)."""
+    model = _NoGradBlock()
+    graph = capture(model, (X, X.clone())).graph_module
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.higher_order.wrap_with_set_grad_enabled not in targets
+    assert targets[:3] == [torch.ops.aten.detach.default, torch.ops.aten.abs.default, torch.ops.aten.mean.default]
+    torch.testing.assert_close(graph(X, X.clone()), model(X, X.clone()), rtol=0, atol=0)
+
+
+class _AutocastBlock(_RescalesItsWeight):
+    def forward(self, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.proj(x)
+        return F.mse_loss(h.float(), y)
+
+
+def test_an_autocast_block_is_refused_as_a_nested_graph():
+    message = refusal(_AutocastBlock())
+    assert "has a `with torch.autocast(...)` block in the root module's forward" in message
+    assert "torch.ops.higher_order.wrap_with_autocast" in message and "Fix: " in message
 
 
 def test_writes_recorded_in_the_signature_are_found_too():

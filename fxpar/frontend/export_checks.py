@@ -4,11 +4,13 @@
   a block that changes grad mode or autocast as a higher-order op calling a subgraph:
 
       submod_3 = self.submod_1
-      mul = torch.ops.higher_order.wrap_with_set_grad_enabled(False, submod_3, x)
+      mul = torch.ops.higher_order.wrap_with_autocast("cpu", torch.bfloat16, True, None, submod_3, x)
       getitem = mul[0]
 
-  No pass can see into it yet (and capture's unlifting would drop the subgraph), so such a
-  model is refused naming the block and its module.
+  Grad-mode blocks are inlined before this check (`frontend.grad_regions`); what is left (an
+  autocast block, a no_grad block inside another block, torch.cond) no pass can see into yet
+  (and capture's unlifting would drop the subgraph), so such a model is refused naming the
+  block and its module.
 * `warn_fixed_sizes`: export specialises a dim of size 0 or 1 to a constant (a size of 1
   cannot be told from a broadcast), so an example batch of 1 fixes every step's batch at 1.
 
@@ -28,7 +30,7 @@ from fxpar.ir.meta import exported_module_path
 
 # What each region export wraps in a higher-order op stands for in the model's code.
 _REGIONS = {
-    "wrap_with_set_grad_enabled": "a `with torch.no_grad()` (or `torch.enable_grad()`) block",
+    "wrap_with_set_grad_enabled": "a `with torch.no_grad()` (or `torch.enable_grad()`) block inside another block",
     "wrap_with_autocast": "a `with torch.autocast(...)` block",
 }
 _DIM_NAMES = {0: "batch", 1: "sequence"}  # the dims capture makes symbolic

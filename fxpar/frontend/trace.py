@@ -50,6 +50,7 @@ from torch.export.graph_signature import InputKind, InputSpec
 from fxpar.errors import CaptureError
 from fxpar.frontend.attribute_writes import AttributeWatch, refuse_attribute_writes
 from fxpar.frontend.export_checks import refuse_nested_graphs, warn_fixed_sizes
+from fxpar.frontend.grad_regions import inline_grad_mode_blocks
 from fxpar.frontend.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
 from fxpar.frontend.state_writes import refuse_running_statistics, refuse_state_writes
 from fxpar.ir import meta
@@ -180,7 +181,8 @@ def capture(model: torch.nn.Module, example_inputs: ExampleInputs) -> CapturedGr
         raise
     refuse_state_writes(model, exported)  # BatchNorm in train mode, buffer.add_(), ...
     refuse_attribute_writes(watch)  # self.steps += 1, self.eval(), a list appended to, ...
-    refuse_nested_graphs(exported)  # torch.no_grad() or autocast blocks
+    inline_grad_mode_blocks(exported)  # torch.no_grad() blocks: their ops, on detached inputs
+    refuse_nested_graphs(exported)  # autocast blocks, and grad-mode blocks inside blocks
     source = (model, {k: v.detach().clone() for k, v in example_inputs.items()} if keyword
               else tuple(x.detach().clone() for x in example_inputs))
     captured = _unlift(model, exported, values, keyword=keyword, source=source)
@@ -360,7 +362,7 @@ def _requires_grad(node: fx.Node, attributes: dict[str, torch.Tensor]) -> bool:
     value = node.meta.get("val")
     if node.op == "get_attr":
         return bool(getattr(attributes.get(node.target), "requires_grad", False))
-    if node.op != "call_function":
+    if node.op != "call_function" or node.target is torch.ops.aten.detach.default:
         return False
     floating = isinstance(value, torch.Tensor) and value.is_floating_point() or isinstance(value, (list, tuple))
     return floating and any(n.meta.get(meta.REQUIRES_GRAD, False) for n in node.all_input_nodes)

@@ -146,12 +146,15 @@ def _other(reduce_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype 
 
 
 def _nodes_reaching_output(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes with a path to the output: only their parameters can receive a gradient."""
+    """Nodes with a path to the output that backward follows: only their parameters can
+    receive a gradient. A detach ends the path (what a forward computed under torch.no_grad
+    reads is detached: `frontend.grad_regions`)."""
     seen: set[fx.Node] = set()
     stack = [graph.output_node()]
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.all_input_nodes)
+            if node.target is not torch.ops.aten.detach.default:
+                stack.extend(node.all_input_nodes)
     return seen

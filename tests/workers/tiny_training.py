@@ -28,6 +28,37 @@ MODELS = {
     "llama": lambda: Llama(LlamaConfig(vocab_size=64, n_layer=2, n_head=8, n_kv_head=4, n_embd=64,
                                       intermediate_size=128, max_seq_len=32)),
 }
+
+
+class NoGradRouter(torch.nn.Module):
+    """Two experts, each token sent to one by a router that chooses under torch.no_grad() (the
+    choice needs no gradient; the chosen expert's softmax weight, computed outside the block,
+    carries the router's), as some mixture-of-experts routers do. `bias_of_choice` is read only
+    inside the block: on one device it never gets a gradient, and AdamW leaves it as it was,
+    weight decay included."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, experts: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.bias_of_choice = torch.nn.Linear(dim, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        logits = self.router(h)
+        with torch.no_grad():
+            choice = (logits + self.bias_of_choice(h)).argmax(-1, keepdim=True)
+        weight = logits.softmax(-1).gather(-1, choice)
+        chosen = torch.nn.functional.one_hot(choice.squeeze(-1), len(self.experts)).to(h.dtype)
+        h = h + weight * sum(chosen[..., e:e + 1] * expert(h) for e, expert in enumerate(self.experts))
+        logits = self.head(self.norm(h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+MODELS["router"] = NoGradRouter
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
 # AdamW with eps=1e-6, not 1e-8: the key bias under softmax has an exactly-zero true gradient
 # that is float noise in practice, and a tiny eps turns that noise into full-size updates of
@@ -165,7 +196,7 @@ def train_single_device(name: str = "gpt", *, scheduled: bool = False, clip: flo
     for tokens, labels in global_batches():
         losses.append(backward_in_parts(model, tokens, labels, split))
         if first_grads is None:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         if clip is not None:  # the inf-norm first: a bound of inf leaves the gradients as they are
             norms.append((float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf, math.inf)),
                           float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))))
