@@ -127,6 +127,10 @@ SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
     "qwen3_moe": _causal("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32),
     "smollm3": _causal("SmolLM3Config", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Rotary positions in complex numbers, a shared expert beside the routed ones, every layer MoE.
+    "llama4": _causal("Llama4TextConfig", **_DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                      intermediate_size_mlp=128, interleave_moe_layer_step=1, attention_chunk_size=64,
+                      no_rope_layers=[1, 1]),
     # No attention (eager only, as transformers has it): tp=2 splits its embedding alone.
     "mamba": _causal("MambaConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8,
                      use_cache=False),

@@ -60,7 +60,7 @@ from fxpar.passes.mixed_precision import cast_to_bf16
 from fxpar.passes.pipeline import assign_stages
 from fxpar.passes.random_draws import draw_from_streams, draws_randomness
 from fxpar.passes.tensor_parallel.rewrite import shard_tensor_parallel
-from fxpar.passes.tensor_parallel.rules import parameter_placements, rules_matching_nothing
+from fxpar.passes.tensor_parallel.rules import UNSUPPORTED_HF_STYLES, parameter_placements, rules_matching_nothing
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.passes.zero3 import shard_parameters
 from fxpar.plan.plan import Plan
@@ -230,5 +230,15 @@ def _declared_rules(rules: dict[str, str], captured: CapturedGraph, asked: str) 
             f"this configuration, skipped as transformers skips them: "
             f"{', '.join(repr(p) for p in unmatched)}",
             stacklevel=6,
+        )
+    if unhonoured := {p: s for p, s in rules.items() if s in UNSUPPORTED_HF_STYLES and p not in unmatched}:
+        pattern, style = next(iter(unhonoured.items()))
+        raise PlanError(
+            f"plan tp_rules={asked} takes the model's own tensor-parallel plan, whose entry "
+            f"{pattern!r}: {style!r} asks for {UNSUPPORTED_HF_STYLES[style]}, which fxpar's tensor "
+            f"parallelism does not do ({len(unhonoured)} such entr{'y' if len(unhonoured) == 1 else 'ies'}). "
+            "Fix: tp_rules=infer (Megatron's layout found in the graph; what it cannot split stays "
+            "whole), or your own tp_rules mapping",
+            field="tp_rules", value=asked,
         )
     return {pattern: style for pattern, style in rules.items() if pattern not in unmatched}

@@ -140,7 +140,9 @@ def test_an_op_without_a_rule_on_a_shard_names_node_module_and_fix():
     message = str(error.value)
     assert "no placement rule for op aten.cumsum.default" in message
     assert "(module '<root module>')" in message and "linear: S(1)" in message
-    assert "tensor_parallel.propagation.RULES" in message
+    # The fix is the user's to apply: the modules that split the op's inputs, kept whole.
+    assert "split in modules 'up'" in message
+    assert "{'up': 'replicate'}" in message and "RULES" not in message
 
 
 def test_tp_collectives_are_predicted_per_microbatch():

@@ -366,3 +366,38 @@ def test_a_tp_plan_that_splits_little_of_the_model_says_so_in_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fxpar.compile(graph, "tp=2")
+
+
+def test_llama4_trains_under_inferred_tp_and_its_own_expert_plan_is_refused_with_that_fix():
+    """Llama 4 text: rotary positions as complex numbers (view_as_complex / view_as_real keep a
+    head shard where it is) and the routed experts added in place into the shared expert's
+    output while that still awaits its all-reduce (`x.add_(y)` placed as `x + y`: nothing reads
+    `x` after). Its declared plan asks for `moe_tp_experts`, which fxpar does not do: refused
+    with a fix the user can apply, not an edit of fxpar."""
+    model, inputs, graph = captured("llama4")
+    with pytest.raises(fxpar.PlanError, match=r"'moe_tp_experts'.*Fix: tp_rules=infer"):
+        fxpar.compile(graph, "tp=2")
+    with pytest.warns(UserWarning, match="splits only"):  # the experts stay whole
+        program = fxpar.compile(graph, "tp=2 tp_rules=infer")
+    assert_equals_one_device(program, model, inputs)
+
+
+def test_an_in_place_write_into_a_split_value_with_another_reader_is_refused():
+    """A view taken before the write aliases the value: on one device it sees the write, in the
+    rewrite (the write lands in the all-reduce's result) it would not."""
+    class WritesThroughAnAlias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8, bias=False)  # h still partial
+
+        def forward(self, x, y):
+            h = self.down(self.up(x))
+            alias = h.view(4, 2, 4)
+            h.add_(x)
+            return F.mse_loss(alias.flatten(1), y)
+
+    x = torch.randn(4, 8)
+    plan = fxpar.Plan(tp=2, tp_rules={"up": "colwise", "down": "rowwise"})
+    with pytest.raises(fxpar.PlanError, match=r"cannot write in place into the split value linear_1 .*also reads "
+                                              r"it.*Fix: keep module 'down' whole"):
+        fxpar.compile(WritesThroughAnAlias(), plan, (x, x))

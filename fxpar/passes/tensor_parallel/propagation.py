@@ -8,7 +8,7 @@ adding a line to `RULES`.
 
 An op without a rule is fine while all its inputs are replicated (every rank computes it
 whole); with a sharded or partial input it is a PlanError that names the node, its module path,
-the op, the input placements and the rule to add.
+the op, the input placements and the modules that split them, which the user can keep whole.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.placement import P, Partial, R, Replicate, Shard
 from fxpar.passes.tensor_parallel.decision import (
     Context, Decision, Rewrite, _dim, _resolve_partials, shape_of, tensor_inputs,
 )
 from fxpar.passes.tensor_parallel.projections import projection_of
 from fxpar.passes.tensor_parallel.view_rules import (
-    concatenate, expand, getitem, repeat_interleave, slicing, split, stack, transpose, unsqueeze,
-    view,
+    complex_view, concatenate, expand, getitem, repeat_interleave, slicing, split, stack, transpose,
+    unsqueeze, view,
 )
 
 aten = torch.ops.aten
@@ -203,6 +205,29 @@ def cross_entropy(node: fx.Node, ctx: Context) -> Decision:
     return Decision(R, {n: R for n in tensor_inputs(node)})
 
 
+_IN_PLACE = [aten.add_, aten.sub_, aten.mul_, aten.div_]
+
+
+def in_place(node: fx.Node, ctx: Context) -> Decision:
+    """`x.add_(y)` and the like, as their out-of-place op: where a collective must make `x`
+    whole first (Llama 4 adds its routed experts into the shared expert's partial output), the
+    op writes into the collective's result instead of `x`, the same value only if nothing else
+    reads `x`: export sends later reads through the op's output, but a view taken before it
+    (an alias of `x`) would miss the write. So a split `x` with another reader is a PlanError."""
+    written = node.args[0]
+    others = [user for user in written.users if user is not node]
+    if others and not isinstance(ctx.placement(written), Replicate):
+        module = meta.module_path(written)
+        raise PlanError(
+            f"tensor parallelism cannot write in place into the split value {written.name} at "
+            f"{meta.describe(node)}: {others[0].format_node()} also reads it, and would not see "
+            f"the write. Fix: keep module {module or '<root module>'!r} whole (tp_rules={{"
+            f"{module!r}: 'replicate'}}, with the rest of your rules), or write `x = x + y`",
+            field="tp_rules",
+        )
+    return elementwise(node, ctx)
+
+
 def creation(node: fx.Node, ctx: Context) -> Decision:
     return Decision(R, {n: R for n in tensor_inputs(node)})
 
@@ -223,6 +248,8 @@ _ELEMENTWISE = [
 ]
 RULES: dict[object, Callable[[fx.Node, Context], Decision]] = {
     **{op: elementwise for op in _ELEMENTWISE},
+    **{op: in_place for op in _IN_PLACE},
+    aten.view_as_complex: complex_view, aten.view_as_real: complex_view,
     aten.view: view, aten._unsafe_view: view, aten.reshape: view, aten.expand: expand,
     aten.flatten: view, aten.unflatten: view, aten.squeeze: view,
     aten.transpose: transpose, aten.permute: transpose, aten.t: transpose,

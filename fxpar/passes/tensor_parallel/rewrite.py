@@ -104,6 +104,20 @@ def shard_tensor_parallel(
     return gm
 
 
+def _no_rule(node: fx.Node, inputs: dict) -> PlanError:
+    """An op tensor parallelism cannot place, met by a split input: the modules that split its
+    inputs are what a user can keep whole."""
+    split_by = sorted({meta.module_path(n) for n, p in inputs.items() if not isinstance(p, Replicate)} - {""})
+    rules = ", ".join(f"{path!r}: 'replicate'" for path in split_by) or "'<module>': 'replicate'"
+    return PlanError(
+        f"tensor parallelism has no placement rule for op {node.target} at {meta.describe(node)}; "
+        f"its inputs are {', '.join(f'{n.name}: {p}' for n, p in inputs.items())}, split in modules "
+        f"{', '.join(map(repr, split_by))}. Fix: keep them whole, tp_rules as a mapping with "
+        f"{{{rules}}} beside the rules that split the rest, or spend these ranks on dp or pp",
+        field="tp",
+    )
+
+
 class _Walk:
     def __init__(self, graph: fx.Graph, ctx: Context, gathered: frozenset[str], loss_rows: int | None = None):
         self.graph, self.ctx, self.gathered, self.loss_rows = graph, ctx, gathered, loss_rows
@@ -120,14 +134,7 @@ class _Walk:
         inputs = {n: self.ctx.placement(n) for n in node.all_input_nodes if is_tensor(n)}
         if rule is None:
             if any(not isinstance(p, Replicate) for p in inputs.values()):
-                raise PlanError(
-                    f"tensor parallelism has no placement rule for op {node.target} at "
-                    f"{meta.describe(node)}; its inputs are "
-                    f"{', '.join(f'{n.name}: {p}' for n, p in inputs.items())}. Fix: add a rule "
-                    "for it to fxpar.passes.tensor_parallel.propagation.RULES, or replicate the module "
-                    "(tp_rules={'<module>': 'replicate'})",
-                    field="tp",
-                )
+                raise _no_rule(node, inputs)
             decision = Decision(R, inputs)
         else:
             decision = rule(node, self.ctx)

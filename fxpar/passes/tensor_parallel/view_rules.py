@@ -195,3 +195,15 @@ def repeat_interleave(node: fx.Node, ctx: Context) -> Decision:
     if isinstance(p, Partial):
         return Decision(P, {source: p})
     return Decision(p, {source: p})  # whole blocks repeat locally, sharded dim included
+
+
+def complex_view(node: fx.Node, ctx: Context) -> Decision:
+    """view_as_complex (the last dim of 2, real and imaginary, becomes one complex value) and
+    view_as_real (the reverse), as rotary embeddings written in complex numbers use them
+    (Llama 4): a shard of any other dim stays where it is; the pair dim cannot be split."""
+    source, p = node.args[0], ctx.placement(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision(p, {source: p})
+    if p.dim == len(shape_of(source)) - 1 and node.target.overloadpacket is aten.view_as_complex:
+        return Decision(R, {source: R})  # the (real, imaginary) pair itself split: gather first
+    return Decision(p, {source: p})
