@@ -127,6 +127,12 @@ SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
     "qwen3_moe": _causal("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32),
     "smollm3": _causal("SmolLM3Config", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Multi-head latent attention (keys filled slice by slice into an empty tensor), a dense
+    # first layer, then routed and shared experts.
+    "deepseek_v3": _causal("DeepseekV3Config", **_SMALL, n_routed_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
+                           q_lora_rank=32),
     # Rotary positions in complex numbers, a shared expert beside the routed ones, every layer MoE.
     "llama4": _causal("Llama4TextConfig", **_DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                       intermediate_size_mlp=128, interleave_moe_layer_step=1, attention_chunk_size=64,

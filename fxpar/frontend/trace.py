@@ -50,6 +50,7 @@ from torch.export.graph_signature import InputKind, InputSpec
 from fxpar.errors import CaptureError
 from fxpar.frontend.attribute_writes import AttributeWatch, refuse_attribute_writes
 from fxpar.frontend.export_checks import refuse_nested_graphs, warn_fixed_sizes
+from fxpar.frontend.filled_buffers import concatenate_filled_buffers
 from fxpar.frontend.grad_regions import inline_grad_mode_blocks
 from fxpar.frontend.model_io import ExampleInputs, arrange_inputs, check_keywords, loss_leaf, positional_hint
 from fxpar.frontend.state_writes import refuse_running_statistics, refuse_state_writes
@@ -256,6 +257,7 @@ def _unlift(
 
     attributes, input_names = _read_state_through_getters(graph, exported, named_parameters, canonical, named_buffers)
     _return_the_loss(graph, exported, model, positional=0 if keyword else len(example_inputs))
+    concatenate_filled_buffers(graph)  # DeepSeek-V3's keys: an empty tensor filled by slices
     _annotate(graph, attributes)
 
     gm = fx.GraphModule(attributes, graph, class_name=type(model).__name__ + "Graph")

@@ -401,3 +401,20 @@ def test_an_in_place_write_into_a_split_value_with_another_reader_is_refused():
     with pytest.raises(fxpar.PlanError, match=r"cannot write in place into the split value linear_1 .*also reads "
                                               r"it.*Fix: keep module 'down' whole"):
         fxpar.compile(WritesThroughAnAlias(), plan, (x, x))
+
+
+def test_deepseek_v3_latent_attention_trains_under_inferred_tp():
+    """DeepSeek-V3 fills each key into an empty tensor slice by slice (its per-head part and
+    the rotary part all heads share); capture writes that as the concatenation it is
+    (`frontend.filled_buffers`), which tensor parallelism splits by heads like any other. Its
+    declared plan asks for `mla_kv_a_proj`: refused with tp_rules=infer as the fix."""
+    model, inputs, graph = captured("deepseek_v3")
+    targets = {n.target for n in graph.graph_module.graph.nodes}
+    assert torch.ops.aten.new_empty.default not in targets and torch.ops.aten.copy_.default not in targets
+    torch.testing.assert_close(graph.graph_module(*inputs), model(*inputs), rtol=0, atol=0)
+    with pytest.raises(fxpar.PlanError, match=r"'mla_kv_a_proj'.*Fix: tp_rules=infer"):
+        fxpar.compile(graph, "tp=2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the experts stay whole: tp splits a share of the rest
+        program = fxpar.compile(graph, "tp=2 tp_rules=infer")
+    assert_equals_one_device(program, model, inputs)
