@@ -217,11 +217,15 @@ def _warn_when_little_is_split(placements: dict, captured: CapturedGraph, plan: 
 
 
 def _declared_rules(rules: dict[str, str], captured: CapturedGraph, asked: str) -> dict[str, str]:
-    """A model's own plan without the entries this configuration has no module for, with one
-    warning naming them. A model family declares one plan for all its configurations (a
-    shared expert, dense MLPs beside the experts) and transformers skips what a given one
-    lacks; the user did not write those globs, so they are not the user's error. A user's
-    `tp_rules` mapping stays strict (`rules._match_rules`)."""
+    """A model's own plan as fxpar can follow it, with one warning for each kind of change.
+
+    Entries this configuration has no module for are skipped: a model family declares one plan
+    for all its configurations (a shared expert, dense MLPs beside the experts) and
+    transformers skips what a given one lacks. Entries in a style fxpar does not do
+    (`moe_tp_experts`, `mla_kv_a_proj`: `rules.UNSUPPORTED_HF_STYLES`) keep their modules
+    whole, and the entries inside them go: replicating is exact, so the model still trains
+    as one device, with less split. The user wrote none of these globs, so none is the user's
+    error; a user's own `tp_rules` mapping stays strict (`rules._match_rules`)."""
     unmatched = rules_matching_nothing(captured.graph_module, rules)
     if unmatched:
         warnings.warn(
@@ -231,14 +235,16 @@ def _declared_rules(rules: dict[str, str], captured: CapturedGraph, asked: str) 
             f"{', '.join(repr(p) for p in unmatched)}",
             stacklevel=6,
         )
-    if unhonoured := {p: s for p, s in rules.items() if s in UNSUPPORTED_HF_STYLES and p not in unmatched}:
-        pattern, style = next(iter(unhonoured.items()))
-        raise PlanError(
-            f"plan tp_rules={asked} takes the model's own tensor-parallel plan, whose entry "
-            f"{pattern!r}: {style!r} asks for {UNSUPPORTED_HF_STYLES[style]}, which fxpar's tensor "
-            f"parallelism does not do ({len(unhonoured)} such entr{'y' if len(unhonoured) == 1 else 'ies'}). "
-            "Fix: tp_rules=infer (Megatron's layout found in the graph; what it cannot split stays "
-            "whole), or your own tp_rules mapping",
-            field="tp_rules", value=asked,
+    kept = {p: s for p, s in rules.items() if p not in unmatched}
+    unhonoured = {p: s for p, s in kept.items() if s in UNSUPPORTED_HF_STYLES}
+    if unhonoured:
+        inside = [p for p in kept if any(p.startswith(u + ".") for u in unhonoured)]
+        warnings.warn(
+            f"plan tp_rules={asked}: the model's own tensor-parallel plan asks for what fxpar's "
+            "tensor parallelism does not do, so those modules stay whole on every rank: "
+            + "; ".join(f"{p!r}: {s!r} ({UNSUPPORTED_HF_STYLES[s]})" for p, s in unhonoured.items())
+            + (f" (and the {len(inside)} entries inside them)" if inside else ""),
+            stacklevel=6,
         )
-    return {pattern: style for pattern, style in rules.items() if pattern not in unmatched}
+        kept = {p: "replicate" if p in unhonoured else s for p, s in kept.items() if p not in inside}
+    return kept
