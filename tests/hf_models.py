@@ -127,6 +127,9 @@ SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
     "qwen3_moe": _causal("Qwen3MoeConfig", **_DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32),
     "smollm3": _causal("SmolLM3Config", **_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "qwen2_moe": _causal("Qwen2MoeConfig", **_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=64),
+    "olmoe": _causal("OlmoeConfig", **_DECODER, num_experts=4, num_experts_per_tok=2),
     # Multi-head latent attention (keys filled slice by slice into an empty tensor), a dense
     # first layer, then routed and shared experts.
     "deepseek_v3": _causal("DeepseekV3Config", **_SMALL, n_routed_experts=4, num_experts_per_tok=2,
