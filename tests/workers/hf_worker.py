@@ -3,9 +3,10 @@
     torchrun --standalone --nproc-per-node 2 hf_worker.py OUT_DIR "llama sdpa dp=2 mb=2" ...
 
 Each job is "MODEL ATTENTION PLAN" (a model of hf_models.BUILDERS or SURVEY). The model is passed to fxpar unwrapped, with keyword
-inputs ({"input_ids": ..., "labels": ...}), and built afresh for each job (the same seed, so
-the same weights): a runner trains the model's own tensors, and torch.distributed cannot be
-set up again after a runner's `close()`, so jobs never share parameters. Saved per job: the loss of every step, the whole
+inputs ({"input_ids": ..., "labels": ...}), captured once per model and attention, and put back
+as built for each job (`tiny_training.fresh_capture`; each runner is closed before the next
+binds). The memory prediction is computed by rank 0 and sent to the others (every rank would
+compute the same numbers, several at once on CI's two cores). Saved per job: the loss of every step, the whole
 gradients of the first step, the full state after the last, the last step's collectives
 with what the compiler predicted, and `memory_stats()` after the first optimizer step with this
 rank's prediction of it.
@@ -21,14 +22,27 @@ from fxpar.pictures.rank_memory import predicted_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import OPTIMIZER, batches, builder  # noqa: E402
+from tiny_training import fresh_capture  # noqa: E402
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
-results = {}
+
+
+def memory_predicted_once(program) -> dict:
+    """`predicted_memory(program)` (every pipeline coordinate's), from rank 0."""
+    shared = [predicted_memory(program) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+results, built = {}, {}
 for job in jobs:
     name, attention, plan = job.split(" ", 2)
-    model, example = builder(name)(attention)
-    program = fxpar.compile(model, plan, example_inputs=example)
+    if (name, attention) not in built:
+        built[name, attention] = builder(name)(attention)
+    model, example = built[name, attention]
+    model, captured = fresh_capture(f"{name} {attention}", example, build=lambda: model)
+    program = fxpar.compile(captured, plan)
     program.check()
     runner = program.bind(timeout=60)
     optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
@@ -51,7 +65,7 @@ for job in jobs:
         "memory": memory,
         "microbatch_rows": len(local["input_ids"]) // program.plan.microbatches,
         # this rank's own: the estimate reports the worst pipeline coordinate's
-        "predicted_memory": predicted_memory(program)[program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)],
+        "predicted_memory": memory_predicted_once(program)[program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)],
     }
+    runner.close()  # before the next job binds the same parameters
 torch.save(results, out_dir / f"rank{runner.rank}.pt")
-runner.close()

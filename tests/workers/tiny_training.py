@@ -130,14 +130,15 @@ def build_model(name: str = "gpt", seed: int = 0) -> torch.nn.Module:
 _CAPTURES: dict[str, tuple] = {}
 
 
-def fresh_capture(name: str, example_inputs: tuple) -> tuple:
-    """`build_model(name)` and its capture, (model, CapturedGraph), captured once per process:
-    each later call puts the weights back as `build_model` made them, so a worker's plans all
-    start alike and pay torch.export once (most of a tiny plan's compile), not once per plan."""
+def fresh_capture(name: str, example_inputs: tuple | dict, build=None) -> tuple:
+    """`build_model(name)` (or `build()`) and its capture, (model, CapturedGraph), captured once
+    per process: each later call puts the weights back as the build made them, so a worker's
+    plans all start alike and pay torch.export once (most of a tiny plan's compile), not once
+    per plan. Close each plan's runner before the next binds the same parameters."""
     import fxpar
 
     if name not in _CAPTURES:
-        model = build_model(name)
+        model = build() if build is not None else build_model(name)
         random_state = torch.random.get_rng_state()  # as build_model leaves it: bind draws the seed
         captured = fxpar.capture(model, example_inputs)
         tensors = {id(t): t for m in (model, captured.graph_module)
