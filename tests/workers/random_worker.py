@@ -32,7 +32,7 @@ from fxpar.ir import meta
 from fxpar.ir.placement import Replicate, local_shape
 from fxpar.ops.random_ops import DrawSlice
 from fxpar.ops.random_streams import bound_random
-from tiny_training import GPT, OPTIMIZER, GPTConfig, global_batches
+from tiny_training import GPT, OPTIMIZER, GPTConfig, fresh_capture, global_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_models  # noqa: E402
@@ -102,7 +102,7 @@ def main(out_dir: Path, plans: list[str]) -> None:
         key = entry if runs[entry] == 1 else f"{entry}#{runs[entry]}"
         name, plan = model_and_plan(entry)
         build, batches, options = MODELS[name]
-        program = fxpar.compile(build(), plan, example_inputs=batches()[0])
+        program = fxpar.compile(fresh_capture(f"random {name}", batches()[0], build=build)[1], plan)
         program.check()
         rank = int(os.environ["RANK"])
         torch.manual_seed(0 if rank == 0 else 1000 * runs[entry] + rank)  # each process its own
