@@ -36,8 +36,8 @@ import fxpar
 from fxpar.runtime.checkpoint.checksums import ChecksummingFileSystem
 from fxpar.runtime.checkpoint.save_load import latest_checkpoint
 from tiny_training import (
-    CONFIG, GPT, MUON, OPTIMIZER, Optimizers, build_model, full_optimizer_state, global_batches, muon_and_adamw,
-    parameter_groups,
+    CONFIG, GPT, MUON, OPTIMIZER, Optimizers, build_model, fresh_capture, full_optimizer_state, global_batches,
+    muon_and_adamw, parameter_groups,
 )
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
@@ -46,8 +46,15 @@ batches = global_batches()
 results = {"folder": out_dir}
 
 
-def bind(plan: str, model: torch.nn.Module):
-    program = fxpar.compile(model, plan, example_inputs=batches[0])
+def bind(plan: str, model: torch.nn.Module | str, seed: int = 0):
+    """`plan` bound for `model`, or for the named model of tiny_training built with `seed`
+    (captured once per launch: `fresh_capture`), and its optimizer."""
+    if isinstance(model, str):
+        name = model
+        model, captured = fresh_capture(f"{name} seed {seed}", batches[0], build=lambda: build_model(name, seed=seed))
+    else:
+        captured = fxpar.capture(model, batches[0])
+    program = fxpar.compile(captured, plan)
     program.check()
     runner = program.bind(timeout=60)
     if os.environ.get("FXPAR_TEST_OPTIMIZERS") == "muon":
@@ -72,7 +79,7 @@ for job in jobs:
     model_name = count[1] if len(count) > 1 else "gpt"
     path = out_dir / name  # (an absolute NAME: another launch's checkpoint)
     if kind == "save":
-        runner, optimizer = bind(plan, build_model(model_name))
+        runner, optimizer = bind(plan, model_name)
         k, _, more = count[0].partition("+")
         k = int(k)
         losses = train(runner, optimizer, batches[:k])
@@ -86,7 +93,7 @@ for job in jobs:
             results[job]["losses_after"] = train(runner, optimizer, batches[k : k + int(more)])
             results[job]["state"] = runner.full_state_dict()
     elif kind == "load":
-        runner, optimizer = bind(plan, build_model(model_name, seed=7))
+        runner, optimizer = bind(plan, model_name, seed=7)
         resumed = runner.load(path, optimizer=optimizer)
         generator_state = torch.get_rng_state()
         loaded, loaded_optimizer = runner.full_state_dict(), full_optimizer_state(runner, optimizer)
@@ -114,7 +121,7 @@ for job in jobs:
         results[job] = messages
         continue
     elif kind == "faults":
-        runner, optimizer = bind(plan, build_model())
+        runner, optimizer = bind(plan, "gpt")
         train(runner, optimizer, batches[:1])
         runner.save(path, optimizer=optimizer, step=1)
         saved = runner.full_state_dict()
