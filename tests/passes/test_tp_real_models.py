@@ -405,7 +405,7 @@ def test_an_in_place_write_into_a_split_value_with_another_reader_is_refused():
         fxpar.compile(WritesThroughAnAlias(), plan, (x, x))
 
 
-def test_deepseek_v3_latent_attention_trains_under_inferred_tp():
+def test_deepseek_v3_latent_attention_trains_under_its_own_plan_and_the_inferred_one():
     """DeepSeek-V3 fills each key into an empty tensor slice by slice (its per-head part and
     the rotary part all heads share); capture writes that as the concatenation it is
     (`frontend.filled_buffers`), which tensor parallelism splits by heads like any other. Its
