@@ -47,6 +47,8 @@ TP_ONLY_MODELS = [m for m in BUILDERS if m not in MODELS]
 # tests/passes/test_tp_real_models.py, whose rank modules run as threads.)
 DATA_AND_PIPELINE = [f"{m} sdpa {plan}" for m in MODELS for plan in ("dp=2 mb=2", "pp=2 mb=2")] + [
     "llama sdpa pp=2 mb=2 schedule=gpipe",  # the last stage holds two microbatches' activations
+    # Mixtures of experts, routed and shared experts replicated (more in tests/hf_survey.py).
+    "llama4 sdpa pp=2 mb=2", "qwen3_moe sdpa dp=2 mb=2",
 ]
 TENSOR = [f"{m} sdpa tp=2" for m in MODELS + TP_ONLY_MODELS] + [
     f"{m} sdpa tp=2 tp_rules=model" for m in MODELS_WITH_TP_PLAN
@@ -66,6 +68,7 @@ ZERO = [f"{m} sdpa dp=2 zero=3 mb=2" for m in MODELS] + [
     "bert sdpa dp=2 zero=2 mb=2 zero_reduce=microbatch", "gpt2 sdpa dp=2 zero=3 checkpoint=full",
     "llama sdpa dp=2 zero=3 checkpoint=selective mb=2 zero_reduce=microbatch", "gpt_neox sdpa dp=2 zero=3 reshard_after_forward=false",
     "mistral sdpa dp=2 zero=3 mb=2 zero_reduce=step",
+    "mixtral sdpa dp=2 zero=3 mb=2",  # the experts' weights in ZeRO-3's pieces
 ]
 ZERO_ON_FOUR_RANKS = [
     "gpt_neox sdpa dp=2 tp=2 zero=1", "gpt2 sdpa dp=2 tp=2 zero=2 mb=2", "llama sdpa dp=2 tp=2 zero=3",
