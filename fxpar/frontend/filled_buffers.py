@@ -27,6 +27,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxpar.ir import meta
+
 aten = torch.ops.aten
 _END = 2**63 - 1  # `x[:, 8:]` traced: slice's end is int64's max
 
@@ -137,7 +139,7 @@ def _call(graph: fx.Graph, target, args: tuple, *, like: fx.Node, **kwargs) -> f
     """A node computing `target(*args, **kwargs)`, its value computed on the inputs' fake values
     (export's), with `like`'s module path and stack."""
     node = graph.call_function(target, args, kwargs)
-    node.meta.update({k: v for k, v in like.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    meta.copy_export_provenance(node, like)
     values = fx.node.map_arg(args, lambda n: n.meta["val"])
     node.meta["val"] = target(*values, **kwargs)
     return node

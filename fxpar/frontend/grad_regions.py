@@ -32,6 +32,8 @@ import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
 
+from fxpar.ir import meta
+
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 
@@ -64,7 +66,7 @@ def _inline(graph: fx.Graph, block: fx.Node, body: fx.GraphModule, inputs: list,
         for placeholder, value in zip(placeholders, inputs, strict=True):
             if detached and isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
                 detach = graph.call_function(torch.ops.aten.detach.default, (value,))
-                detach.meta.update({k: v for k, v in block.meta.items() if k in ("nn_module_stack", "stack_trace")})
+                meta.copy_export_provenance(detach, block)
                 detach.meta["val"] = value.meta["val"]
                 value = detach
             values[placeholder] = value

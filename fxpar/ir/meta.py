@@ -71,6 +71,13 @@ def exported_module_path(node: fx.Node) -> str:
     return paths[-1] if paths else ""
 
 
+def copy_export_provenance(node: fx.Node, like: fx.Node) -> None:
+    """Give a node a pass made the module stack and source line of the node it stands in for
+    (torch.export's `nn_module_stack` and `stack_trace`), so module paths and errors name
+    where it came from."""
+    node.meta.update({key: like.meta[key] for key in ("nn_module_stack", "stack_trace") if key in like.meta})
+
+
 def parameter_name(node: fx.Node) -> str | None:
     """The canonical state_dict name of the parameter a get_attr node reads, else None."""
     return node.meta.get(PARAMETER)

@@ -177,7 +177,7 @@ class _Drawing:
 
     def _new(self, target, args: tuple, *, like: fx.Node, val, grad: bool, kwargs=None) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs or {})
-        node.meta.update({key: like.meta[key] for key in ("nn_module_stack", "stack_trace") if key in like.meta})
+        meta.copy_export_provenance(node, like)
         node.meta[meta.MODULE_PATH] = meta.module_path(like)
         node.meta[meta.PLACEMENT] = meta.placements(like)
         node.meta[meta.REQUIRES_GRAD] = grad

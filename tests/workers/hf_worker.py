@@ -22,19 +22,10 @@ from fxpar.pictures.rank_memory import predicted_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import OPTIMIZER, batches, builder  # noqa: E402
-from tiny_training import fresh_capture  # noqa: E402
+from tiny_training import computed_on_rank_0, fresh_capture  # noqa: E402
 
 out_dir, jobs = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
-
-
-def memory_predicted_once(program) -> dict:
-    """`predicted_memory(program)` (every pipeline coordinate's), from rank 0."""
-    shared = [predicted_memory(program) if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    return shared[0]
-
-
 results, built = {}, {}
 for job in jobs:
     name, attention, plan = job.split(" ", 2)
@@ -65,7 +56,8 @@ for job in jobs:
         "memory": memory,
         "microbatch_rows": len(local["input_ids"]) // program.plan.microbatches,
         # this rank's own: the estimate reports the worst pipeline coordinate's
-        "predicted_memory": memory_predicted_once(program)[program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)],
+        "predicted_memory": computed_on_rank_0(lambda: predicted_memory(program))[
+            program.mesh.rank_of(pp=program.mesh.coord(runner.rank).pp)],
     }
     runner.close()  # before the next job binds the same parameters
 torch.save(results, out_dir / f"rank{runner.rank}.pt")

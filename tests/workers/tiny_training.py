@@ -155,6 +155,15 @@ def fresh_capture(name: str, example_inputs: tuple | dict, build=None) -> tuple:
     return model, captured
 
 
+def computed_on_rank_0(compute):
+    """`compute()` on rank 0, sent to every rank: for numbers every rank would compute alike
+    (a program's estimate), which several ranks computing at once on CI's two cores made a
+    third of a launch."""
+    shared = [compute() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def global_batches(seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     shape = (GLOBAL_BATCH, SEQ)

@@ -22,25 +22,18 @@ import torch
 
 import fxpar
 from tiny_training import (
-    MUON, OPTIMIZER, Optimizers, fresh_capture, full_optimizer_state, global_batches, lr_scheduler, muon_and_adamw,
-    parameter_groups,
+    MUON, OPTIMIZER, Optimizers, computed_on_rank_0, fresh_capture, full_optimizer_state, global_batches,
+    lr_scheduler, muon_and_adamw, parameter_groups,
 )
 
 out_dir, plans = Path(sys.argv[1]), sys.argv[2:]
 torch.set_num_threads(1)
 
 
-def estimated_once(program, runner) -> dict:
-    """`program.estimate("h100")`'s comm, worst rank and memory, computed by rank 0 and sent to
-    the others: every rank would compute the same numbers, and four ranks on CI's two cores
-    computing them at once took a third of a launch."""
-    shared = [None]
-    if runner.rank == 0:
-        estimate = program.estimate("h100")
-        shared = [{"estimated_comm": estimate.comm, "estimated_rank": estimate.rank,
-                   "estimated_memory": estimate.memory}]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    return shared[0]
+def estimate_terms(program) -> dict:
+    """What the tests read of `program.estimate("h100")`: comm, the worst rank, memory."""
+    estimate = program.estimate("h100")
+    return {"estimated_comm": estimate.comm, "estimated_rank": estimate.rank, "estimated_memory": estimate.memory}
 
 
 results = {}
@@ -98,7 +91,7 @@ for plan in plans:
         "comm": step_logs,
         "predicted": program.collectives(runner.rank, backend=runner.backend,
                                          receives_ahead=runner.receives_ahead),
-        **estimated_once(program, runner),
+        **computed_on_rank_0(lambda: estimate_terms(program)),
         "memory": memory,
         "rank": runner.rank,
         "executed": [action for action, _, _ in runner.timeline()],
