@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fxpar
 from fxpar.cost.hardware import NOMINAL_CPU
@@ -72,10 +73,14 @@ def test_zero3_per_step_reduce_scatters_each_layer_once_in_the_last_backward(cap
     assert layers > 1 and len(_reduce_scatters(each)) == 2 * layers
     backwards = [a for a in once.step_program(0).actions if isinstance(a, Compute) and a.kind == "B"]
     assert [sum(c.kind == "reduce_scatter" for c in b.calls) for b in backwards] == [0, layers]
-    # Per step, each layer's whole fp32 gradients are summed all step: 4P more at the peak.
+    # Per step, each layer's whole fp32 gradients are summed all step: 4P more at the peak,
+    # less the one layer's that a reduce-scatter per microbatch lays out whole while in flight
+    # (`cost.workspace.gathered_bytes`).
     parameters = captured.parameter_count()
+    largest = max(4 * sum(v.numel() for v in node.meta["val"]) for module in each.stage_modules(0)
+                  for node in module.graph.nodes if node.target is torch.ops.fxpar.gather_parameters.default)
     grown = once.estimate("cpu").memory["total"] - each.estimate("cpu").memory["total"]
-    assert grown == pytest.approx(4 * parameters, rel=0.02)
+    assert grown == pytest.approx(4 * parameters - largest, rel=0.02)
 
 
 def test_auto_takes_per_step_where_nothing_hides_and_per_microbatch_where_it_does(captured, tmp_path):

@@ -73,7 +73,7 @@ from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.step_time import comm_terms, piece_seconds
-from fxpar.cost.workspace import backward_bytes, loss_workspace_bytes, transfer_bytes
+from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
@@ -311,11 +311,17 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
         rank_activation_bytes(program, rank).subs(BATCH, local_batch) * sympy.nsimplify(round(in_flight, 4))
     )
     # Beside the saved activations (`cost.workspace`): the loss's backward where the loss is, else
-    # one op's, and zero-bubble's deferred weight gradients; with a pipeline, its transfers
-    # (each already one microbatch of the rank's: no substitution).
+    # one op's, ZeRO-3's gathered layers (after the loss's, or beside one op's), and
+    # zero-bubble's deferred weight gradients; with a pipeline, its transfers (each already one
+    # microbatch of the rank's: no substitution).
     one_op, deferred = backward_bytes(program, rank)
-    backward = (loss_workspace_bytes(program.captured) if holds_loss else one_op) + deferred
-    terms["workspace"] = backward.subs(BATCH, local_batch) + transfer_bytes(program, rank)
+    gathered = gathered_bytes(program, rank)
+    if holds_loss:
+        loss = loss_workspace_bytes(program.captured)
+        backward = sympy.Max(loss, gathered) if gathered else loss
+    else:
+        backward = one_op + gathered
+    terms["workspace"] = (backward + deferred).subs(BATCH, local_batch) + transfer_bytes(program, rank)
     terms["total"] = peak_bytes(
         terms, terms["activations"], terms["workspace"],
         parameters=parameters, precision=plan.precision, zero=plan.zero, dp=plan.dp, microbatches=plan.microbatches,

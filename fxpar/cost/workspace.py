@@ -28,6 +28,21 @@ from depends on what the rank runs:
   the two (`waiting_for_w`). A bound: on the loss's stage the head's output gradient is the
   logits' gradient, counted in the loss's W too (measured, `dp=2 pp=2 mb=4 schedule=zb-h1`:
   12.50 and 12.93 MiB against 13.63 and 13.81 predicted);
+* ZeRO-3's gathered layers (`gathered_bytes`): a layer's backward reads its whole weights,
+  gathered again (`runtime.state.parameter_gatherer`): the gather's flat buffer and the
+  values copied out of it exist together for a moment, and the next `prefetch` layers'
+  gathers are in flight beside them (each its flat buffer and this rank's laid-out pieces).
+  So 2 W + prefetch x (W + W / dp), W the rank's largest layer gathered whole. Beside them,
+  the reduce-scatter of the layer above still in flight: its gradients laid out whole (G,
+  when reduced per microbatch) and, on gloo, the all-to-all's receive buffer (G again). On
+  the loss's rank the layers' backwards come after the loss's has freed its W, so the
+  larger of the two; on a stage without the loss, beside one op's backward. A bound: the
+  layer above has freed its saved activations by then. Measured (small GPT, 4 CPU ranks,
+  each allocation of the step followed by its address): at `dp=4 zero=3` 2.46 MiB live at
+  the peak beside the activations, in the top layer's backward: its re-gathered values
+  (0.756), the next layer's flat buffer in flight (0.756), gloo's staging copy of it
+  (0.756) and its laid-out pieces (0.189); at `dp=4 zero=3 mb=2` the peak is a layer lower,
+  with the reduce-scatter's receive buffer (0.756) beside them;
 * the pipeline's transfers (`transfer_bytes`): the executor waits for its sends at the end
   of the step, so that a rank never blocks on a peer that waits on it
   (`runtime.step.pipeline_executor`); every microbatch's sent activations and input
@@ -55,6 +70,8 @@ from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import Exchange
 from fxpar.ir.symbols import BATCH
 from fxpar.ops import deferred_linear
+
+GATHER = torch.ops.fxpar.gather_parameters.default
 
 
 def loss_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:
@@ -112,6 +129,34 @@ def backward_bytes(program: CompiledProgram, rank: int) -> tuple[sympy.Expr, sym
         return largest, sympy.Integer(0)
     pending = waiting_for_w(program.schedule)[program.mesh.coord(rank).pp]
     return largest, sum((store for _, store in traced), sympy.Integer(0)) * pending / len(traced)
+
+
+def gathered_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
+    """Under ZeRO-3 over dp > 1, the most bytes `rank`'s layer gathers and reduce-scatters
+    hold at once beside the saved activations (module doc): 2 W + prefetch x (W + W / dp) for
+    the gathers, W the largest layer it gathers whole in the dtype the gather moves, and the
+    reduce-scatter in flight, G the largest layer's whole gradients in the dtype they are summed
+    in. Zero otherwise."""
+    plan = program.plan
+    if plan.zero != 3 or plan.dp == 1:
+        return sympy.Integer(0)
+    gathers = [node for module in program.stage_modules(rank) for node in module.graph.nodes if node.target is GATHER]
+    if not gathers:
+        return sympy.Integer(0)
+    whole = max(sum(_nbytes(value) for value in node.meta["val"]) for node in gathers)
+    summed = max(sum(value.numel() for value in node.meta["val"]) * node.args[0][0].meta["val"].dtype.itemsize
+                 for node in gathers)
+    # A reduce-scatter reduced per microbatch lays the layer's gradients out whole (once per
+    # step, that buffer is the step's accumulated gradients, `cost.memory.peak_bytes`'s); on
+    # gloo, fxpar's all-to-all receives the whole of it (`runtime.communicator`).
+    in_flight = summed * (int(program.zero_reduce.per_microbatch) + int(_on_gloo(program)))
+    return 2 * sympy.Integer(whole) + plan.gathers_ahead * (whole + sympy.Rational(whole, plan.dp)) + in_flight
+
+
+def _on_gloo(program: CompiledProgram) -> bool:
+    """Whether the ranks' collectives run on gloo: the capture's tensors are on the CPU."""
+    values = (n.meta.get("val") for n in program.captured.graph_module.graph.nodes if n.op == "placeholder")
+    return next(v.device.type for v in values if isinstance(v, torch.Tensor)) == "cpu"
 
 
 def waiting_for_w(schedule) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import torch
 
 import fxpar
 from fxpar.cost.estimate import rank_memory_formulas
-from fxpar.cost.workspace import backward_bytes, transfer_bytes, waiting_for_w
+from fxpar.cost.workspace import backward_bytes, gathered_bytes, transfer_bytes, waiting_for_w
 from fxpar.ir.symbols import BATCH, SEQ
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
@@ -70,3 +70,29 @@ def test_zero_bubble_keeps_the_deferred_weight_gradients_of_the_microbatches_bet
         assert _bytes(deferred) > 0
         grown = rank_memory_formulas(zero_bubble, rank)["workspace"] - rank_memory_formulas(one_f_one_b, rank)["workspace"]
         assert _bytes(grown) == pytest.approx(_bytes(deferred.subs(BATCH, BATCH / 8)))
+
+
+def test_zero3_holds_a_layer_gathered_whole_the_next_in_flight_and_a_reduce_scatter(captured):
+    """ZeRO-3's term: the layer its backward reads, gathered whole (flat buffer and the values
+    copied out of it), the next `prefetch` layers' gathers in flight (each its buffer and this
+    rank's laid-out pieces), and the reduce-scatter of the layer above (laid out whole when
+    reduced per microbatch; received whole by fxpar's all-to-all on gloo). A GPT block of
+    width H: 12 H^2 + 13 H parameters, fp32."""
+    layer = 4 * (12 * H * H + 13 * H)
+    for prefetch, reduce, in_flight in ((1, "microbatch", 2), (0, "microbatch", 2), (2, "step", 1)):
+        plan = f"dp=2 zero=3 mb=2 prefetch={prefetch} zero_reduce={reduce}"
+        gathered = gathered_bytes(fxpar.compile(captured, plan), 0)
+        assert gathered == 2 * layer + prefetch * (layer + layer // 2) + in_flight * layer, plan
+    # On the loss's rank it comes after the loss's backward has freed its W: the larger of the two.
+    program = fxpar.compile(captured, "dp=2 zero=3")
+    loss = 2 * 16 // 2 * 32 * V * 4  # twice the rank's logits, fp32
+    assert _bytes(rank_memory_formulas(program, 0)["workspace"]) == max(loss, _bytes(gathered_bytes(program, 0)))
+    # A pipeline stage without the loss holds it beside one op's backward.
+    program = fxpar.compile(captured, "dp=2 pp=2 mb=4 zero=3")
+    one_op, _ = backward_bytes(program, 0)
+    expected = one_op.subs(BATCH, BATCH / 8) + gathered_bytes(program, 0) + transfer_bytes(program, 0)
+    assert _bytes(rank_memory_formulas(program, 0)["workspace"]) == _bytes(expected)
+    assert gathered_bytes(fxpar.compile(captured, "dp=2 zero=2"), 0) == 0  # nothing gathered
+    with pytest.warns(UserWarning, match="nothing is sharded"):
+        alone = fxpar.compile(captured, "zero=3")  # ZeRO-3 over one rank
+    assert gathered_bytes(alone, 0) == 0
