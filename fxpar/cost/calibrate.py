@@ -22,7 +22,12 @@ Microbenchmarks at this process' torch thread count, a few seconds in all:
   a 1-element and a 4 MiB tensor; a 2-rank ring all-reduce is 2 alpha + M / bandwidth, so the
   small one gives alpha and the large one the bandwidth. Children, not `multiprocessing`:
   spawn would re-import the caller's script, which breaks scripts without a
-  `if __name__ == "__main__":` guard.
+  `if __name__ == "__main__":` guard;
+* a call's wait for its peers (`Link.wait`): the same two children run a burst of matmuls
+  (about a millisecond) and then the 1-element all-reduce; what that costs beyond the burst
+  alone and the all-reduce alone is `sync_wait`. The children are 2 x cores (where that is at
+  most `_MOST_SHARED`), the others idle meanwhile; then all of them measure the same as one
+  group: `shared_wait`, the wait of ranks that take turns on the cores (`Hardware.shared_by`).
 
 Robustness. Noise on a shared machine only ever slows a run down, so each reading warms up
 for a fixed time (0.3 s; a fixed number of calls for the collectives, which must match on both
@@ -68,9 +73,11 @@ from fxpar.cost.profile_files import is_profile_file, save_profile
 log = logging.getLogger(__name__)
 
 READINGS = ("matmul_flops", "memory_bandwidth", "attention_flops", "elementwise_bandwidth",
-            "op_overhead", "optimizer_tensor_overhead", "alpha", "link_bandwidth")
+            "op_overhead", "optimizer_tensor_overhead", "alpha", "link_bandwidth", "sync_wait",
+            "shared_wait")
 _SMALL, _LARGE = 1, 2**20  # all-reduce payloads in fp32 elements: 4 bytes and 4 MiB
 _WARMUP_SECONDS = 0.3
+_MOST_SHARED = 16  # processes the shared wait is measured with at most (2 x cores)
 
 
 def cache_file(threads: int) -> Path:
@@ -99,7 +106,7 @@ def measure_cpu() -> Hardware:
 
 def profile_of(readings: dict[str, float]) -> Hardware:
     """The `cpu` Hardware for a set of readings (the values `calibrate_cpu` returns)."""
-    link = Link(alpha=readings["alpha"], bandwidth=readings["link_bandwidth"])
+    link = Link(alpha=readings["alpha"], bandwidth=readings["link_bandwidth"], wait=readings["sync_wait"])
     return replace(
         NOMINAL_CPU,
         peak_flops={"fp32": readings["matmul_flops"], "bf16": readings["matmul_flops"]},
@@ -112,6 +119,7 @@ def profile_of(readings: dict[str, float]) -> Hardware:
         comm_overlap=0.0,  # gloo's thread shares the cores with compute (hardware.py)
         cores=int(readings["cores"]) if "cores" in readings else None,  # (a cache of an older fxpar's)
         threads=int(readings.get("threads", 1)),
+        shared_wait=readings["shared_wait"],
         intra_node=link,
         inter_node=link,
         measured=readings,
@@ -143,12 +151,13 @@ def calibrate_cpu() -> dict[str, float]:
         "op_overhead": seconds["op"] / work["op"],
         # What the step costs beyond the bytes `cost.optimizer` charges, per tensor.
         "optimizer_tensor_overhead": max(seconds["optimizer"] - streamed, 0.0) / tensors,
-        **_gloo_link(),
         "threads": torch.get_num_threads(),
     }
     readings["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
-    readings["load_average"] = max(load, os.getloadavg()[0])
+    readings["load_average"] = max(load, os.getloadavg()[0])  # before the link's ranks load the cores
+    shared = 2 * readings["cores"]
+    readings.update(_gloo_link(shared if shared <= _MOST_SHARED else 2))
     return readings
 
 
@@ -290,32 +299,72 @@ def _best_collective_seconds(fn: Callable[[], object], warmup: int, repeats: int
     return min(medians)
 
 
-def _link_worker(rank: int, store_path: str, out_path: str) -> None:
+def _mean_seconds(fn: Callable[[], object], group=None, calls: int = 100) -> float:
+    """Mean seconds of a call of `fn` over `calls` in a row, the median of three such runs
+    (warmed up by the first). A mean, not `_best_collective_seconds`' best median: a wait for
+    peers is the ranks' jitter itself, which the best of several readings would leave out."""
+    means = []
+    for _ in range(4):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - start) / calls)
+    return statistics.median(means[1:])
+
+
+def _link_worker(rank: int, world: int, store_path: str, out_path: str) -> None:
+    """One rank of `world`: ranks 0 and 1 measure the link's alpha and bandwidth and the wait
+    of a call that follows compute while the others wait; then, with more than two, every
+    rank measures that wait again, taking turns on the cores (module doc). Rank 0 writes the
+    readings to `out_path`."""
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    small, large = torch.zeros(_SMALL), torch.zeros(_LARGE)
-    t_small = _best_collective_seconds(lambda: dist.all_reduce(small), warmup=20, repeats=30)
-    t_large = _best_collective_seconds(lambda: dist.all_reduce(large), warmup=3, repeats=7)
-    if rank == 0:
+    pair = dist.new_group([0, 1])
+    readings = {}
+    if rank < 2:
+        t_large = _best_collective_seconds(lambda: dist.all_reduce(torch.zeros(_LARGE), group=pair),
+                                           warmup=3, repeats=7)
+        t_small, wait = _wait_after_compute(pair)
         alpha = t_small / 2  # 2(n-1) = 2 latency steps for n = 2
         wire = 4 * _LARGE  # 2(n-1)/n x M = M for n = 2
-        bandwidth = wire / max(t_large - 2 * alpha, 1e-9)
-        Path(out_path).write_text(json.dumps({"alpha": alpha, "link_bandwidth": bandwidth}))
+        readings = {"alpha": alpha, "link_bandwidth": wire / max(t_large - 2 * alpha, 1e-9), "sync_wait": wait}
+    dist.barrier()
+    readings["shared_wait"] = _wait_after_compute(None)[1] if world > 2 else None
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(readings))
     dist.destroy_process_group()
 
 
-def _gloo_link(timeout: float = 120) -> dict[str, float]:
+def _wait_after_compute(group) -> tuple[float, float]:
+    """Over `group` (None: every rank), a 1-element all-reduce's seconds back to back, and
+    what one costs after a burst of matmuls beyond the burst and that (module doc)."""
+    small = torch.zeros(_SMALL)
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+
+    def burst():  # about a millisecond of matmuls on one thread, the same on every rank
+        for _ in range(4):
+            torch.mm(a, b)
+
+    t_small = _best_collective_seconds(lambda: dist.all_reduce(small, group=group), warmup=20, repeats=30)
+    t_burst = _mean_seconds(burst, group)
+    t_after = _mean_seconds(lambda: (burst(), dist.all_reduce(small, group=group)), group)
+    return t_small, max(t_after - t_burst - t_small, 0.0)
+
+
+def _gloo_link(world: int = 2, timeout: float = 120) -> dict[str, float]:
+    """`_link_worker`'s readings from `world` child processes (`shared_wait` None at 2)."""
     with tempfile.TemporaryDirectory() as folder:
         store, out = os.path.join(folder, "store"), os.path.join(folder, "link.json")
         children = [
             subprocess.Popen(
-                [sys.executable, "-m", "fxpar.cost.calibrate", "--link-worker", str(rank),
+                [sys.executable, "-m", "fxpar.cost.calibrate", "--link-worker", str(rank), str(world),
                  store, out],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
-            for rank in range(2)
+            for rank in range(world)
         ]
         outputs = []
         try:
@@ -336,8 +385,8 @@ def main(argv: list[str]) -> int:
     and print the readings; with -o also write the profile file estimates can be given
     (`cost.profile_files`)."""
     if argv[:1] == ["--link-worker"]:
-        rank, store, out = argv[1:4]
-        _link_worker(int(rank), store, out)
+        rank, world, store, out = argv[1:5]
+        _link_worker(int(rank), int(world), store, out)
         return 0
     parser = argparse.ArgumentParser(prog="python -m fxpar.cost.calibrate", description=main.__doc__)
     parser.add_argument("-o", "--output", help="write the profile here (a .json file)")

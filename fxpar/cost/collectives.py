@@ -10,7 +10,8 @@ factors):
     broadcast        n-1        M                (a pipelined chain)
     send / recv      1          M / 0            (point to point between pipeline stages)
 
-Time is the alpha-beta model: alpha x steps + wire bytes / bandwidth.
+Time is the alpha-beta model: alpha x steps + wire bytes / bandwidth, plus the link's wait
+for the call's peers, once per call (`cost.hardware`'s module doc).
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ def wire_bytes(kind: str, payload: sympy.Expr | int, n: int) -> sympy.Expr:
 
 
 def collective_time(kind: str, payload: sympy.Expr | int, n: int, link: Link) -> sympy.Expr:
-    """Seconds for one ring `kind`: latency steps plus its wire bytes at link speed."""
+    """Seconds for one ring `kind`: the wait for its peers, latency steps, and its wire bytes
+    at link speed."""
     if n == 1 or kind == "recv":  # a transfer is timed once, on the sending side
         return sympy.Integer(0)
     steps = _STEPS[kind] * (1 if kind == "send" else n - 1)
-    return steps * sympy.Float(link.alpha) + wire_bytes(kind, payload, n) / sympy.Float(
-        link.bandwidth
-    )
+    wait = sympy.Float(link.wait) if link.wait else sympy.Integer(0)
+    return wait + steps * sympy.Float(link.alpha) + wire_bytes(kind, payload, n) / sympy.Float(link.bandwidth)
 
 
 def gradient_bucket_bytes(n: int, link: Link, *, latency_share: float = 0.1) -> int:

@@ -39,7 +39,15 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
   own (GPUs), and for the nominal CPU profile, whose machine is not known.
 
 A link follows the alpha-beta model (Hockney 1994; the form of nccl-tests'
-PERFORMANCE.md): one hop of n bytes costs `alpha + n / bandwidth` seconds. GPU link numbers
+PERFORMANCE.md): one hop of n bytes costs `alpha + n / bandwidth` seconds. A call also
+waits for its peers (`wait`, once per call): in training a collective or a transfer comes
+after compute, and the ranks do not finish their compute at the same instant, so the first
+to arrive waits for the last. Measured on the CPU (`cost.calibrate`): a 1-element all-reduce
+after 1.5 ms of matmuls costs 0.4-1.0 ms more than the matmuls alone, against 0.26 ms back
+to back, 2 ranks on 2 cores. More ranks than cores wait longer, for a peer the scheduler has
+not yet run (`shared_wait`: 1.5-1.7 ms a call at 4 ranks on 2 cores, whatever the kind of
+call or its group); `shared_by` gives the links the wait of that many ranks. 0 on GPUs,
+where NCCL's kernels queue behind the compute. GPU link numbers
 are docs/design.md's (about 370 GB/s ring bus bandwidth on 8x H100/H200 NVLink, nccl-tests
 issues #212 and #272).
 
@@ -55,10 +63,12 @@ from dataclasses import dataclass, field, replace
 
 @dataclass(frozen=True, kw_only=True)
 class Link:
-    """One hop of a collective: `alpha` seconds of latency, `bandwidth` bytes per second."""
+    """One hop of a collective: `alpha` seconds of latency, `bandwidth` bytes per second; and
+    `wait`, the seconds a call waits for its peers to arrive (module doc)."""
 
     alpha: float
     bandwidth: float
+    wait: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +90,7 @@ class Hardware:
     optimizer_bytes_per_parameter: float | None = None  # Adam's b where measured (`cost.optimizer`)
     cores: int | None = None  # cores a node's ranks share (CPU processes), or None (module doc)
     threads: int = 1  # compute threads of one rank, where `cores` is given
+    shared_wait: float | None = None  # a call's wait at 2 x cores ranks, where measured (module doc)
     measured: dict[str, float] = field(default_factory=dict)  # raw calibration readings
 
     def matmul_rate(self, precision: str) -> float:
@@ -112,10 +123,16 @@ class Hardware:
     def shared_by(self, ranks: int) -> Hardware:
         """This device as each of `ranks` ranks sees it when they compute at once on one
         node's `cores` (module doc): compute rates divided and per-op overheads multiplied
-        by ranks x threads / cores, where that exceeds 1. Links are left as measured."""
+        by the slowdown s = ranks x threads / cores, where that exceeds 1; and each call's
+        wait for its peers taken from `wait` at s = 1 towards `shared_wait`, measured at
+        s = 2, linearly in s. Alpha and bandwidth are left as measured."""
         slowdown = 1.0 if self.cores is None else min(ranks, self.devices_per_node) * self.threads / self.cores
         if slowdown <= 1:
             return self
+        links = {}
+        if self.shared_wait is not None:
+            links = {name: replace(link, wait=link.wait + (slowdown - 1) * (self.shared_wait - link.wait))
+                     for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node))}
         return replace(
             self,
             peak_flops={k: v / slowdown for k, v in self.peak_flops.items()},
@@ -123,6 +140,7 @@ class Hardware:
             bandwidths={k: v / slowdown for k, v in self.bandwidths.items()},
             op_overhead=self.op_overhead * slowdown,
             optimizer_tensor_overhead=self.optimizer_tensor_overhead * slowdown,
+            **links,
         )
 
     def link(self, ranks: tuple[int, ...]) -> Link:

@@ -4,7 +4,8 @@
 `program.estimate("profile.json")`, `fxpar.compile(..., hardware="profile.json")` and the
 CLI's `--hardware profile.json` read it, so a plan can be priced for a machine on another
 one, and every rank of a job prices with the same numbers. The file is JSON, one key per
-field of `cost.hardware.Hardware` (the links as {"alpha", "bandwidth"}), beside a format
+field of `cost.hardware.Hardware` (the links as {"alpha", "bandwidth", "wait"}, the wait
+optional), beside a format
 version:
 
     {"format": "fxpar-hardware/1", "name": "cpu", "peak_flops": {"fp32": 1.04e11, ...},
@@ -69,9 +70,10 @@ def load_profile(path: str | Path) -> Hardware:
                          + f". Known fields: {', '.join(fields)}")
     for name in _LINKS:
         link = given[name]
-        if not (isinstance(link, dict) and set(link) == {"alpha", "bandwidth"}):
+        if not (isinstance(link, dict) and {"alpha", "bandwidth"} <= set(link) <= {"alpha", "bandwidth", "wait"}):
             raise ValueError(f"hardware profile file {str(path)!r}: {name} must be "
-                             f'{{"alpha": seconds, "bandwidth": bytes per second}}, got {link!r}')
+                             f'{{"alpha": seconds, "bandwidth": bytes per second}} (and optionally '
+                             f'"wait": seconds), got {link!r}')
         given[name] = Link(**{k: _number(path, f"{name}.{k}", v) for k, v in link.items()})
     for name, value in given.items():
         if name in _LINKS or name in ("name", "measured", "cores", "host_overlap", *_TABLES) or value is None:

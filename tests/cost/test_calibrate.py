@@ -10,14 +10,15 @@ from dataclasses import replace
 import pytest
 
 from fxpar.cost import calibrate
-from fxpar.cost.collectives import MiB, gradient_bucket_bytes
+from fxpar.cost.collectives import MiB, collective_time, gradient_bucket_bytes
 from fxpar.cost.hardware import NOMINAL_CPU, PROFILES
 from fxpar.cost.profiles import hardware_profile
 
 # Readings as `calibrate_cpu` returns them, for the tests of the caching policy.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
         "elementwise_bandwidth": 2e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
-        "alpha": 5e-5, "link_bandwidth": 1.5e9, "threads": 1, "cores": 2, "load_average": 0.5}
+        "alpha": 5e-5, "link_bandwidth": 1.5e9, "sync_wait": 3e-4, "shared_wait": 9e-4, "threads": 1,
+        "cores": 2, "load_average": 0.5}
 
 
 @pytest.fixture
@@ -39,6 +40,8 @@ def test_cpu_profile_is_measured_once_and_cached(fresh_cache, monkeypatch):
     assert 1e-8 < readings["op_overhead"] < 1e-3
     assert 0 <= readings["optimizer_tensor_overhead"] < 1e-2
     assert 0 < readings["alpha"] < 0.05 and 1e6 < readings["link_bandwidth"] < 1e12
+    assert 0 <= readings["sync_wait"] < 0.05 and profile.intra_node.wait == readings["sync_wait"]
+    assert readings["shared_wait"] is None or 0 <= readings["shared_wait"] < 0.1
     assert profile.comm_overlap == 0.0  # gloo and compute share the cores
     (cache,) = fresh_cache.glob("hardware-cpu-*.json")
     # A second process-start reads the file instead of measuring: change it and see.
@@ -85,7 +88,7 @@ def test_the_cache_is_written_atomically(fresh_cache, monkeypatch):
 def test_link_calibration_runs_from_a_script_without_a_main_guard(tmp_path):
     """multiprocessing's spawn re-imported the calling script; child processes do not."""
     script = tmp_path / "no_guard.py"
-    script.write_text("from fxpar.cost.calibrate import _gloo_link\nprint(_gloo_link())\n")
+    script.write_text("from fxpar.cost.calibrate import _gloo_link\nprint(_gloo_link(2))\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -118,4 +121,21 @@ def test_ranks_sharing_the_cores_each_compute_at_their_share_of_the_rate():
     assert shared.elementwise_bandwidth() == machine.elementwise_bandwidth() / 2
     assert shared.op_overhead == 2 * machine.op_overhead
     assert shared.optimizer_tensor_overhead == 2 * machine.optimizer_tensor_overhead
-    assert shared.intra_node == machine.intra_node  # gloo's link is measured as it is
+    assert shared.intra_node == machine.intra_node  # gloo's link is measured as it is (no shared wait)
+
+
+def test_ranks_taking_turns_on_the_cores_wait_longer_for_each_other():
+    """A call's wait for its peers goes from the link's own (one rank per core) to the shared
+    wait measured at twice as many ranks as cores, linearly in ranks per core; each call pays
+    it once, whatever its kind or group, besides its alpha steps and bytes."""
+    link = replace(NOMINAL_CPU.intra_node, wait=3e-4)
+    machine = replace(NOMINAL_CPU, cores=2, threads=1, intra_node=link, inter_node=link, shared_wait=9e-4)
+    assert machine.shared_by(2).intra_node.wait == 3e-4
+    assert machine.shared_by(4).intra_node.wait == pytest.approx(9e-4)
+    assert machine.shared_by(8).inter_node.wait == pytest.approx(3e-4 + 3 * 6e-4)
+    assert machine.shared_by(4).intra_node.alpha == link.alpha
+    quiet = replace(link, wait=0.0)
+    for kind, n in (("all_reduce", 2), ("all_reduce", 8), ("send", 2), ("all_gather", 4)):
+        assert float(collective_time(kind, 4096, n, link)) == pytest.approx(
+            float(collective_time(kind, 4096, n, quiet)) + 3e-4)
+    assert collective_time("recv", 4096, 2, link) == 0  # a transfer is timed on its sending side

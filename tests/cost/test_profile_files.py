@@ -18,11 +18,13 @@ from fxpar.cost.profiles import hardware_profile
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
-MACHINE = replace(NOMINAL_CPU, cores=2, threads=1, measured={"matmul_flops": 5e10})
+MACHINE = replace(NOMINAL_CPU, cores=2, threads=1, shared_wait=9e-4, measured={"matmul_flops": 5e10},
+                  intra_node=replace(NOMINAL_CPU.intra_node, wait=3e-4))
 # Readings as `calibrate_cpu` returns them: the command's test reads them, measures nothing.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
         "elementwise_bandwidth": 2e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
-        "alpha": 5e-5, "link_bandwidth": 1.5e9, "threads": 1, "cores": 2, "load_average": 0.5}
+        "alpha": 5e-5, "link_bandwidth": 1.5e9, "sync_wait": 3e-4, "shared_wait": 9e-4, "threads": 1,
+        "cores": 2, "load_average": 0.5}
 
 
 def test_a_profile_survives_its_file(tmp_path):
@@ -30,6 +32,16 @@ def test_a_profile_survives_its_file(tmp_path):
         path = save_profile(hardware, tmp_path / f"{hardware.name}.json")
         assert load_profile(path) == hardware
         assert hardware_profile(str(path)) == hardware
+
+
+def test_a_file_without_a_links_wait_reads_as_no_wait(tmp_path):
+    """Profile files written before links had a wait (the shipped h200's) still read."""
+    path = save_profile(MACHINE, tmp_path / "machine.json")
+    data = json.loads(path.read_text())
+    del data["intra_node"]["wait"], data["shared_wait"]
+    path.write_text(json.dumps(data))
+    loaded = load_profile(path)
+    assert loaded.intra_node.wait == 0 and loaded.shared_wait is None
 
 
 def test_the_estimate_and_compile_price_with_the_file(tmp_path):
