@@ -46,8 +46,9 @@ to arrive waits for the last. Measured on the CPU (`cost.calibrate`): a 1-elemen
 after 1.5 ms of matmuls costs 0.4-1.0 ms more than the matmuls alone, against 0.26 ms back
 to back, 2 ranks on 2 cores. More ranks than cores wait longer, for a peer the scheduler has
 not yet run (`shared_wait`: 1.5-1.7 ms a call at 4 ranks on 2 cores, whatever the kind of
-call or its group); `shared_by` gives the links the wait of that many ranks. 0 on GPUs,
-where NCCL's kernels queue behind the compute. GPU link numbers
+call or its group); `shared_by` gives the links the wait of that many ranks, and their
+share of the cores' copy bandwidth. 0 on GPUs, where NCCL's kernels queue behind the
+compute. GPU link numbers
 are docs/design.md's (about 370 GB/s ring bus bandwidth on 8x H100/H200 NVLink, nccl-tests
 issues #212 and #272).
 
@@ -123,16 +124,19 @@ class Hardware:
     def shared_by(self, ranks: int) -> Hardware:
         """This device as each of `ranks` ranks sees it when they compute at once on one
         node's `cores` (module doc): compute rates divided and per-op overheads multiplied
-        by the slowdown s = ranks x threads / cores, where that exceeds 1; and each call's
-        wait for its peers taken from `wait` at s = 1 towards `shared_wait`, measured at
-        s = 2, linearly in s. Alpha and bandwidth are left as measured."""
+        by the slowdown s = ranks x threads / cores, where that exceeds 1; the links'
+        bandwidth divided by s too (gloo over loopback copies its bytes on the same cores:
+        a 4 MiB all-reduce over 4 ranks on 2 cores reached 0.46 GB/s of wire bytes against
+        1.29 over 2); and each call's wait for its peers taken from `wait` at s = 1 towards
+        `shared_wait`, measured at s = 2, linearly in s. Alpha is left as measured."""
         slowdown = 1.0 if self.cores is None else min(ranks, self.devices_per_node) * self.threads / self.cores
         if slowdown <= 1:
             return self
-        links = {}
-        if self.shared_wait is not None:
-            links = {name: replace(link, wait=link.wait + (slowdown - 1) * (self.shared_wait - link.wait))
-                     for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node))}
+        def shared(link: Link) -> Link:
+            wait = link.wait if self.shared_wait is None else link.wait + (slowdown - 1) * (self.shared_wait - link.wait)
+            return replace(link, bandwidth=link.bandwidth / slowdown, wait=wait)
+
+        links = {"intra_node": shared(self.intra_node), "inter_node": shared(self.inter_node)}
         return replace(
             self,
             peak_flops={k: v / slowdown for k, v in self.peak_flops.items()},

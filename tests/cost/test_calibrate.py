@@ -112,7 +112,8 @@ def test_bucket_rule_keeps_latency_at_a_tenth_and_caps_at_ddp_default():
 
 
 def test_ranks_sharing_the_cores_each_compute_at_their_share_of_the_rate():
-    """Four 1-thread ranks on two cores take turns: half the rate each (`Hardware.shared_by`);
+    """Four 1-thread ranks on two cores take turns: half the rate each, and half the link's
+    bandwidth (`Hardware.shared_by`);
     no more ranks than cores, or a device of its own (cores None), change nothing."""
     machine = replace(NOMINAL_CPU, cores=2, threads=1)
     assert machine.shared_by(2) is machine and PROFILES["h100"].shared_by(64) is PROFILES["h100"]
@@ -121,7 +122,8 @@ def test_ranks_sharing_the_cores_each_compute_at_their_share_of_the_rate():
     assert shared.elementwise_bandwidth() == machine.elementwise_bandwidth() / 2
     assert shared.op_overhead == 2 * machine.op_overhead
     assert shared.optimizer_tensor_overhead == 2 * machine.optimizer_tensor_overhead
-    assert shared.intra_node == machine.intra_node  # gloo's link is measured as it is (no shared wait)
+    # gloo over loopback copies on the same cores: half the bandwidth; no shared wait measured.
+    assert shared.intra_node == replace(machine.intra_node, bandwidth=machine.intra_node.bandwidth / 2)
 
 
 def test_ranks_taking_turns_on_the_cores_wait_longer_for_each_other():
@@ -134,6 +136,7 @@ def test_ranks_taking_turns_on_the_cores_wait_longer_for_each_other():
     assert machine.shared_by(4).intra_node.wait == pytest.approx(9e-4)
     assert machine.shared_by(8).inter_node.wait == pytest.approx(3e-4 + 3 * 6e-4)
     assert machine.shared_by(4).intra_node.alpha == link.alpha
+    assert machine.shared_by(8).intra_node.bandwidth == link.bandwidth / 4
     quiet = replace(link, wait=0.0)
     for kind, n in (("all_reduce", 2), ("all_reduce", 8), ("send", 2), ("all_gather", 4)):
         assert float(collective_time(kind, 4096, n, link)) == pytest.approx(
