@@ -132,6 +132,7 @@ class Hardware:
         slowdown = 1.0 if self.cores is None else min(ranks, self.devices_per_node) * self.threads / self.cores
         if slowdown <= 1:
             return self
+
         def shared(link: Link) -> Link:
             wait = link.wait if self.shared_wait is None else link.wait + (slowdown - 1) * (self.shared_wait - link.wait)
             return replace(link, bandwidth=link.bandwidth / slowdown, wait=wait)
