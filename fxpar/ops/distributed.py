@@ -130,14 +130,17 @@ def _run(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, 
         return out
     if primitive == "slice":
         return x.chunk(size, dim=dim)[binding.index].clone(memory_format=torch.contiguous_format)
-    moved = x.movedim(dim, 0).contiguous()
+    # The collectives move rank blocks along dim 0, so each rank's block is laid out as a leading
+    # dimension of `size`: one copy per call, of the gathered result or of the scattered input
+    # (moving `dim` to the front and back copied both the input and the result).
     if primitive == "all_gather":
-        out = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
-        binding.all_gather(out, moved, tag=tag, phase=phase)
-    else:
-        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        binding.reduce_scatter(out, moved, tag=tag, phase=phase)
-    return out.movedim(0, dim).contiguous()
+        stacked = x.new_empty((size, *x.shape))
+        binding.all_gather(stacked.flatten(0, 1), x.contiguous(), tag=tag, phase=phase)
+        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+    stacked = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+    out = x.new_empty(stacked.shape[1:])
+    binding.reduce_scatter(out, stacked.flatten(0, 1), tag=tag, phase=phase)
+    return out
 
 
 def _fake(primitive: Primitive, x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
