@@ -66,12 +66,11 @@ from fxpar.cost.activations import most_open, observe_fake_forward
 from fxpar.cost.input_pieces import boundary_pieces
 from fxpar.cost.memo import memoised, module_key
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir.collectives import backend_for
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import Exchange
 from fxpar.ir.symbols import BATCH
 from fxpar.ops import deferred_linear
-
-GATHER = torch.ops.fxpar.gather_parameters.default
 
 
 def loss_workspace_bytes(captured: CapturedGraph) -> sympy.Expr:
@@ -136,27 +135,27 @@ def gathered_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     hold at once beside the saved activations (module doc): 2 W + prefetch x (W + W / dp) for
     the gathers, W the largest layer it gathers whole in the dtype the gather moves, and the
     reduce-scatter in flight, G the largest layer's whole gradients in the dtype they are summed
-    in. Zero otherwise."""
+    in; both read off the rank's step program (ZeRO-3's calls are its all-gathers and
+    reduce-scatters on dp). Zero otherwise."""
     plan = program.plan
     if plan.zero != 3 or plan.dp == 1:
         return sympy.Integer(0)
-    gathers = [node for module in program.stage_modules(rank) for node in module.graph.nodes if node.target is GATHER]
-    if not gathers:
-        return sympy.Integer(0)
-    whole = max(sum(_nbytes(value) for value in node.meta["val"]) for node in gathers)
-    summed = max(sum(value.numel() for value in node.meta["val"]) * node.args[0][0].meta["val"].dtype.itemsize
-                 for node in gathers)
+    step = program.step_program(rank)
+    calls = [c for action in (*step.actions, *step.optimizer) for c in action.calls if c.axis == "dp"]
+    whole = max((_call_bytes(c) for c in calls if c.kind == "all_gather"), default=sympy.Integer(0))
+    summed = max((_call_bytes(c) for c in calls if c.kind == "reduce_scatter"), default=sympy.Integer(0))
     # A reduce-scatter reduced per microbatch lays the layer's gradients out whole (once per
     # step, that buffer is the step's accumulated gradients, `cost.memory.peak_bytes`'s); on
     # gloo, fxpar's all-to-all receives the whole of it (`runtime.communicator`).
     in_flight = summed * (int(program.zero_reduce.per_microbatch) + int(_on_gloo(program)))
-    return 2 * sympy.Integer(whole) + plan.gathers_ahead * (whole + sympy.Rational(whole, plan.dp)) + in_flight
+    return 2 * whole + plan.gathers_ahead * (whole + whole / plan.dp) + in_flight
 
 
 def _on_gloo(program: CompiledProgram) -> bool:
-    """Whether the ranks' collectives run on gloo: the capture's tensors are on the CPU."""
+    """Whether the ranks' collectives run on gloo by default: the backend a rank on the
+    capture's device binds."""
     values = (n.meta.get("val") for n in program.captured.graph_module.graph.nodes if n.op == "placeholder")
-    return next(v.device.type for v in values if isinstance(v, torch.Tensor)) == "cpu"
+    return backend_for(next(v.device for v in values if isinstance(v, torch.Tensor))) == "gloo"
 
 
 def waiting_for_w(schedule) -> tuple[int, ...]:

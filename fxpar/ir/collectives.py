@@ -26,6 +26,12 @@ CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcas
 Phase = Literal["forward", "backward", "step"]
 
 
+def backend_for(device: torch.device, backend: str | None = None) -> str:
+    """`backend` as given, else the torch.distributed backend a rank on `device` binds: NCCL on
+    a CUDA device and gloo otherwise (`runtime.binding`; the cost model prices gloo's buffers)."""
+    return backend or ("nccl" if device.type == "cuda" else "gloo")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Collective:
     """One collective call of one rank: its group, payload and purpose."""

@@ -3,7 +3,8 @@
 `Runner.create` runs it in this order, each step a function here that takes what it needs:
 
     bound_device, backend_for   the rank's device (`cuda:LOCAL_RANK` when CUDA is there) and
-                                the backend for it (NCCL on CUDA, gloo otherwise)
+                                the backend for it (NCCL on CUDA, gloo otherwise;
+                                `fxpar.ir.collectives.backend_for`)
     all_tied_groups             the extra groups a pipeline's tied parameters need, created with
                                 the mesh's groups (`process_groups.init_process_groups`)
     place_state                 every parameter and buffer on that device, the graphs' own
@@ -63,11 +64,6 @@ def bound_device(device: torch.device | str | None, local_rank: int) -> torch.de
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", local_rank)
     return device
-
-
-def backend_for(device: torch.device, backend: str | None) -> str:
-    """`backend` as given, else NCCL on a CUDA device and gloo otherwise."""
-    return backend or ("nccl" if device.type == "cuda" else "gloo")
 
 
 def all_tied_groups(program: CompiledProgram) -> tuple[tuple[int, ...], ...]:

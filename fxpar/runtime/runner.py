@@ -33,12 +33,13 @@ from fxpar.errors import BindError, PlanError
 from fxpar.frontend.batch_rules import batch_rules
 from fxpar.ir import meta
 from fxpar.ir.axes import bind_axes, unbind_axes
+from fxpar.ir.collectives import backend_for
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.mesh import Axis
 from fxpar.ops.random_streams import RandomStream, bind_random, unbind_random
 from fxpar.runtime import live_runners
 from fxpar.runtime.binding import (
-    all_tied_groups, backend_for, bound_device, parameters_of, place_state, step_context, synchronise_copies,
+    all_tied_groups, bound_device, parameters_of, place_state, step_context, synchronise_copies,
 )
 from fxpar.runtime.checkpoint.optimizers import record_maker
 from fxpar.runtime.checkpoint.whole_state import WholeState
