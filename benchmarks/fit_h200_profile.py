@@ -12,8 +12,10 @@ then judged on (`bench_h200_part_a.py`), never fitted on.
 
 Rules:
 
-* matmul_efficiency: all matmul FLOPs over all their seconds (the rate a mix of those shapes
-  runs at), over the datasheet's 989 TFLOP/s;
+* matmul_tables: the ten shapes' rates, a bf16 table (`cost.matmul_table`: each matmul of a
+  step, its backward's included, priced at the rate interpolated at its shape);
+  matmul_efficiency: all matmul FLOPs over all their seconds (the rate a mix of those shapes
+  runs at), over the datasheet's 989 TFLOP/s, for MFU and the fp32 matmuls;
 * attention_efficiency: forward + backward FLOPs (3 x 4 b h s^2 d, as `cost.ops` counts)
   over their seconds, all four shapes together, over that matmul rate;
 * bandwidths, bytes as `cost.ops` counts them (inputs plus output; backward twice forward):
@@ -40,6 +42,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fxpar.cost.hardware import PROFILES, Hardware
+from fxpar.cost.matmul_table import MatmulTable
 from fxpar.cost.profile_files import save_profile
 
 DATA = Path(__file__).parent / "data" / "h200-2026-12-04.json"
@@ -67,6 +70,7 @@ def fit(part_b: dict) -> Hardware:
         name="h200",
         peak_flops=PEAK,
         matmul_efficiency=matmul_rate / PEAK["bf16"],
+        matmul_tables={"bf16": MatmulTable(tuple((*_dims(shape), 2 * _prod(shape) / m["s"]) for shape, m in matmuls))},
         attention_efficiency=attention_rate / matmul_rate,
         memory_bandwidth=copy,
         elementwise_efficiency=1.0,

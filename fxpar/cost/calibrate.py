@@ -2,18 +2,29 @@
 
 Microbenchmarks at this process' torch thread count, a few seconds in all:
 
-* matmul rate: a 512^3 fp32 matmul;
+* matmul rate: a 512^3 fp32 matmul (the profile's peak, for MFU); and the matmul table
+  (`cost.matmul_table`): fp32 `torch.mm` at every (m, k, n) of `TABLE_SIZES`, each the best of
+  three medians less the dispatch of a 1 x 1 x 1 mm (the estimate charges `op_overhead` per
+  op besides). On one EPYC core it ran from 31 GFLOP/s (64^3) to 100, the small GPT's shapes at
+  80-100;
 * memory bandwidth: a 64 MiB tensor copy (bytes read plus written per second);
 * attention rate: causal `scaled_dot_product_attention`, forward and backward, at batch 8,
   8 heads, sequence 128, head dim 32, with FLOPs counted as `cost.ops` counts them
   (3 x 4 b h s^2 d, no causal discount). The rate depends on the shape: on a 1-thread EPYC
   core it was 0.40 of the matmul rate at head dim 16, 0.52 at 32 and 0.65 at 64 (seq 256);
-* elementwise bandwidth: a transformer's non-matmul ops, forward and backward, at 4096
-  tokens, width 128, vocabulary 256 (layer_norm, a residual add, GELU on the 4x-wide hidden,
-  cross-entropy on the logits), their bytes counted as `cost.ops` counts them (inputs plus
-  output, backward = 2x forward); over the copy bandwidth it is `elementwise_efficiency`;
-* op overhead: a chain of `aten.add` on 1-element tensors that need a gradient, forward then
-  backward: seconds per forward op and per backward node, the fixed cost of an eager op;
+* elementwise bandwidths: a transformer's non-matmul ops, forward and backward, at 4096
+  tokens, width 128, vocabulary 256, one class at a time (`CLASSES`: a residual add and GELU
+  on the 4x-wide hidden, layer_norm, cross-entropy on the logits), their bytes counted as
+  `cost.ops` counts them (inputs plus output, backward = 2x forward): `Hardware.bandwidths`.
+  On one EPYC core: pointwise 14 GB/s, norm 21, loss 7.6 (the copy 25). All three together
+  over the copy bandwidth are
+  `elementwise_efficiency`, which prices the other copies (embedding lookups, concatenations);
+* op overhead: a pre-norm transformer block (`TinyBlock`: nanoGPT's, at width 8 over 4
+  tokens, so that its kernels take next to no time) forward then backward, per op as the
+  estimate counts ops (`cost.ops.op_counts` of its captured graph: `TinyBlock.COUNTED`): the
+  fixed cost of an eager op as a model's ops pay it. A linear dispatches a view, a transpose and
+  an addmm, its backward two mms and a sum; a chain of 1-element adds, which this once was,
+  read 2.2 us an op where the block reads 9 (one EPYC core);
 * optimizer tensor overhead: a `torch.optim.AdamW` step over 128 tensors of 1024 elements,
   with a small MLP's forward and backward and a 64 MiB copy run between steps, so that the
   step starts with caches as cold as in training (back to back it runs about 40% faster);
@@ -40,7 +51,8 @@ cached, with a warning: a 2.5x slow reading once cached would skew every estimat
 The cache is written atomically (a temporary file, then `os.replace`).
 
 The cache is JSON under `$FXPAR_CACHE_DIR` (default `~/.cache/fxpar`), keyed by the thread
-count and torch version; a file that lacks a reading (an older fxpar's) is measured again.
+count, the torch version and `METHOD`, the version of these probes (a reading an older probe
+took means something else); a file that lacks a reading is measured again.
 `python -m fxpar.cost.calibrate` measures and prints the profile; `-o FILE.json` also writes
 it as a profile file (`cost.profile_files`) that `estimate`, `compile` and the CLI take.
 """
@@ -67,14 +79,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxpar.cost.hardware import NOMINAL_CPU, Hardware, Link
+from fxpar.cost.matmul_table import MatmulTable
 from fxpar.cost.optimizer import BYTES_PER_PARAMETER
 from fxpar.cost.profile_files import is_profile_file, save_profile
 
 log = logging.getLogger(__name__)
 
+CLASSES = ("pointwise", "norm", "loss")  # memory-bound classes measured apart (`_elementwise`)
 READINGS = ("matmul_flops", "memory_bandwidth", "attention_flops", "elementwise_bandwidth",
             "op_overhead", "optimizer_tensor_overhead", "alpha", "link_bandwidth", "sync_wait",
-            "shared_wait")
+            "shared_wait", "matmul_table", *(f"{kind}_bandwidth" for kind in CLASSES))
+METHOD = 2  # the probes' version, in the cache's key: raise it when a probe measures anew
+# The matmul table's grid: m (tokens, rows) wider than k and n (the widths of small models).
+TABLE_SIZES = {"m": (64, 256, 1024, 4096), "k": (64, 256, 1024), "n": (64, 256, 1024)}
 _SMALL, _LARGE = 1, 2**20  # all-reduce payloads in fp32 elements: 4 bytes and 4 MiB
 _WARMUP_SECONDS = 0.3
 _MOST_SHARED = 16  # processes the shared wait is measured with at most (2 x cores)
@@ -82,7 +99,7 @@ _MOST_SHARED = 16  # processes the shared wait is measured with at most (2 x cor
 
 def cache_file(threads: int) -> Path:
     root = Path(os.environ.get("FXPAR_CACHE_DIR", Path.home() / ".cache" / "fxpar"))
-    return root / f"hardware-cpu-{threads}threads-torch{torch.__version__}.json"
+    return root / f"hardware-cpu-{threads}threads-torch{torch.__version__}-method{METHOD}.json"
 
 
 @functools.cache
@@ -107,13 +124,16 @@ def measure_cpu() -> Hardware:
 def profile_of(readings: dict[str, float]) -> Hardware:
     """The `cpu` Hardware for a set of readings (the values `calibrate_cpu` returns)."""
     link = Link(alpha=readings["alpha"], bandwidth=readings["link_bandwidth"], wait=readings["sync_wait"])
+    table = MatmulTable(tuple(map(tuple, readings["matmul_table"])))
     return replace(
         NOMINAL_CPU,
         peak_flops={"fp32": readings["matmul_flops"], "bf16": readings["matmul_flops"]},
         matmul_efficiency=1.0,
+        matmul_tables={"fp32": table, "bf16": table},  # bf16 priced as fp32, as its peak is
         memory_bandwidth=readings["memory_bandwidth"],
         attention_efficiency=readings["attention_flops"] / readings["matmul_flops"],
         elementwise_efficiency=readings["elementwise_bandwidth"] / readings["memory_bandwidth"],
+        bandwidths={kind: readings[f"{kind}_bandwidth"] for kind in CLASSES},  # copies: the efficiency's
         op_overhead=readings["op_overhead"],
         optimizer_tensor_overhead=readings["optimizer_tensor_overhead"],
         comm_overlap=0.0,  # gloo's thread shares the cores with compute (hardware.py)
@@ -133,8 +153,8 @@ def calibrate_cpu() -> dict[str, float]:
         "matmul": _matmul(),
         "copy": _copy(),
         "attention": _attention(),
-        "elementwise": _elementwise(),
-        "op": _op_chain(),
+        **{f"{kind}_elementwise": probe for kind, probe in _elementwise().items()},
+        "op": _op_block(),
         "optimizer": _optimizer_step(),
     }
     seconds = _best_seconds({name: probe[0] for name, probe in probes.items()},
@@ -147,11 +167,14 @@ def calibrate_cpu() -> dict[str, float]:
         "matmul_flops": work["matmul"] / seconds["matmul"],
         "memory_bandwidth": bandwidth,
         "attention_flops": work["attention"] / seconds["attention"],
-        "elementwise_bandwidth": work["elementwise"] / seconds["elementwise"],
+        **{f"{kind}_bandwidth": work[f"{kind}_elementwise"] / seconds[f"{kind}_elementwise"] for kind in CLASSES},
+        "elementwise_bandwidth": (sum(work[f"{kind}_elementwise"] for kind in CLASSES)
+                                  / sum(seconds[f"{kind}_elementwise"] for kind in CLASSES)),
         "op_overhead": seconds["op"] / work["op"],
         # What the step costs beyond the bytes `cost.optimizer` charges, per tensor.
         "optimizer_tensor_overhead": max(seconds["optimizer"] - streamed, 0.0) / tensors,
         "threads": torch.get_num_threads(),
+        "matmul_table": _matmul_table(),
     }
     readings["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
@@ -217,6 +240,32 @@ def _matmul(n: int = 512) -> tuple:
     return (lambda: torch.mm(a, b)), 2 * n**3  # FLOPs
 
 
+def _matmul_table(rounds: int = 3, repeats: int = 3) -> list[list[float]]:
+    """[m, k, n, FLOP/s] at every shape of `TABLE_SIZES` (module doc): a light loop of its own,
+    not `_best_seconds`, whose fixed warm-up per run would take 11 s over 36 shapes. The rounds
+    go over every shape in turn, so that each shape's medians are moments apart."""
+    shapes = [(m, k, n) for m in TABLE_SIZES["m"] for k in TABLE_SIZES["k"] for n in TABLE_SIZES["n"]]
+    operands = {(m, k, n): (torch.randn(m, k), torch.randn(k, n)) for m, k, n in shapes}
+    one = torch.ones(1, 1)
+
+    def median_seconds(a, b) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    for a, b in operands.values():  # warm-up: first touches, MKL's first calls
+        torch.mm(a, b)
+    dispatch = min(median_seconds(one, one) for _ in range(rounds))
+    best = dict.fromkeys(shapes, float("inf"))
+    for _ in range(rounds):
+        for shape, (a, b) in operands.items():
+            best[shape] = min(best[shape], median_seconds(a, b))
+    return [[m, k, n, 2 * m * k * n / max(best[m, k, n] - dispatch, best[m, k, n] / 2)] for m, k, n in shapes]
+
+
 def _copy(numel: int = 2**24) -> tuple:
     src, dst = torch.randn(numel), torch.empty(numel)
     return (lambda: dst.copy_(src)), 2 * 4 * numel  # bytes read and written
@@ -232,41 +281,56 @@ def _attention(batch: int = 8, heads: int = 8, seq: int = 128, head_dim: int = 3
     return forward_backward, 3 * 4 * batch * heads * seq**2 * head_dim  # `cost.ops` FLOPs
 
 
-def _elementwise(tokens: int = 4096, width: int = 128, vocabulary: int = 256) -> tuple:
+def _elementwise(tokens: int = 4096, width: int = 128, vocabulary: int = 256) -> dict[str, tuple]:
+    """One probe per class of memory-bound op (`cost.ops.BYTE_KINDS` but copies): pointwise
+    (a residual add, GELU on the 4x-wide hidden), norm (layer_norm), loss (cross-entropy over
+    the logits), each forward and backward, and its bytes as `cost.ops` counts them (inputs
+    plus output, backward = 2x forward)."""
     x = torch.randn(tokens, width, requires_grad=True)
     hidden = torch.randn(tokens, 4 * width, requires_grad=True)
     logits = torch.randn(tokens, vocabulary, requires_grad=True)
     weight, bias = torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)
     targets = torch.randint(0, vocabulary, (tokens,))
-    grads = torch.randn(tokens, width), torch.randn(tokens, 4 * width)
+    grad_x, grad_hidden = torch.randn(tokens, width), torch.randn(tokens, 4 * width)
 
-    def forward_backward():
-        residual = x + F.layer_norm(x, (width,), weight, bias)
-        activated = F.gelu(hidden)
-        loss = F.cross_entropy(logits, targets)
-        torch.autograd.backward([residual, activated, loss], [*grads, None])
+    def pointwise():
+        torch.autograd.backward([x + x, F.gelu(hidden)], [grad_x, grad_hidden])
 
     def moved(*tensors):  # `cost.ops`: the op's tensor inputs plus its output
         return sum(t.nbytes for t in tensors)
 
-    norm = moved(x, weight, bias, x)
-    add = moved(x, x, x)
-    gelu = moved(hidden, hidden)
-    loss = moved(logits, targets) + 4
-    return forward_backward, 3 * (norm + add + gelu + loss)  # backward = 2x forward
+    return {
+        "pointwise": (pointwise, 3 * (moved(x, x, x) + moved(hidden, hidden))),
+        "norm": (lambda: F.layer_norm(x, (width,), weight, bias).backward(grad_x), 3 * moved(x, weight, bias, x)),
+        "loss": (lambda: F.cross_entropy(logits, targets).backward(), 3 * (moved(logits, targets) + 4)),
+    }
 
 
-def _op_chain(chain: int = 200) -> tuple:
-    x, one = torch.ones(1, requires_grad=True), torch.ones(1)
-    add = torch.ops.aten.add.Tensor
+class TinyBlock(torch.nn.Module):
+    """nanoGPT's pre-norm transformer block and a loss, at toy sizes: the op overhead's probe."""
 
-    def forward_backward():
-        y = x
-        for _ in range(chain):
-            y = add(y, one)
-        y.backward()
+    COUNTED = 20 + 32  # forward ops + backward nodes, as `cost.ops.op_counts` counts its graph
 
-    return forward_backward, 2 * chain  # forward ops plus backward nodes
+    def __init__(self, width: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.fc, self.out = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).contiguous().view(b, t, c))
+        x = x + self.out(F.gelu(self.fc(self.norm2(x))))
+        return x.square().mean()
+
+
+def _op_block(tokens: int = 4) -> tuple:
+    block, x = TinyBlock(), torch.randn(1, tokens, 8)
+    return (lambda: block(x).backward()), TinyBlock.COUNTED
 
 
 def _optimizer_step(tensors: int = 128, numel: int = 1024) -> tuple:

@@ -350,7 +350,7 @@ def _rank_terms(program, rank, device, optimizer, precision, numbers):
     stages = {s.stage for s in mine}
     drawn = sum((d.extra_per_rank() for d in exact_draws(program.graph_module, program.captured.shape)
                  if pipeline is None or d.stage in stages), sympy.Integer(0))
-    formulas["time.compute"] = forward + backward + device.kernel_seconds(0, 0, 4 * drawn, precision)
+    formulas["time.compute"] = forward + backward + device.kernel_seconds(0, 4 * drawn, precision)
     # Activation checkpointing runs the recomputed nodes' forward again, in backward.
     formulas["time.recompute"] = sum((timed[id(p)][3] for p in mine), sympy.Integer(0))
     updated = parameters * (share if plan.zero >= 1 else 1)

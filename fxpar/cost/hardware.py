@@ -2,7 +2,10 @@
 
 A device is described by its peak dense matmul rate per precision (datasheets, as in
 torchtitan's `get_peak_flops`), the fraction of it large matmuls reach in practice, and its
-memory bandwidth; then by what a step pays besides FLOPs and bytes:
+memory bandwidth; where measured, by its matmul rates by shape (`matmul_tables`, one
+`cost.matmul_table.MatmulTable` per precision: each matmul of the forward and the backward
+priced at its own shape's rate instead of one efficiency); then by what a step pays besides
+FLOPs and bytes:
 
 * `attention_efficiency`: attention (forward + backward, FLOPs counted as in `cost.ops`)
   runs at this share of the matmul rate. GPU default 0.6: FlashAttention-2 reaches 50-73% of
@@ -12,13 +15,15 @@ memory bandwidth; then by what a step pays besides FLOPs and bytes:
   norms, softmax, losses) reach over forward and backward, their bytes counted as `cost.ops`
   counts them; `bandwidths`, where a profile measured them, the bytes/s of each class of
   those ops instead (`cost.ops.BYTE_KINDS`: pointwise, norm, loss, copy). GPU default 1
-  (bytes at full bandwidth; the measured h200 profile has its own per class). Measured on the
-  CPU: 0.3-0.5; the exact GELU and softmax are compute-bound there, and backward runs ops the
-  forward graph does not show (bias-gradient sums, gradient fills, copies of transposes);
+  (bytes at full bandwidth; the measured h200 and cpu profiles have their own per class but
+  copies). Measured on the CPU: 0.3-0.5; the exact GELU and softmax are compute-bound there,
+  and backward runs ops the forward graph does not show (bias-gradient sums, gradient fills,
+  copies of transposes);
 * `op_overhead`: seconds each op pays besides its FLOPs and bytes (dispatch, autograd
-  bookkeeping, on a GPU the kernel launch), added to them. GPU default 5 us, the order of a
-  CUDA launch seen from Python; as a GPU launches while earlier kernels run, adding it is
-  pessimistic there unless the ops are tiny;
+  bookkeeping, on a GPU the kernel launch), added to them, per op as `cost.ops.op_counts`
+  counts them (on the CPU 9 us, measured on a transformer block: `cost.calibrate`). GPU
+  default 5 us, the order of a CUDA launch seen from Python; as a GPU launches while earlier
+  kernels run, adding it is pessimistic there unless the ops are tiny;
 * `host_overlap`: whether the device runs its kernels while the host dispatches the next
   ops (a GPU, asynchronous), so that a phase takes the longer of its kernels and its
   per-op overhead rather than their sum (a CPU, which does both on the same cores). False
@@ -61,6 +66,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from fxpar.cost import matmul_table
+from fxpar.cost.matmul_table import MatmulTable
+
 
 @dataclass(frozen=True, kw_only=True)
 class Link:
@@ -92,11 +100,18 @@ class Hardware:
     cores: int | None = None  # cores a node's ranks share (CPU processes), or None (module doc)
     threads: int = 1  # compute threads of one rank, where `cores` is given
     shared_wait: float | None = None  # a call's wait at 2 x cores ranks, where measured (module doc)
-    measured: dict[str, float] = field(default_factory=dict)  # raw calibration readings
+    matmul_tables: dict[str, MatmulTable] = field(default_factory=dict)  # rates by shape, by precision
+    measured: dict[str, object] = field(default_factory=dict)  # raw calibration readings
 
     def matmul_rate(self, precision: str) -> float:
         """FLOP/s a large matmul reaches in `precision` ("fp32" or "bf16")."""
         return self.peak_flops[precision] * self.matmul_efficiency
+
+    def matmul_seconds(self, m, k, n, precision: str):
+        """Seconds of one (m, k, n) matmul (2 m k n FLOPs): at its shape's rate where the profile
+        measured a table for `precision`, else at `matmul_rate`. Numbers or sympy formulas."""
+        table = self.matmul_tables.get(precision)
+        return 2 * m * k * n / self.matmul_rate(precision) if table is None else matmul_table.seconds(table, m, k, n)
 
     def attention_rate(self, precision: str) -> float:
         """FLOP/s of attention, forward and backward, under `cost.ops`' FLOP convention."""
@@ -108,18 +123,18 @@ class Hardware:
         measured one (`bandwidths`), else `elementwise_efficiency` x memory bandwidth."""
         return self.bandwidths.get(kind, self.memory_bandwidth * self.elementwise_efficiency)
 
-    def kernel_seconds(self, matmul_flops, attention_flops, other_bytes, precision: str):
-        """One forward of ops with these totals, per-op overhead aside: dense matmul FLOPs at the
-        matmul rate, attention's at the attention rate, the other ops' bytes (a total, or a
-        dict by class of op) at the bandwidth they reach (a backward takes twice this:
-        Narayanan et al. 2021). The one pricing rule of the estimate and the pipeline cut;
+    def kernel_seconds(self, attention_flops, other_bytes, precision: str):
+        """One forward of the ops that are not dense matmuls, per-op overhead aside: attention's
+        FLOPs at the attention rate, the other ops' bytes (a total, or a dict by class of op) at
+        the bandwidth they reach (a backward takes twice this: Narayanan et al. 2021). Dense
+        matmuls are `matmul_seconds`' to price, each at its shape. With it the one pricing rule
+        of the estimate and the pipeline cut (`cost.step_time`, `cost.ops.node_seconds`);
         numbers or sympy formulas alike."""
-        dense = (matmul_flops - attention_flops) / self.matmul_rate(precision)
         attention = attention_flops / self.attention_rate(precision)
         if not isinstance(other_bytes, dict):
             other_bytes = {"pointwise": other_bytes}
         streamed = sum(b / self.elementwise_bandwidth(kind) for kind, b in other_bytes.items())
-        return dense + attention + streamed
+        return attention + streamed
 
     def shared_by(self, ranks: int) -> Hardware:
         """This device as each of `ranks` ranks sees it when they compute at once on one
@@ -143,6 +158,7 @@ class Hardware:
             peak_flops={k: v / slowdown for k, v in self.peak_flops.items()},
             memory_bandwidth=self.memory_bandwidth / slowdown,
             bandwidths={k: v / slowdown for k, v in self.bandwidths.items()},
+            matmul_tables={k: table.scaled(1 / slowdown) for k, table in self.matmul_tables.items()},
             op_overhead=self.op_overhead * slowdown,
             optimizer_tensor_overhead=self.optimizer_tensor_overhead * slowdown,
             **links,
@@ -185,7 +201,7 @@ NOMINAL_CPU = Hardware(
     devices_per_node=1024,  # CPU processes of one machine: all "intra-node"
     attention_efficiency=0.5,  # the middle of the 0.4-0.65 measured (module doc)
     elementwise_efficiency=0.4,  # the middle of the 0.3-0.5 measured (module doc)
-    op_overhead=3e-6,  # eager op with autograd, measured 1.5-3.3 us (RESULTS.md)
+    op_overhead=9e-6,  # per op as op_counts counts them, measured 9 us on a block (cost.calibrate)
     optimizer_tensor_overhead=20e-6,  # torch's for-loop AdamW, measured 17-29 us
     comm_overlap=0.0,
 )

@@ -26,7 +26,8 @@ import sympy
 import torch.fx as fx
 
 from fxpar.cost.memo import memoised
-from fxpar.cost.ops import BYTE_KINDS, cost_of, op_counts
+from fxpar.cost.matmul_table import matmul_shapes
+from fxpar.cost.ops import BYTE_KINDS, cost_of, dense_operands, needing_gradient, op_counts
 from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.placement import Partial, R, Shard, local_numel
@@ -55,6 +56,15 @@ class Share:
     # `other_bytes` and `recompute_bytes` by the class of op that moves them (`cost.ops.BYTE_KINDS`).
     bytes_by_kind: dict[str, sympy.Expr] = field(default_factory=dict)
     recompute_bytes_by_kind: dict[str, sympy.Expr] = field(default_factory=dict)
+    # The dense matmuls behind `matmul_flops` less attention, each (m, k, n) on this tp rank over
+    # the global batch -> how many, as a rate table prices them (`cost.step_time.dense_seconds`):
+    # the forward's; the backward's, each gradient its own matmul (`dense_gradients`); of these,
+    # the weight gradients a split schedule runs as W; and the forward's that checkpointing
+    # runs again.
+    dense_shapes: dict[tuple, int] = field(default_factory=dict)
+    backward_shapes: dict[tuple, int] = field(default_factory=dict)
+    weight_gradient_shapes: dict[tuple, int] = field(default_factory=dict)
+    recompute_shapes: dict[tuple, int] = field(default_factory=dict)
 
 
 def shares(program: CompiledProgram) -> list[Share]:
@@ -79,15 +89,27 @@ def _shares(program: CompiledProgram) -> list[Share]:
         moved = dict.fromkeys(BYTE_KINDS, sympy.Integer(0))
         again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "ops": 0,
                  "bytes": dict.fromkeys(BYTE_KINDS, sympy.Integer(0))}
+        dense: dict[tuple, int] = {}
+        gradients: dict[tuple, int] = {}
+        weight_shapes: dict[tuple, int] = {}
+        again_shapes: dict[tuple, int] = {}
+        needs_grad = needing_gradient(gm)
         for node in nodes:
             cost = cost_of(node, program.captured.shape)
             if cost is None:
                 continue
-            split = tp if isinstance(meta.placement(node, "tp"), (Shard, Partial)) else 1
+            placement = meta.placement(node, "tp")
+            split = tp if isinstance(placement, (Shard, Partial)) else 1
             matmul += cost.matmul_flops / split
             attention += cost.attention_flops / split
+            shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node)
+            if shape is not None:
+                _count(dense, shape)
+                for gradient in dense_gradients(node, shape, needs_grad):
+                    _count(gradients, gradient)
             if has_weight_gradient(node):
                 weight += cost.matmul_flops / split
+                _count(weight_shapes, matmul_shapes(*shape)["weight_gradient"])
             if cost.matmul_flops == 0:
                 moved[cost.kind] += cost.bytes / split
             if meta.recompute_region(node) is not None:
@@ -95,6 +117,7 @@ def _shares(program: CompiledProgram) -> list[Share]:
                 again["attention"] += cost.attention_flops / split
                 again["bytes"][cost.kind] += cost.bytes / split if cost.matmul_flops == 0 else 0
                 again["ops"] += 1
+                _count(again_shapes, shape)
         forward_ops, backward_nodes = op_counts(gm)
         # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
         parameters = {
@@ -106,8 +129,37 @@ def _shares(program: CompiledProgram) -> list[Share]:
         result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
                             sum(moved.values(), sympy.Integer(0)), forward_ops, backward_nodes, parameters,
                             sympy.expand(again["matmul"]), sympy.expand(again["attention"]),
-                            sum(again_moved.values(), sympy.Integer(0)), again["ops"], moved, again_moved))
+                            sum(again_moved.values(), sympy.Integer(0)), again["ops"], moved, again_moved,
+                            dense, gradients, weight_shapes, again_shapes))
     return result
+
+
+def dense_gradients(node: fx.Node, shape: tuple, needs_grad: set[fx.Node]) -> list[tuple]:
+    """The matmuls the backward of the dense matmul `node` of forward `shape` runs: A's gradient
+    where its input A needs one, B's (a linear's weight gradient) where B does
+    (`cost.matmul_table.matmul_shapes`). A first layer's input or a frozen weight gets none."""
+    a, b = dense_operands(node)
+    shapes = matmul_shapes(*shape)
+    return [shapes[which] for operand, which in ((a, "input_gradient"), (b, "weight_gradient"))
+            if operand in needs_grad]
+
+
+def _local_shape(shape: tuple, placement, tp: int, node: fx.Node) -> tuple:
+    """A dense matmul's (m, k, n) on one tp rank: split along n where its output is sharded in
+    its last dim (column-parallel), along m where in another (the sequence, under sp), along k
+    where its output is partial (row-parallel: each rank reduces over its part of k)."""
+    m, k, n = shape
+    if isinstance(placement, Partial):
+        return m, k / tp, n
+    if isinstance(placement, Shard):
+        last = placement.dim in (-1, node.meta["val"].dim() - 1)
+        return (m, k, n / tp) if last else (m / tp, k, n)
+    return shape
+
+
+def _count(shapes: dict[tuple, int], shape: tuple | None) -> None:
+    if shape is not None:
+        shapes[shape] = shapes.get(shape, 0) + 1
 
 
 def has_weight_gradient(node: fx.Node) -> bool:

@@ -33,6 +33,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxpar.cost.matmul_table import matmul_shapes
 from fxpar.ir import meta
 from fxpar.ops.deferred_linear import stands_for
 from fxpar.ops.distributed import distributed_op
@@ -54,6 +55,9 @@ class OpCost:
     costed: bool = True
     attention_flops: sympy.Expr = sympy.Integer(0)  # the part of matmul_flops in attention
     kind: str = "pointwise"  # which bandwidth its bytes move at (`BYTE_KINDS`)
+    # A dense matmul's (m, k, n), its batch dims folded into m: 2 m k n = matmul_flops. What
+    # a rate table prices it, and its backward's two matmuls, by (`cost.matmul_table`).
+    shape: Shape | None = None
 
 
 def _numel(shape: Shape) -> sympy.Expr:
@@ -76,6 +80,24 @@ def _mm(inputs, out, args) -> tuple:
 def _matmul(inputs, out, args) -> tuple:
     a = inputs[0]
     return 2 * _numel(out) * a[-1], 0
+
+
+def _dense_shape(packet, inputs: list[Shape], out: Shape) -> Shape:
+    """(m, k, n) of a dense matmul-like op: k the reduced size, n the output's last size, m
+    the rest of the output (rows, and any batch dims)."""
+    if packet is aten.linear:
+        x, w = inputs[0], inputs[1]
+        return _numel(x[:-1]), x[-1], w[0]
+    a = inputs[0] if packet is aten.matmul else inputs[-2]  # addmm, baddbmm: (input, a, b)
+    n = out[-1] if len(out) >= 1 and len(inputs[-1]) >= 2 else sympy.Integer(1)
+    return sympy.cancel(_numel(out) / n), a[-1], n
+
+
+def dense_operands(node: fx.Node) -> tuple:
+    """The operands (A, B) of a dense matmul-like node, A m x k and B k x n (a linear's weight
+    is B): the nodes whose gradients its backward's two matmuls compute."""
+    packet = stands_for(node).overloadpacket
+    return tuple(node.args[1:3]) if packet in (aten.addmm, aten.baddbmm) else tuple(node.args[:2])
 
 
 def _attention(inputs, out, args) -> tuple:
@@ -222,8 +244,9 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
     if packet in MATMUL_RULES:
         matmul, other = MATMUL_RULES[packet](in_shapes, out_shape, node.args)
         matmul = sympy.sympify(matmul)
-        attention = matmul if packet in _ATTENTION else sympy.Integer(0)
-        return OpCost(matmul, sympy.sympify(other), moved, attention_flops=attention)
+        if packet in _ATTENTION:
+            return OpCost(matmul, sympy.sympify(other), moved, attention_flops=matmul)
+        return OpCost(matmul, sympy.sympify(other), moved, shape=_dense_shape(packet, in_shapes, out_shape))
     if packet in _DRAWS:
         return OpCost(sympy.Integer(0), _DRAW_FLOPS * _numel(out_shape), moved)
     if packet in _PER_ELEMENT:
@@ -278,30 +301,42 @@ def op_counts(gm: fx.GraphModule) -> tuple[int, int]:
 
     Forward ops are the aten calls that return tensors (views included: each is a dispatch;
     shape queries and asserts are not). Backward nodes are the forward ops whose output
-    needs a gradient (an input is a trainable parameter or needs one itself), plus one
-    `AccumulateGrad` per trainable parameter. It undercounts: a composite op may record
-    several nodes (`linear` on a 3-d input records a view, a transpose and an addmm), which
-    the graph does not show. For the example GPT this counts 86 backward nodes of the 123
-    autograd records (tiny, RESULTS.md).
+    needs a gradient (`needing_gradient`), plus one `AccumulateGrad` per trainable parameter.
+    It undercounts: a composite op may record several nodes (`linear` on a 3-d input records
+    a view, a transpose and an addmm), which the graph does not show; the op overhead is
+    measured per op as counted here (`cost.calibrate.TinyBlock`), so it carries them. For the
+    example GPT this counts 86 backward nodes of the 123 autograd records (tiny, RESULTS.md).
     """
+    needs_grad = needing_gradient(gm)
+    forward = backward = 0
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "call_function" and isinstance(stands_for(node), torch._ops.OpOverload) \
+                and isinstance(value, torch.Tensor):
+            forward += 1
+            backward += node in needs_grad
+    trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
+    accumulated = {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in trainable}
+    return forward, backward + len(accumulated)  # one AccumulateGrad per parameter
+
+
+def needing_gradient(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of `gm` whose value autograd computes a gradient for: the trainable
+    parameters and every floating-point value computed from one (tuples and their getitems
+    too: the gradient flows through them). Propagated here from the parameters, as autograd
+    does, rather than read from capture's metadata, which nodes the passes insert lack."""
     trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
     needs_grad: set[fx.Node] = set()
-    accumulated: set[str] = set()  # parameters, each once: one AccumulateGrad node each
-    forward = backward = 0
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in trainable:
             needs_grad.add(node)
-            accumulated.add(node.target)
         if node.op != "call_function":
             continue
         value = node.meta.get("val")
         differentiable = not isinstance(value, torch.Tensor) or value.is_floating_point()
         if differentiable and any(a in needs_grad for a in node.all_input_nodes):
-            needs_grad.add(node)  # also tuples and their getitems: the grad flows through
-        if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
-            forward += 1
-            backward += node in needs_grad
-    return forward, backward + len(accumulated)
+            needs_grad.add(node)
+    return needs_grad
 
 
 def op_name(node: fx.Node) -> str:
@@ -312,17 +347,26 @@ def op_name(node: fx.Node) -> str:
 
 
 def node_seconds(node: fx.Node, shape_of: Callable[[fx.Node], Shape], device, *, precision: str) -> sympy.Expr:
-    """Forward + backward seconds of one node, priced as the estimate prices a whole graph:
-    3 x `Hardware.kernel_seconds` of its cost, plus `op_overhead` for its forward op and, when
-    its output needs a gradient, its backward node (`op_counts`' criteria). A formula in the
-    graph's symbols; the pipeline cut sums it per stage."""
+    """Forward + backward seconds of one node of the captured graph, priced as the estimate
+    prices a whole graph (`cost.step_time.piece_seconds`): a dense matmul's forward and the
+    gradients' matmuls of its operands that need one (capture's `meta.requires_grad`), each at
+    its shape (`Hardware.matmul_seconds`), 3 x `Hardware.kernel_seconds` of the rest
+    of its cost, plus `op_overhead` for its forward op and, when its output needs a gradient,
+    its backward node (`op_counts`' criteria). A formula in the graph's symbols, over the
+    whole batch; the pipeline cut sums it per stage."""
     cost = cost_of(node, shape_of)
     if cost is None:
         return sympy.Integer(0)
     streamed = {cost.kind: cost.bytes if cost.matmul_flops == 0 else 0}
-    kernels = device.kernel_seconds(cost.matmul_flops, cost.attention_flops, streamed, precision)
+    kernels = device.kernel_seconds(cost.attention_flops, streamed, precision)
+    dense = sympy.Integer(0)
+    if cost.shape is not None:  # its forward, and the gradient of each operand that needs one
+        shapes = matmul_shapes(*cost.shape)
+        a, b = dense_operands(node)
+        needed = ("forward", *(w for x, w in ((a, "input_gradient"), (b, "weight_gradient")) if meta.requires_grad(x)))
+        dense = sum(device.matmul_seconds(*shapes[which], precision) for which in needed)
     value = node.meta.get("val")
     ops = 0
     if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
         ops = 1 + bool(node.meta.get(meta.REQUIRES_GRAD, False))
-    return 3 * kernels + ops * device.op_overhead
+    return 3 * kernels + dense + ops * device.op_overhead

@@ -5,8 +5,8 @@
 CLI's `--hardware profile.json` read it, so a plan can be priced for a machine on another
 one, and every rank of a job prices with the same numbers. The file is JSON, one key per
 field of `cost.hardware.Hardware` (the links as {"alpha", "bandwidth", "wait"}, the wait
-optional), beside a format
-version:
+optional; `matmul_tables`, optional, as {precision: {"points": [[m, k, n, FLOP/s], ...]}}),
+beside a format version:
 
     {"format": "fxpar-hardware/1", "name": "cpu", "peak_flops": {"fp32": 1.04e11, ...},
      "matmul_efficiency": 1.0, "memory_bandwidth": 3.2e10, "intra_node": {...}, ...}
@@ -24,6 +24,7 @@ import numbers
 from pathlib import Path
 
 from fxpar.cost.hardware import Hardware, Link
+from fxpar.cost.matmul_table import MatmulTable
 
 FORMAT = "fxpar-hardware/1"
 _LINKS = ("intra_node", "inter_node")
@@ -76,7 +77,8 @@ def load_profile(path: str | Path) -> Hardware:
                              f'"wait": seconds), got {link!r}')
         given[name] = Link(**{k: _number(path, f"{name}.{k}", v) for k, v in link.items()})
     for name, value in given.items():
-        if name in _LINKS or name in ("name", "measured", "cores", "host_overlap", *_TABLES) or value is None:
+        if name in _LINKS or name in ("name", "measured", "cores", "host_overlap", "matmul_tables", *_TABLES) \
+                or value is None:
             continue
         given[name] = _number(path, name, value)
     for name in _TABLES:
@@ -84,7 +86,17 @@ def load_profile(path: str | Path) -> Hardware:
             if not isinstance(given[name], dict):
                 raise ValueError(f"hardware profile file {str(path)!r}: {name} must map names to numbers, got {given[name]!r}")
             given[name] = {k: _number(path, f"{name}.{k}", v) for k, v in given[name].items()}
+    given["matmul_tables"] = {precision: _matmul_table(path, precision, table)
+                              for precision, table in given.get("matmul_tables", {}).items()}
     return Hardware(**given)
+
+
+def _matmul_table(path: Path, precision: str, table) -> MatmulTable:
+    points = table.get("points") if isinstance(table, dict) else None
+    if not (isinstance(points, list) and points and all(isinstance(p, list) and len(p) == 4 for p in points)):
+        raise ValueError(f"hardware profile file {str(path)!r}: matmul_tables.{precision} must be "
+                         f'{{"points": [[m, k, n, FLOP/s], ...]}} (at least one), got {table!r}')
+    return MatmulTable(tuple(tuple(_number(path, f"matmul_tables.{precision}", v) for v in p) for p in points))
 
 
 def _number(path: Path, field: str, value) -> float:

@@ -11,24 +11,43 @@ import sympy
 from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.hardware import Hardware
 from fxpar.ir.step_program import Compute, StepProgram
+from fxpar.ir.symbols import BATCH
 
 
 def piece_seconds(piece, plan, device: Hardware, precision: str):
     """Forward, backward, weight-gradient and recompute seconds of one share of the work
     (`cost.layout`) over this rank's share of the batch; `weight` is the part of `backward`
     that is weight gradients of linears (W in a split schedule). Bytes are in the dtypes the
-    rank's graph computes in (`cost.layout`: bf16-mixed's bf16 ops, its fp32 loss and casts)."""
+    rank's graph computes in (`cost.layout`: bf16-mixed's bf16 ops, its fp32 loss and casts).
+    Each dense matmul is priced at its own shape on one microbatch (`dense_seconds`), its
+    backward as its two gradients' matmuls; attention and the other ops' bytes by
+    `Hardware.kernel_seconds`, the backward twice the forward."""
     share = sympy.Rational(1, plan.dp)
-    kernels = share * device.kernel_seconds(piece.matmul_flops, piece.attention_flops, piece.bytes_by_kind, precision)
+    kernels = share * device.kernel_seconds(piece.attention_flops, piece.bytes_by_kind, precision)
+
+    def dense(shapes):
+        return dense_seconds(shapes, plan, device, precision)
+
     overhead = plan.microbatches * sympy.Float(device.op_overhead)
     together = sympy.Max if device.host_overlap else sympy.Add  # (`Hardware.host_overlap`)
-    forward = together(kernels, piece.forward_ops * overhead)
-    backward = together(2 * kernels, piece.backward_nodes * overhead)
-    weight = share * piece.weight_gradient_flops / device.matmul_rate(precision)
-    recompute = together(share * device.kernel_seconds(
-        piece.recompute_matmul_flops, piece.recompute_attention_flops, piece.recompute_bytes_by_kind, precision,
-    ), piece.recompute_ops * overhead)
+    forward = together(kernels + dense(piece.dense_shapes), piece.forward_ops * overhead)
+    backward = together(2 * kernels + dense(piece.backward_shapes), piece.backward_nodes * overhead)
+    weight = dense(piece.weight_gradient_shapes)
+    recompute = together(
+        share * device.kernel_seconds(piece.recompute_attention_flops, piece.recompute_bytes_by_kind, precision)
+        + dense(piece.recompute_shapes),
+        piece.recompute_ops * overhead)
     return forward, backward, weight, recompute
+
+
+def dense_seconds(shapes, plan, device: Hardware, precision: str):
+    """Seconds of a step's dense matmuls on one rank: each (m, k, n) of `shapes` (over the
+    global batch, `cost.layout.Share`) run once per microbatch at the shape it has there (the
+    batch divided by dp x microbatches), at that shape's rate (`Hardware.matmul_seconds`)."""
+    local = {BATCH: BATCH / (plan.dp * plan.microbatches)}
+    return sum((count * plan.microbatches * device.matmul_seconds(*(sympy.sympify(d).subs(local) for d in shape),
+                                                                  precision)
+                for shape, count in shapes.items()), sympy.Integer(0))
 
 
 def comm_terms(program, step: StepProgram, device: Hardware, forward, backward):

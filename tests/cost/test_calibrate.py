@@ -8,17 +8,21 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
+import fxpar
 from fxpar.cost import calibrate
 from fxpar.cost.collectives import MiB, collective_time, gradient_bucket_bytes
 from fxpar.cost.hardware import NOMINAL_CPU, PROFILES
+from fxpar.cost.ops import op_counts
 from fxpar.cost.profiles import hardware_profile
 
 # Readings as `calibrate_cpu` returns them, for the tests of the caching policy.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
-        "elementwise_bandwidth": 2e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
+        "elementwise_bandwidth": 2e10, "pointwise_bandwidth": 2e10, "norm_bandwidth": 3e10,
+        "loss_bandwidth": 1e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
         "alpha": 5e-5, "link_bandwidth": 1.5e9, "sync_wait": 3e-4, "shared_wait": 9e-4, "threads": 1,
-        "cores": 2, "load_average": 0.5}
+        "cores": 2, "load_average": 0.5, "matmul_table": [[64, 64, 64, 2e10], [1024, 256, 256, 9e10]]}
 
 
 @pytest.fixture
@@ -37,7 +41,10 @@ def test_cpu_profile_is_measured_once_and_cached(fresh_cache, monkeypatch):
     assert 1e8 < readings["memory_bandwidth"] < 1e13
     assert 0.05 < profile.attention_efficiency < 2
     assert 0.02 < profile.elementwise_efficiency < 2
+    assert all(1e8 < profile.elementwise_bandwidth(kind) < 1e13 for kind in calibrate.CLASSES)
     assert 1e-8 < readings["op_overhead"] < 1e-3
+    assert len(readings["matmul_table"]) == 36 and all(1e8 < p[3] < 1e14 for p in readings["matmul_table"])
+    assert profile.matmul_tables["fp32"].points == tuple(map(tuple, readings["matmul_table"]))
     assert 0 <= readings["optimizer_tensor_overhead"] < 1e-2
     assert 0 < readings["alpha"] < 0.05 and 1e6 < readings["link_bandwidth"] < 1e12
     assert 0 <= readings["sync_wait"] < 0.05 and profile.intra_node.wait == readings["sync_wait"]
@@ -83,6 +90,13 @@ def test_the_cache_is_written_atomically(fresh_cache, monkeypatch):
         calibrate.write_cache(FAKE | {"alpha": 1.0})
     assert [p.name for p in fresh_cache.iterdir()] == [cache.name]  # no temporary left over
     assert json.loads(cache.read_text()) == FAKE  # the old file, whole
+
+
+def test_the_op_overhead_probe_counts_its_ops_as_the_estimate_does():
+    """The op overhead is the probe block's seconds over its ops as `op_counts` counts them:
+    the count the calibration divides by is the one the estimate multiplies by."""
+    program = fxpar.compile(calibrate.TinyBlock(), "dp=1", example_inputs=(torch.randn(2, 4, 8),))
+    assert sum(op_counts(program.captured.graph_module)) == calibrate.TinyBlock.COUNTED
 
 
 def test_link_calibration_runs_from_a_script_without_a_main_guard(tmp_path):

@@ -12,19 +12,23 @@ import torch
 import fxpar
 from fxpar.cost import calibrate
 from fxpar.cost.hardware import NOMINAL_CPU, PROFILES
+from fxpar.cost.matmul_table import MatmulTable
 from fxpar.cost.profile_files import load_profile, save_profile
 from fxpar.cost.profiles import hardware_profile
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 
+TABLE = ((64, 64, 64, 2e10), (1024, 256, 256, 9e10))
 MACHINE = replace(NOMINAL_CPU, cores=2, threads=1, shared_wait=9e-4, measured={"matmul_flops": 5e10},
-                  intra_node=replace(NOMINAL_CPU.intra_node, wait=3e-4))
+                  intra_node=replace(NOMINAL_CPU.intra_node, wait=3e-4),
+                  matmul_tables={"fp32": MatmulTable(TABLE), "bf16": MatmulTable(TABLE)})
 # Readings as `calibrate_cpu` returns them: the command's test reads them, measures nothing.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
-        "elementwise_bandwidth": 2e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
+        "elementwise_bandwidth": 2e10, "pointwise_bandwidth": 2e10, "norm_bandwidth": 3e10,
+        "loss_bandwidth": 1e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
         "alpha": 5e-5, "link_bandwidth": 1.5e9, "sync_wait": 3e-4, "shared_wait": 9e-4, "threads": 1,
-        "cores": 2, "load_average": 0.5}
+        "cores": 2, "load_average": 0.5, "matmul_table": [list(p) for p in TABLE]}
 
 
 def test_a_profile_survives_its_file(tmp_path):
@@ -63,6 +67,8 @@ def test_the_estimate_and_compile_price_with_the_file(tmp_path):
     (lambda d: d.update(op_overhead=-1), "op_overhead must be a number >= 0, got -1"),
     (lambda d: d["intra_node"].pop("alpha"), "intra_node must be"),
     (lambda d: d["peak_flops"].update(bf16="fast"), "peak_flops.bf16 must be a number"),
+    (lambda d: d["matmul_tables"].update(fp32={"points": [[64, 64, 1e10]]}), r"matmul_tables.fp32 must be"),
+    (lambda d: d["matmul_tables"]["fp32"]["points"].append([8, 8, 8, -1]), r"matmul_tables.fp32 must be a number"),
 ])
 def test_a_wrong_file_is_refused_naming_the_field(tmp_path, edit, message):
     data = json.loads(save_profile(MACHINE, tmp_path / "p.json").read_text())
