@@ -19,7 +19,7 @@ Rules:
 * attention_efficiency: forward + backward FLOPs (3 x 4 b h s^2 d, as `cost.ops` counts)
   over their seconds, all four shapes together, over that matmul rate;
 * bandwidths, bytes as `cost.ops` counts them (inputs plus output; backward twice forward):
-  pointwise the mean of the add's and the GELU's, norm the layer norm's forward, copy the
+  pointwise the add's, activation the GELU's, norm the layer norm's forward, copy the
   copy's; loss from the cross-entropy: the step cast the bf16 logits to fp32 (a copy, 2 + 4
   bytes per logit, 3 x for forward and backward, at the copy's bandwidth), the rest is the
   fp32 cross-entropy's 3 x 4 bytes per logit;
@@ -74,7 +74,7 @@ def fit(part_b: dict) -> Hardware:
         attention_efficiency=attention_rate / matmul_rate,
         memory_bandwidth=copy,
         elementwise_efficiency=1.0,
-        bandwidths={"pointwise": (e["add_GBps"] + e["gelu_GBps"]) / 2 * 1e9,
+        bandwidths={"pointwise": e["add_GBps"] * 1e9, "activation": e["gelu_GBps"] * 1e9,
                     "norm": e["layer_norm_fwd_GBps"] * 1e9, "copy": copy, "loss": loss},
         op_overhead=part_b["op_overhead_s_per_fwd_plus_bwd_op"] / 2,
         host_overlap=True,

@@ -13,11 +13,10 @@ Microbenchmarks at this process' torch thread count, a few seconds in all:
   (3 x 4 b h s^2 d, no causal discount). The rate depends on the shape: on a 1-thread EPYC
   core it was 0.40 of the matmul rate at head dim 16, 0.52 at 32 and 0.65 at 64 (seq 256);
 * elementwise bandwidths: a transformer's non-matmul ops, forward and backward, at 4096
-  tokens, width 128, vocabulary 256, one class at a time (`CLASSES`: a residual add and GELU
-  on the 4x-wide hidden, layer_norm, cross-entropy on the logits), their bytes counted as
+  tokens, width 128, vocabulary 256, one class at a time (`CLASSES`: a residual add, GELU on
+  the 4x-wide hidden, layer_norm, cross-entropy on the logits), their bytes counted as
   `cost.ops` counts them (inputs plus output, backward = 2x forward): `Hardware.bandwidths`.
-  On one EPYC core: pointwise 14 GB/s, norm 21, loss 7.6 (the copy 25). All three together
-  over the copy bandwidth are
+  All together over the copy bandwidth are
   `elementwise_efficiency`, which prices the other copies (embedding lookups, concatenations);
 * op overhead: a pre-norm transformer block (`TinyBlock`: nanoGPT's, at width 8 over 4
   tokens, so that its kernels take next to no time) forward then backward, per op as the
@@ -85,11 +84,11 @@ from fxpar.cost.profile_files import is_profile_file, save_profile
 
 log = logging.getLogger(__name__)
 
-CLASSES = ("pointwise", "norm", "loss")  # memory-bound classes measured apart (`_elementwise`)
+CLASSES = ("pointwise", "activation", "norm", "loss")  # memory-bound classes measured apart (`_elementwise`)
 READINGS = ("matmul_flops", "memory_bandwidth", "attention_flops", "elementwise_bandwidth",
             "op_overhead", "optimizer_tensor_overhead", "alpha", "link_bandwidth", "sync_wait",
             "shared_wait", "matmul_table", *(f"{kind}_bandwidth" for kind in CLASSES))
-METHOD = 2  # the probes' version, in the cache's key: raise it when a probe measures anew
+METHOD = 3  # the probes' version, in the cache's key: raise it when a probe measures anew
 # The matmul table's grid: m (tokens, rows) wider than k and n (the widths of small models).
 TABLE_SIZES = {"m": (64, 256, 1024, 4096), "k": (64, 256, 1024), "n": (64, 256, 1024)}
 _SMALL, _LARGE = 1, 2**20  # all-reduce payloads in fp32 elements: 4 bytes and 4 MiB
@@ -283,9 +282,9 @@ def _attention(batch: int = 8, heads: int = 8, seq: int = 128, head_dim: int = 3
 
 def _elementwise(tokens: int = 4096, width: int = 128, vocabulary: int = 256) -> dict[str, tuple]:
     """One probe per class of memory-bound op (`cost.ops.BYTE_KINDS` but copies): pointwise
-    (a residual add, GELU on the 4x-wide hidden), norm (layer_norm), loss (cross-entropy over
-    the logits), each forward and backward, and its bytes as `cost.ops` counts them (inputs
-    plus output, backward = 2x forward)."""
+    (a residual add), activation (GELU on the 4x-wide hidden), norm (layer_norm), loss
+    (cross-entropy over the logits), each forward and backward, and its bytes as `cost.ops`
+    counts them (inputs plus output, backward = 2x forward)."""
     x = torch.randn(tokens, width, requires_grad=True)
     hidden = torch.randn(tokens, 4 * width, requires_grad=True)
     logits = torch.randn(tokens, vocabulary, requires_grad=True)
@@ -293,14 +292,12 @@ def _elementwise(tokens: int = 4096, width: int = 128, vocabulary: int = 256) ->
     targets = torch.randint(0, vocabulary, (tokens,))
     grad_x, grad_hidden = torch.randn(tokens, width), torch.randn(tokens, 4 * width)
 
-    def pointwise():
-        torch.autograd.backward([x + x, F.gelu(hidden)], [grad_x, grad_hidden])
-
     def moved(*tensors):  # `cost.ops`: the op's tensor inputs plus its output
         return sum(t.nbytes for t in tensors)
 
     return {
-        "pointwise": (pointwise, 3 * (moved(x, x, x) + moved(hidden, hidden))),
+        "pointwise": (lambda: (x + x).backward(grad_x), 3 * moved(x, x, x)),
+        "activation": (lambda: F.gelu(hidden).backward(grad_hidden), 3 * moved(hidden, hidden)),
         "norm": (lambda: F.layer_norm(x, (width,), weight, bias).backward(grad_x), 3 * moved(x, weight, bias, x)),
         "loss": (lambda: F.cross_entropy(logits, targets).backward(), 3 * (moved(logits, targets) + 4)),
     }

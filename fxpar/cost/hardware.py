@@ -14,7 +14,7 @@ FLOPs and bytes:
 * `elementwise_efficiency`: the share of memory bandwidth that the other ops (elementwise,
   norms, softmax, losses) reach over forward and backward, their bytes counted as `cost.ops`
   counts them; `bandwidths`, where a profile measured them, the bytes/s of each class of
-  those ops instead (`cost.ops.BYTE_KINDS`: pointwise, norm, loss, copy). GPU default 1
+  those ops instead (`cost.ops.BYTE_KINDS`: pointwise, activation, norm, loss, copy). GPU default 1
   (bytes at full bandwidth; the measured h200 and cpu profiles have their own per class but
   copies). Measured on the CPU: 0.3-0.5; the exact GELU and softmax are compute-bound there,
   and backward runs ops the forward graph does not show (bias-gradient sums, gradient fills,
@@ -120,7 +120,10 @@ class Hardware:
     def elementwise_bandwidth(self, kind: str = "pointwise") -> float:
         """Bytes/s the non-matmul ops of class `kind` (`cost.ops.BYTE_KINDS`) reach, forward and
         backward, bytes as `cost.ops` counts them: the profile's own for that class where it
-        measured one (`bandwidths`), else `elementwise_efficiency` x memory bandwidth."""
+        measured one (`bandwidths`; activation functions as pointwise ops where only those were
+        measured), else `elementwise_efficiency` x memory bandwidth."""
+        if kind == "activation" and kind not in self.bandwidths:
+            kind = "pointwise"
         return self.bandwidths.get(kind, self.memory_bandwidth * self.elementwise_efficiency)
 
     def kernel_seconds(self, attention_flops, other_bytes, precision: str):

@@ -25,7 +25,7 @@ MACHINE = replace(NOMINAL_CPU, cores=2, threads=1, shared_wait=9e-4, measured={"
                   matmul_tables={"fp32": MatmulTable(TABLE), "bf16": MatmulTable(TABLE)})
 # Readings as `calibrate_cpu` returns them: the command's test reads them, measures nothing.
 FAKE = {"matmul_flops": 1e11, "memory_bandwidth": 4e10, "attention_flops": 5e10,
-        "elementwise_bandwidth": 2e10, "pointwise_bandwidth": 2e10, "norm_bandwidth": 3e10,
+        "elementwise_bandwidth": 2e10, "pointwise_bandwidth": 2e10, "activation_bandwidth": 8e9, "norm_bandwidth": 3e10,
         "loss_bandwidth": 1e10, "op_overhead": 2e-6, "optimizer_tensor_overhead": 2e-5,
         "alpha": 5e-5, "link_bandwidth": 1.5e9, "sync_wait": 3e-4, "shared_wait": 9e-4, "threads": 1,
         "cores": 2, "load_average": 0.5, "matmul_table": [list(p) for p in TABLE]}
