@@ -102,21 +102,24 @@ def backward_bytes(program: CompiledProgram, rank: int) -> tuple[sympy.Expr, sym
 
     def trace(module: fx.GraphModule) -> tuple[sympy.Expr, sympy.Expr]:
         sizes: set[sympy.Expr] = {sympy.Integer(0)}
-        deferred: dict[int, object] = {}  # storage -> bytes: the stored inputs and output gradients
+        # storage id -> (the tensor, its bytes): the stored inputs and output gradients. The tensor
+        # is kept so that its storage lives and its id cannot be handed to another's (which
+        # made the sum vary from run to run).
+        deferred: dict[int, tuple[torch.Tensor, object]] = {}
 
         def observe(node: fx.Node, inputs: list, value) -> None:
             if not (isinstance(value, torch.Tensor) and value.requires_grad):
                 return
             if node.target is deferred_linear.linear:
                 for tensor in (inputs[0], value):
-                    deferred[id(tensor.untyped_storage())] = _nbytes(tensor)
+                    deferred[id(tensor.untyped_storage())] = tensor, _nbytes(tensor)
             differentiable = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
             if any(x.untyped_storage() is value.untyped_storage() for x in differentiable):
                 return  # a view: its backward reshapes the gradient it is given
             sizes.add(captured.readable(sum(_nbytes(x) for x in (value, *differentiable))))
 
         observe_fake_forward(module, captured, given, pieces, observe)
-        return sympy.Max(*sizes), captured.readable(sum(deferred.values()))
+        return sympy.Max(*sizes), captured.readable(sum(size for _, size in deferred.values()))
 
     def shared(module: fx.GraphModule) -> tuple[sympy.Expr, sympy.Expr]:
         key = module_key(module, program.plan.compile, sorted(pieces.items()), sorted(given), None)

@@ -65,9 +65,15 @@ def test_zero_bubble_keeps_the_deferred_weight_gradients_of_the_microbatches_bet
     zero_bubble = fxpar.compile(captured, "dp=2 pp=2 mb=4 schedule=zb-h1")
     pending = waiting_for_w(zero_bubble.schedule)
     assert min(pending) >= 1
+    # Each deferred linear keeps its input and its output's gradient: per row, a block's q/k/v
+    # (H + 3H), output projection (H + H), MLP in (H + 4H) and out (4H + H); the last stage's
+    # head too (H + V), its weight tied to the embedding on the other stage. Every one counted,
+    # in every run (the store's tensors were once keyed by ids their storages could hand on).
+    rows = BATCH * SEQ
+    expected = {0: 4 * rows * 16 * H, 1: 4 * rows * (16 * H + H + V)}
     for rank in (0, 1):
         _, deferred = backward_bytes(zero_bubble, rank)
-        assert _bytes(deferred) > 0
+        assert deferred == expected[rank] * pending[rank]
         grown = rank_memory_formulas(zero_bubble, rank)["workspace"] - rank_memory_formulas(one_f_one_b, rank)["workspace"]
         assert _bytes(grown) == pytest.approx(_bytes(deferred.subs(BATCH, BATCH / 8)))
 
