@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 import torch.fx as fx
 
 from fxpar.cost.memo import memoised
@@ -93,7 +94,10 @@ def _shares(program: CompiledProgram) -> list[Share]:
         gradients: dict[tuple, int] = {}
         weight_shapes: dict[tuple, int] = {}
         again_shapes: dict[tuple, int] = {}
-        needs_grad = needing_gradient(gm)
+        received = frozenset(n.target for n in gm.graph.nodes if n.op == "placeholder"
+                             and n.target not in program.input_names
+                             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
+        needs_grad = needing_gradient(gm, received)
         for node in nodes:
             cost = cost_of(node, program.captured.shape)
             if cost is None:

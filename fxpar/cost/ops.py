@@ -324,15 +324,17 @@ def op_counts(gm: fx.GraphModule) -> tuple[int, int]:
     return forward, backward + len(accumulated)  # one AccumulateGrad per parameter
 
 
-def needing_gradient(gm: fx.GraphModule) -> set[fx.Node]:
+def needing_gradient(gm: fx.GraphModule, received: frozenset[str] = frozenset()) -> set[fx.Node]:
     """The nodes of `gm` whose value autograd computes a gradient for: the trainable
-    parameters and every floating-point value computed from one (tuples and their getitems
-    too: the gradient flows through them). Propagated here from the parameters, as autograd
-    does, rather than read from capture's metadata, which nodes the passes insert lack."""
+    parameters, the placeholders named in `received` (a pipeline stage's activations from the
+    stage before, whose gradient it sends back), and every floating-point value computed from
+    one (tuples and their getitems too: the gradient flows through them). Propagated here, as
+    autograd does, rather than read from capture's metadata, which nodes the passes insert
+    lack."""
     trainable = {name for name, p in gm.named_parameters() if p.requires_grad}
     needs_grad: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in trainable:
+        if (node.op == "get_attr" and node.target in trainable) or (node.op == "placeholder" and node.target in received):
             needs_grad.add(node)
         if node.op != "call_function":
             continue

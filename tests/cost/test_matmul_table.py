@@ -89,7 +89,25 @@ def test_tensor_parallel_matmuls_are_priced_at_their_rank_local_shape():
     assert split.dense_shapes[(rows, d, 2 * d)] == 1  # ... column-parallel: n / 2
     assert whole.dense_shapes[(rows, 4 * d, d)] == 1  # its down projection
     assert split.dense_shapes[(rows, 2 * d, d)] == 1  # ... row-parallel: k / 2
-    total = {name: sum(2 * sympy.Mul(*s) * c for s, c in share.dense_shapes.items())
-             for name, share in (("whole", whole), ("split", split))}
-    for name, share in (("whole", whole), ("split", split)):
-        assert sympy.expand(total[name] - (share.matmul_flops - share.attention_flops)) == 0
+
+
+@pytest.mark.parametrize("plan", ["dp=1", "tp=2", "pp=2 tp=2 sp=true mb=2", "tp=2 checkpoint=full",
+                                  "pp=2 mb=2 schedule=zb-h1"])
+def test_the_shapes_account_for_every_dense_flop(plan):
+    """Each share's dense shapes are its matmul FLOPs less attention's, the backward's shapes
+    twice that (every operand of this GPT's linears needs a gradient), W's and checkpointing's
+    shapes the weight-gradient and recomputed FLOPs: the table prices every FLOP, once."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+    tokens = torch.randint(0, 64, (4, 16))
+
+    def flops(shapes):
+        return sum((2 * sympy.Mul(*shape) * count for shape, count in shapes.items()), sympy.Integer(0))
+
+    for share in shares(fxpar.compile(GPT(config), plan, example_inputs=(tokens, tokens))):
+        dense = share.matmul_flops - share.attention_flops
+        assert sympy.expand(flops(share.dense_shapes) - dense) == 0
+        assert sympy.expand(flops(share.backward_shapes) - 2 * dense) == 0
+        assert sympy.expand(flops(share.weight_gradient_shapes) - share.weight_gradient_flops) == 0
+        recomputed = share.recompute_matmul_flops - share.recompute_attention_flops
+        assert sympy.expand(flops(share.recompute_shapes) - recomputed) == 0
