@@ -75,67 +75,70 @@ def shares(program: CompiledProgram) -> list[Share]:
 
 
 def _shares(program: CompiledProgram) -> list[Share]:
-    tp = program.plan.tp
     if program.stages is None:
-        graphs = [(None, program.graph_module, lambda node: True)]
-    else:
-        graphs = [
-            (s.index, s.graph_module, lambda node, i=s.index: node.meta.get(meta.STAGE) == i)
-            for s in program.stages
-        ]
-    result = []
-    for stage, gm, mine in graphs:
-        nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
-        matmul = attention = weight = sympy.Integer(0)
-        moved = dict.fromkeys(BYTE_KINDS, sympy.Integer(0))
-        again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "ops": 0,
-                 "bytes": dict.fromkeys(BYTE_KINDS, sympy.Integer(0))}
-        dense: dict[tuple, int] = {}
-        gradients: dict[tuple, int] = {}
-        weight_shapes: dict[tuple, int] = {}
-        again_shapes: dict[tuple, int] = {}
-        received = frozenset(n.target for n in gm.graph.nodes if n.op == "placeholder"
-                             and n.target not in program.input_names
-                             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
-        needs_grad = needing_gradient(gm, received)
-        for node in nodes:
-            cost = cost_of(node, program.captured.shape)
-            if cost is None:
-                continue
-            placement = meta.placement(node, "tp")
-            split = tp if isinstance(placement, (Shard, Partial)) else 1
-            matmul += cost.matmul_flops / split
-            attention += cost.attention_flops / split
-            shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node)
-            if shape is not None:
-                _count(dense, shape)
-                for gradient in dense_gradients(node, shape, needs_grad):
-                    _count(gradients, gradient)
-            if has_weight_gradient(node):
-                weight += cost.matmul_flops / split
-                _count(weight_shapes, matmul_shapes(*shape)["weight_gradient"])
-            if cost.matmul_flops == 0:
-                moved[cost.kind] += cost.bytes / split
-            if meta.recompute_region(node) is not None:
-                again["matmul"] += cost.matmul_flops / split
-                again["attention"] += cost.attention_flops / split
-                again["bytes"][cost.kind] += cost.bytes / split if cost.matmul_flops == 0 else 0
-                again["ops"] += 1
-                _count(again_shapes, shape)
-        forward_ops, backward_nodes = op_counts(gm)
-        # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
-        parameters = {
-            name: local_numel(node.meta["val"].shape, meta.placements(node).on("dp", R), program.mesh.sizes)
-            for name, node in meta.parameter_nodes(gm.graph).items()
-        }
-        moved = {kind: sympy.expand(b) for kind, b in moved.items()}
-        again_moved = {kind: sympy.expand(b) for kind, b in again["bytes"].items()}
-        result.append(Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
-                            sum(moved.values(), sympy.Integer(0)), forward_ops, backward_nodes, parameters,
-                            sympy.expand(again["matmul"]), sympy.expand(again["attention"]),
-                            sum(again_moved.values(), sympy.Integer(0)), again["ops"], moved, again_moved,
-                            dense, gradients, weight_shapes, again_shapes))
-    return result
+        return [_share(program, None, program.graph_module, lambda node: True)]
+    return [_share(program, s.index, s.graph_module, lambda node, i=s.index: node.meta.get(meta.STAGE) == i)
+            for s in program.stages]
+
+
+def _share(program: CompiledProgram, stage: int | None, gm: fx.GraphModule, mine) -> Share:
+    """The Share of one graph: the whole program's, or pipeline stage `stage`'s (`mine` tells
+    the ops it computes from the shape arithmetic every stage repeats)."""
+    tp = program.plan.tp
+    nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
+    matmul = attention = weight = sympy.Integer(0)
+    moved = dict.fromkeys(BYTE_KINDS, sympy.Integer(0))
+    again = {"matmul": sympy.Integer(0), "attention": sympy.Integer(0), "ops": 0,
+             "bytes": dict.fromkeys(BYTE_KINDS, sympy.Integer(0))}
+    dense: dict[tuple, int] = {}
+    gradients: dict[tuple, int] = {}
+    weight_shapes: dict[tuple, int] = {}
+    again_shapes: dict[tuple, int] = {}
+    needs_grad = needing_gradient(gm, _received(program, gm))
+    for node in nodes:
+        cost = cost_of(node, program.captured.shape)
+        if cost is None:
+            continue
+        placement = meta.placement(node, "tp")
+        split = tp if isinstance(placement, (Shard, Partial)) else 1
+        matmul += cost.matmul_flops / split
+        attention += cost.attention_flops / split
+        shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node)
+        if shape is not None:
+            _count(dense, shape)
+            for gradient in dense_gradients(node, shape, needs_grad):
+                _count(gradients, gradient)
+        if has_weight_gradient(node):
+            weight += cost.matmul_flops / split
+            _count(weight_shapes, matmul_shapes(*shape)["weight_gradient"])
+        if cost.matmul_flops == 0:
+            moved[cost.kind] += cost.bytes / split
+        if meta.recompute_region(node) is not None:
+            again["matmul"] += cost.matmul_flops / split
+            again["attention"] += cost.attention_flops / split
+            again["bytes"][cost.kind] += cost.bytes / split if cost.matmul_flops == 0 else 0
+            again["ops"] += 1
+            _count(again_shapes, shape)
+    forward_ops, backward_nodes = op_counts(gm)
+    # A replica's parameters: ZeRO's share of them over dp is cost.memory's to apply.
+    parameters = {
+        name: local_numel(node.meta["val"].shape, meta.placements(node).on("dp", R), program.mesh.sizes)
+        for name, node in meta.parameter_nodes(gm.graph).items()
+    }
+    moved = {kind: sympy.expand(b) for kind, b in moved.items()}
+    again_moved = {kind: sympy.expand(b) for kind, b in again["bytes"].items()}
+    return Share(stage, sympy.expand(matmul), sympy.expand(attention), sympy.expand(weight),
+                 sum(moved.values(), sympy.Integer(0)), forward_ops, backward_nodes, parameters,
+                 sympy.expand(again["matmul"]), sympy.expand(again["attention"]),
+                 sum(again_moved.values(), sympy.Integer(0)), again["ops"], moved, again_moved,
+                 dense, gradients, weight_shapes, again_shapes)
+
+
+def _received(program: CompiledProgram, gm: fx.GraphModule) -> frozenset[str]:
+    """A stage's placeholders that carry activations from the stage before: floating values
+    that are not the step's inputs (their gradient goes back to that stage)."""
+    return frozenset(n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target not in program.input_names
+                     and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
 
 
 def dense_gradients(node: fx.Node, shape: tuple, needs_grad: set[fx.Node]) -> list[tuple]:
