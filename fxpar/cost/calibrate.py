@@ -5,8 +5,7 @@ Microbenchmarks at this process' torch thread count, a few seconds in all:
 * matmul rate: a 512^3 fp32 matmul (the profile's peak, for MFU); and the matmul table
   (`cost.matmul_table`): fp32 `torch.mm` at every (m, k, n) of `TABLE_SIZES`, each the best of
   three medians less the dispatch of a 1 x 1 x 1 mm (the estimate charges `op_overhead` per
-  op besides). On one EPYC core it ran from 31 GFLOP/s (64^3) to 100, the small GPT's shapes at
-  80-100;
+  op besides). On one EPYC core it read 67-103 GFLOP/s over the grid;
 * memory bandwidth: a 64 MiB tensor copy (bytes read plus written per second);
 * attention rate: causal `scaled_dot_product_attention`, forward and backward, at batch 8,
   8 heads, sequence 128, head dim 32, with FLOPs counted as `cost.ops` counts them

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from fxpar.cost.memo import memoised
 from fxpar.cost.matmul_table import matmul_shapes
-from fxpar.cost.ops import BYTE_KINDS, cost_of, dense_operands, needing_gradient, op_counts
+from fxpar.cost.ops import BYTE_KINDS, cost_of, dense_gradients, needing_gradient, op_counts
 from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.placement import Partial, R, Shard, local_numel
@@ -59,9 +59,9 @@ class Share:
     recompute_bytes_by_kind: dict[str, sympy.Expr] = field(default_factory=dict)
     # The dense matmuls behind `matmul_flops` less attention, each (m, k, n) on this tp rank over
     # the global batch -> how many, as a rate table prices them (`cost.step_time.dense_seconds`):
-    # the forward's; the backward's, each gradient its own matmul (`dense_gradients`); of these,
-    # the weight gradients a split schedule runs as W; and the forward's that checkpointing
-    # runs again.
+    # the forward's; the backward's, each gradient its own matmul (`cost.ops.dense_gradients`);
+    # of these, the weight gradients a split schedule runs as W; and the forward's that
+    # checkpointing runs again.
     dense_shapes: dict[tuple, int] = field(default_factory=dict)
     backward_shapes: dict[tuple, int] = field(default_factory=dict)
     weight_gradient_shapes: dict[tuple, int] = field(default_factory=dict)
@@ -106,7 +106,7 @@ def _share(program: CompiledProgram, stage: int | None, gm: fx.GraphModule, mine
         shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node)
         if shape is not None:
             _count(dense, shape)
-            for gradient in dense_gradients(node, shape, needs_grad):
+            for gradient in dense_gradients(node, shape, needs_grad.__contains__):
                 _count(gradients, gradient)
         if has_weight_gradient(node):
             weight += cost.matmul_flops / split
@@ -139,16 +139,6 @@ def _received(program: CompiledProgram, gm: fx.GraphModule) -> frozenset[str]:
     that are not the step's inputs (their gradient goes back to that stage)."""
     return frozenset(n.target for n in gm.graph.nodes if n.op == "placeholder" and n.target not in program.input_names
                      and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
-
-
-def dense_gradients(node: fx.Node, shape: tuple, needs_grad: set[fx.Node]) -> list[tuple]:
-    """The matmuls the backward of the dense matmul `node` of forward `shape` runs: A's gradient
-    where its input A needs one, B's (a linear's weight gradient) where B does
-    (`cost.matmul_table.matmul_shapes`). A first layer's input or a frozen weight gets none."""
-    a, b = dense_operands(node)
-    shapes = matmul_shapes(*shape)
-    return [shapes[which] for operand, which in ((a, "input_gradient"), (b, "weight_gradient"))
-            if operand in needs_grad]
 
 
 def _local_shape(shape: tuple, placement, tp: int, node: fx.Node) -> tuple:

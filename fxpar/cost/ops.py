@@ -93,11 +93,16 @@ def _dense_shape(packet, inputs: list[Shape], out: Shape) -> Shape:
     return sympy.cancel(_numel(out) / n), a[-1], n
 
 
-def dense_operands(node: fx.Node) -> tuple:
-    """The operands (A, B) of a dense matmul-like node, A m x k and B k x n (a linear's weight
-    is B): the nodes whose gradients its backward's two matmuls compute."""
+def dense_gradients(node: fx.Node, shape: Shape, needs_gradient: Callable[[object], bool]) -> list[Shape]:
+    """The matmuls the backward of the dense matmul `node` of forward `shape` runs: the
+    gradient of its operand A (m x k; `matmul_shapes`' input gradient) and of B (k x n, a
+    linear's weight: its weight gradient), each where `needs_gradient(operand)`. A first
+    layer's input or a frozen weight gets none."""
     packet = stands_for(node).overloadpacket
-    return tuple(node.args[1:3]) if packet in (aten.addmm, aten.baddbmm) else tuple(node.args[:2])
+    a, b = node.args[1:3] if packet in (aten.addmm, aten.baddbmm) else node.args[:2]
+    shapes = matmul_shapes(*shape)
+    return [shapes[which] for operand, which in ((a, "input_gradient"), (b, "weight_gradient"))
+            if needs_gradient(operand)]
 
 
 def _attention(inputs, out, args) -> tuple:
@@ -202,8 +207,8 @@ _INTEGER_MASKS = {
 # The classes of memory-bound ops a hardware profile may give bandwidths of their own
 # (`Hardware.bandwidths`): on an H200 an add moves 5789 GB/s, a GELU 2930, a layer norm's
 # forward 878, the fp32 cross-entropy over the logits about 1210 (its bytes as counted here), a
-# copy 3910 (`benchmarks/fit_h200_profile.py`); on one EPYC core a residual add 30 GB/s, the
-# exact GELU forward and backward 6-9 (erf: compute-bound), a layer norm 21 (`cost.calibrate`).
+# copy 3910 (`benchmarks/fit_h200_profile.py`); on one EPYC core a residual add 65-72 GB/s, the
+# exact GELU forward and backward 11-13 (erf: compute-bound), a layer norm 18-21 (`cost.calibrate`).
 BYTE_KINDS = ("pointwise", "activation", "norm", "loss", "copy")
 _ACTIVATIONS = {aten.gelu, aten.silu, aten.sigmoid, aten.tanh, aten.erf, aten.mish}
 _NORMS = {aten.layer_norm, aten.rms_norm, aten.var_mean}
@@ -367,10 +372,8 @@ def node_seconds(node: fx.Node, shape_of: Callable[[fx.Node], Shape], device, *,
     kernels = device.kernel_seconds(cost.attention_flops, streamed, precision)
     dense = sympy.Integer(0)
     if cost.shape is not None:  # its forward, and the gradient of each operand that needs one
-        shapes = matmul_shapes(*cost.shape)
-        a, b = dense_operands(node)
-        needed = ("forward", *(w for x, w in ((a, "input_gradient"), (b, "weight_gradient")) if meta.requires_grad(x)))
-        dense = sum(device.matmul_seconds(*shapes[which], precision) for which in needed)
+        needed = [cost.shape, *dense_gradients(node, cost.shape, meta.requires_grad)]
+        dense = sum(device.matmul_seconds(*shape, precision) for shape in needed)
     value = node.meta.get("val")
     ops = 0
     if isinstance(stands_for(node), torch._ops.OpOverload) and isinstance(value, torch.Tensor):
