@@ -39,7 +39,7 @@ from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
 from fxpar.ir.axes import PlannedAxis, planned_axes
 from fxpar.ir.recompute_regions import segments
-from fxpar.ops.recomputed_gathers import regathered_by_recomputation
+from fxpar.ops.traced_collectives import compiled_form
 
 # Ops whose output shares its input's storage: a saved one holds its base's bytes.
 _VIEWS = {
@@ -53,7 +53,7 @@ def compiled_saved_bytes(module: fx.GraphModule, captured: CapturedGraph, given:
     """Bytes the compiled forward of `module` keeps for backward (module doc), a formula in
     the example's batch and sequence; `axes`: the rank's position on each mesh axis; `pieces`:
     the inputs it gets a piece of (`cost.input_pieces`)."""
-    module = regathered_by_recomputation(module)  # what the runtime compiles (ZeRO-3)
+    module = compiled_form(module)  # what the runtime compiles
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     inputs = piece_values(placeholders, pieces or {})
     fake_mode = detect_fake_mode([i for i in inputs if isinstance(i, torch.Tensor)])

@@ -13,7 +13,11 @@ one rank, so one binding per process is the model, not a shortcut. `Runner.close
 
 What an op needs of an axis is `AxisBinding`; the runtime's is a process group plus the
 communicator that counts and logs every call (`runtime.communicator.AxisOnGroup`), a test may
-bind anything with these methods (tp ranks as threads of one process, for instance).
+bind anything with these methods (tp ranks as threads of one process, for instance). A binding
+that can also start a collective without waiting for it has `start_all_reduce`,
+`start_all_gather` and `start_reduce_scatter` (the same arguments, returning what to `wait()`
+on): a compiled graph then computes while the call is in flight (`ops.async_collectives`); with
+one that cannot, the call is waited for where it starts.
 """
 
 from __future__ import annotations

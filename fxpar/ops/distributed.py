@@ -38,13 +38,9 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from fxpar.errors import BindError
-from fxpar.ir.axes import bound
 from fxpar.ir.collectives import Phase
+from fxpar.ops.collective_primitives import COMMUNICATING, Primitive, fake, run, started
 from fxpar.ops.deferred_linear import stands_for
-
-Primitive = Literal["identity", "all_reduce", "all_gather", "reduce_scatter", "slice"]
-COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -115,68 +111,41 @@ def axis_of(node: fx.Node) -> str:
 # -- kernels -------------------------------------------------------------------------------------
 
 
-def _run(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, reduce: str,
-         tag: str, phase: Phase, in_place: bool = False) -> torch.Tensor:
-    """One primitive on this rank's `x`. Custom ops may not return an alias of an input, so the
-    identity and the slice copy; `in_place`: an all-reduce may overwrite `x` (contiguous)."""
-    if primitive == "identity":
-        return x.clone()
-    binding = bound(axis)
-    if primitive != "all_reduce" and binding.size != size:
-        raise BindError(f"an op was compiled for {size} ranks on axis {axis!r}, bound to {binding.size}")
-    if primitive == "all_reduce":
-        out = x if in_place else x.clone(memory_format=torch.contiguous_format)
-        binding.all_reduce(out, op=reduce, tag=tag, phase=phase)
-        return out
-    if primitive == "slice":
-        return x.chunk(size, dim=dim)[binding.index].clone(memory_format=torch.contiguous_format)
-    # The collectives move rank blocks along dim 0, so each rank's block is laid out as a leading
-    # dimension of `size`: one copy per call, of the gathered result or of the scattered input
-    # (moving `dim` to the front and back copied both the input and the result).
-    if primitive == "all_gather":
-        stacked = x.new_empty((size, *x.shape))
-        binding.all_gather(stacked.flatten(0, 1), x.contiguous(), tag=tag, phase=phase)
-        return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
-    stacked = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
-    out = x.new_empty(stacked.shape[1:])
-    binding.reduce_scatter(out, stacked.flatten(0, 1), tag=tag, phase=phase)
-    return out
-
-
-def _fake(primitive: Primitive, x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    if primitive == "all_gather":
-        shape[dim] = shape[dim] * size
-    elif primitive in ("slice", "reduce_scatter"):
-        shape[dim] = shape[dim] // size
-    return x.new_empty(shape)
-
-
 @torch.library.custom_op(
     "fxpar::backward_collective", mutates_args=(),
     schema="(Tensor grad, str axis, int size, int dim, str primitive, str tag) -> Tensor",
 )
 def _backward_collective(grad, axis, size, dim, primitive, tag):
-    """The backward half of a DistributedOp, itself an op so that a traced backward keeps it."""
-    return _run(primitive, grad, axis, size, dim, "sum", tag, "backward")
+    """The backward half of a DistributedOp that does not communicate (a slice), itself an op
+    so that a traced backward keeps it; the ones that do are `collective_primitives.started`."""
+    return run(primitive, grad, axis, size, dim, "sum", tag, "backward")
 
 
 @_backward_collective.register_fake
 def _(grad, axis, size, dim, primitive, tag):
-    return _fake(primitive, grad, size, dim)
+    return fake(primitive, grad, size, dim)
+
+
+def _backward_primitive(primitive: Primitive, grad: torch.Tensor, axis: str, size: int, dim: int,
+                        tag: str) -> torch.Tensor:
+    """A registered op's backward collective: started and waited for as two graph ops, so that
+    a compiled backward can compute between them (`ops.async_collectives`)."""
+    if primitive in COMMUNICATING:
+        return started(primitive, grad, axis, size, dim, tag, "backward")
+    return torch.ops.fxpar.backward_collective(grad, axis, size, dim, primitive, tag)
 
 
 def _register(op: DistributedOp) -> None:
     schema = "(Tensor x, str axis, int size, int dim) -> Tensor" if op.takes_dim else "(Tensor x, str axis) -> Tensor"
 
     def kernel(x, axis, size=1, dim=0):
-        return _run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward")
+        return run(op.forward, x, axis, size, dim, op.reduce, op.tag(axis, "forward"), "forward")
 
-    def fake(x, axis, size=1, dim=0):
-        return _fake(op.forward, x, size, dim)
+    def fake_kernel(x, axis, size=1, dim=0):
+        return fake(op.forward, x, size, dim)
 
     registered = torch.library.custom_op(f"fxpar::{op.name}", kernel, mutates_args=(), schema=schema)
-    registered.register_fake(fake)
+    registered.register_fake(fake_kernel)
     if op.backward is None:
         return
 
@@ -186,9 +155,7 @@ def _register(op: DistributedOp) -> None:
 
     def backward(ctx, grad):
         if op.backward != "identity":
-            grad = torch.ops.fxpar.backward_collective(
-                grad, ctx.axis, ctx.size, ctx.dim, op.backward, op.tag(ctx.axis, "backward")
-            )
+            grad = _backward_primitive(op.backward, grad, ctx.axis, ctx.size, ctx.dim, op.tag(ctx.axis, "backward"))
         return (grad, None, None, None) if op.takes_dim else (grad, None)
 
     registered.register_autograd(backward, setup_context=setup_context)
@@ -238,7 +205,7 @@ class _Eager(torch.autograd.Function):
         in_place = _all_reduces_in_place(op, call.in_place, x)
         if in_place:
             ctx.mark_dirty(x)
-        return _run(op.forward, x, call.axis, call.size, call.dim, op.reduce, call.forward_tag, "forward", in_place)
+        return run(op.forward, x, call.axis, call.size, call.dim, op.reduce, call.forward_tag, "forward", in_place)
 
     @staticmethod
     def backward(ctx, grad):
@@ -248,8 +215,8 @@ class _Eager(torch.autograd.Function):
             return None, None
         if primitive != "identity":
             in_place = call.in_place and primitive == "all_reduce"
-            grad = _run(primitive, grad.contiguous() if in_place else grad, call.axis, call.size, call.dim,
-                        "sum", call.backward_tag, "backward", in_place)
+            grad = run(primitive, grad.contiguous() if in_place else grad, call.axis, call.size, call.dim,
+                       "sum", call.backward_tag, "backward", in_place)
         return grad, None
 
 

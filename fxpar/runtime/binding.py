@@ -33,7 +33,7 @@ from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.mesh import Axis
 from fxpar.ir.step_program import Communicate, Purpose, StepProgram
 from fxpar.ops.distributed import lower_for_eager
-from fxpar.ops.recomputed_gathers import regathered_by_recomputation
+from fxpar.ops.traced_collectives import compiled_form
 from fxpar.ops.random_streams import RandomStream
 from fxpar.runtime.checkpoint.whole_state import graph_parameters
 from fxpar.runtime.communicator import Communicator
@@ -183,7 +183,7 @@ def step_context(
     for module in modules if not compiled else ():  # a compiled forward settles it first
         await_count(module, arrival)
     if compiled:  # ZeRO-3's gathers run inside the compiled graph, re-gathered by recomputation
-        forwards = tuple(reading_flat(recomputing(regathered_by_recomputation(m), None)) for m in modules)
+        forwards = tuple(reading_flat(recomputing(compiled_form(m), None)) for m in modules)
     else:
         forwards = tuple(reading_flat(recomputing(m, meter)) for m in modules)
     for forward, gatherer in zip(forwards, gatherers):  # ZeRO-3: regions take gathered weights as recipes

@@ -132,13 +132,23 @@ class AxisOnGroup:
         return self.group.index
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, tag: str, phase: str) -> None:
-        self.communicator.all_reduce_now(tensor, self.group, tag=tag, op=op, phase=phase)
+        self.start_all_reduce(tensor, op=op, tag=tag, phase=phase).wait()
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> None:
-        self.communicator.all_gather_now(output, tensor, self.group, tag=tag, phase=phase)
+        self.start_all_gather(output, tensor, tag=tag, phase=phase).wait()
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> None:
-        self.communicator.reduce_scatter_now(output, tensor, self.group, tag=tag, phase=phase)
+        self.start_reduce_scatter(output, tensor, tag=tag, phase=phase).wait()
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, op: str, tag: str, phase: str) -> PendingCollective:
+        return self.communicator.all_reduce_started(tensor, self.group, tag=tag, op=op, phase=phase)
+
+    def start_all_gather(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> PendingCollective:
+        return self.communicator.all_gather(output, tensor, self.group, tag=tag, phase=phase)
+
+    def start_reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str,
+                             phase: str) -> PendingCollective:
+        return self.communicator.reduce_scatter(output, tensor, self.group, tag=tag, phase=phase)
 
 
 class Communicator:
@@ -170,57 +180,63 @@ class Communicator:
         return PendingCollective(work, call, group, self.timeout, then)
 
     def reduce_scatter(
-        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str = "backward"
     ) -> PendingCollective:
         """Start summing `tensor` over `group` into this rank's dim-0 slice, `output` (which
         may be that slice of `tensor` itself: the reduction is then in place)."""
-        call = self._record("reduce_scatter", tensor, group, tag)
+        call = self._record("reduce_scatter", tensor, group, tag, phase=phase)
         work, then = _reduce_scatter(output, tensor, group)
         return PendingCollective(work, call, group, self.timeout, then)
 
     def all_gather(
-        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str,
+        log: bool = True,
     ) -> PendingCollective:
         """Start concatenating every rank's `tensor` along dim 0 into `output` (`tensor` may be
-        this rank's slice of it)."""
-        call = self._record("all_gather", output, group, tag, op="none", phase=phase)
+        this rank's slice of it); `log=False` outside a step."""
+        call = self._record("all_gather", output, group, tag, op="none", phase=phase, log=log)
         work = _all_gather_single(output, tensor, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
+
+    def all_reduce_started(
+        self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str, log: bool = True
+    ) -> PendingCollective:
+        """Start all-reducing `tensor` in place (sum or max); `log=False` outside a step. Where
+        the step program says this call carries the step agreement (`lowering.ride_agreements`),
+        the ranks' step numbers ride at its end, and the wait checks them before `tensor` gets
+        the sum (`runtime.step.numbers`)."""
+        slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
+        then, payload = None, tensor
+        if slots:
+            step = self._step
+            payload = torch.cat((tensor.reshape(-1),
+                                 numbers.slots(group, step, dtype=tensor.dtype, device=tensor.device)))
+
+            def then() -> None:
+                numbers.check(group, step, payload[-slots:])
+                tensor.copy_(payload[:-slots].view_as(tensor))
+        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, slots=slots, log=log)
+        work = _all_reduce(payload, group, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return PendingCollective(work, call, group, self.timeout, then)
 
     def all_reduce_now(
         self, tensor: torch.Tensor, group: RankGroup, *, tag: str, op: str = "sum", phase: str, log: bool = True
     ) -> None:
-        """All-reduce `tensor` in place (sum or max) and wait for it; `log=False` outside a
-        step. Where the step program says this call carries the step agreement
-        (`lowering.ride_agreements`), the ranks' step numbers ride at its end and are checked
-        before `tensor` gets the sum (`runtime.step.numbers`)."""
-        slots = self._guard.agreement_slots(group.ranks) if self._guard is not None else 0
-        payload = tensor if not slots else torch.cat((
-            tensor.reshape(-1), numbers.slots(group, self._step, dtype=tensor.dtype, device=tensor.device)))
-        call = self._record("all_reduce", payload, group, tag, op=op, phase=phase, slots=slots, log=log)
-        work = _all_reduce(payload, group, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        PendingCollective(work, call, group, self.timeout).wait()
-        if slots:
-            numbers.check(group, self._step, payload[-slots:])
-            tensor.copy_(payload[:-slots].view_as(tensor))
+        """`all_reduce_started`, waited for."""
+        self.all_reduce_started(tensor, group, tag=tag, op=op, phase=phase, log=log).wait()
 
     def all_gather_now(
         self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str,
         log: bool = True,
     ) -> None:
-        """Concatenate every rank's `tensor` along dim 0 into `output` (`tensor` may be this
-        rank's slice of it), and wait; `log=False` outside a step."""
-        call = self._record("all_gather", output, group, tag, op="none", phase=phase, log=log)
-        work = _all_gather_single(output, tensor, group=group.handle, async_op=True)
-        PendingCollective(work, call, group, self.timeout).wait()
+        """`all_gather`, waited for."""
+        self.all_gather(output, tensor, group, tag=tag, phase=phase, log=log).wait()
 
     def reduce_scatter_now(
         self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str
     ) -> None:
-        """Sum `tensor` over the ranks and keep this rank's dim-0 slice in `output`, and wait."""
-        call = self._record("reduce_scatter", tensor, group, tag, phase=phase)
-        work, then = _reduce_scatter(output, tensor, group)
-        PendingCollective(work, call, group, self.timeout, then).wait()
+        """`reduce_scatter`, waited for."""
+        self.reduce_scatter(output, tensor, group, tag=tag, phase=phase).wait()
 
     def exchange(self, rank: int, transfers: list[Transfer]) -> list[list[PendingCollective]]:
         """Start every transfer as one `torch.distributed.batch_isend_irecv` batch; one list of

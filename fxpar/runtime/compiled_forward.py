@@ -8,8 +8,10 @@ a flat graph of aten ops, so nothing breaks it), AOTAutograd derives its backwar
 fuses both into kernels. The distributed ops stay the registered `torch.ops.fxpar` custom ops
 (not lowered for eager): Inductor sees each as one opaque op with a fake kernel, in graph order,
 and runs the real kernel, the same primitive on the same bound axis, so the step program, its
-guard and `comm_stats()` read the same calls. The backward's collectives are their own custom
-op (`fxpar::backward_collective`), which AOTAutograd keeps in the compiled backward.
+guard and `comm_stats()` read the same calls. The backward's collectives are two ops each, a
+start and a wait (`ops.collective_primitives.started`), which AOTAutograd keeps in the compiled
+backward and `runtime.collective_schedule` places: issued as soon as their input is computed,
+waited for after the work that does not need them.
 
 Two things around the graph change with it:
 
@@ -49,7 +51,9 @@ class CompiledForward:
         self.forward = forward
         self.arrival = arrival
         self.name = name  # for messages: which of the rank's modules
-        self.compiled = torch.compile(forward, backend="inductor", fullgraph=True)
+        from fxpar.runtime.collective_schedule import OPTIONS  # loads Inductor: only when compiling
+
+        self.compiled = torch.compile(forward, backend="inductor", fullgraph=True, options=OPTIONS)
 
     def __call__(self, *inputs: torch.Tensor):
         self.arrival.settle()  # the compiled graph reads the count (module doc)

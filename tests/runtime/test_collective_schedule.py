@@ -1,0 +1,104 @@
+"""A compiled backward's collectives are started, computed around and waited for: the two halves
+of `ops.collective_primitives.started` do what the whole primitive does, the wait is where the
+binding's call completes, and `runtime.collective_schedule` moves the work that does not need a
+call between its start and its wait without reordering the calls."""
+
+import torch
+import torch.fx as fx
+
+import fxpar  # noqa: F401  (registers the ops)
+from fxpar.ir.axes import bind_axes, unbind_axes
+from fxpar.ops.collective_primitives import run, started
+from fxpar.runtime.collective_schedule import START, WAIT, schedule_collectives
+
+SIZE, INDEX = 2, 1
+
+
+class _Call:
+    def __init__(self, events, finish):
+        self.events, self.finish = events, finish
+
+    def wait(self):
+        self.events.append("waited")
+        self.finish()
+
+
+class StartingAxis:
+    """Axis "tp" of two ranks seen from rank 1, whose peer holds the same tensor, that starts
+    its calls and completes them only when waited for (as a process group's do)."""
+
+    size, index = SIZE, INDEX
+
+    def __init__(self):
+        self.events = []
+
+    def start_all_reduce(self, tensor, *, op, tag, phase):
+        self.events.append(("all_reduce", tag, phase))
+        return _Call(self.events, lambda: tensor.mul_(SIZE))
+
+    def start_all_gather(self, output, tensor, *, tag, phase):
+        self.events.append(("all_gather", tag, phase))
+        return _Call(self.events, lambda: output.copy_(torch.cat([tensor] * SIZE)))
+
+    def start_reduce_scatter(self, output, tensor, *, tag, phase):
+        self.events.append(("reduce_scatter", tag, phase))
+        return _Call(self.events, lambda: output.copy_(tensor.chunk(SIZE)[INDEX] * SIZE))
+
+    # what `run` uses where a binding has no start_* (tests/test_distributed_ops.py): unused here
+    all_reduce = all_gather = reduce_scatter = None
+
+
+def test_started_halves_equal_the_whole_primitive_and_wait_where_the_graph_waits():
+    axis = StartingAxis()
+    bind_axes({"tp": axis})
+    try:
+        x = torch.arange(24.0).reshape(2, 4, 3)
+        for primitive, dim in (("all_reduce", 0), ("all_gather", 1), ("reduce_scatter", 1)):
+            axis.events.clear()
+            buffer = torch.ops.fxpar.collective_start(x, "tp", SIZE, dim, primitive, "sum", "t", "backward")
+            assert axis.events == [(primitive, "t", "backward")]  # started, not waited for
+            torch.ops._c10d_functional.wait_tensor(buffer)
+            assert axis.events[-1] == "waited"
+            whole = run(primitive, x, "tp", SIZE, dim, "sum", "t", "backward")
+            torch.testing.assert_close(started(primitive, x, "tp", SIZE, dim, "t", "backward"), whole,
+                                       rtol=0, atol=0)
+        torch.testing.assert_close(run("all_gather", x, "tp", SIZE, 1, "sum", "t", "backward"),
+                                   torch.cat([x, x], dim=1), rtol=0, atol=0)
+    finally:
+        unbind_axes()
+
+
+def _backward_like_graph() -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """Two column-parallel linears' backward as Inductor sees it before the pass: each layer's
+    input gradient, its weight gradient, then the all-reduce of the input gradient and its wait,
+    which the next layer reads."""
+    graph = fx.Graph()
+    grad, weight, saved = graph.placeholder("grad"), graph.placeholder("weight"), graph.placeholder("saved")
+    nodes = {}
+    current = grad
+    for layer in (1, 2):
+        nodes[f"input_grad{layer}"] = graph.call_function(torch.ops.aten.mm.default, (current, weight))
+        nodes[f"weight_grad{layer}"] = graph.call_function(torch.ops.aten.mm.default, (current, saved))
+        nodes[f"start{layer}"] = graph.call_function(
+            START, (nodes[f"input_grad{layer}"], "tp", 2, 0, "all_reduce", "sum", f"f{layer}", "backward"))
+        nodes[f"wait{layer}"] = current = graph.call_function(WAIT, (nodes[f"start{layer}"],))
+    graph.output((current, nodes["weight_grad1"], nodes["weight_grad2"]))
+    return graph, nodes
+
+
+def test_schedule_starts_a_call_before_the_work_that_does_not_need_it():
+    graph, nodes = _backward_like_graph()
+    schedule_collectives(graph)
+    order = [n.name for n in graph.nodes if n.op == "call_function"]
+    name = {key: node.name for key, node in nodes.items()}
+    assert order == [name[k] for k in ("input_grad1", "start1", "weight_grad1", "wait1",
+                                       "input_grad2", "start2", "weight_grad2", "wait2")]
+
+
+def test_schedule_keeps_the_calls_order_and_leaves_lone_starts():
+    graph, nodes = _backward_like_graph()
+    with graph.inserting_before(graph.output_node()):
+        graph.call_function(START, (nodes["wait2"], "tp", 2, 0, "all_reduce", "sum", "lone", "backward"))
+    schedule_collectives(graph)  # lints: every node after its inputs
+    starts = [n.args[6] for n in graph.nodes if n.target is START]
+    assert starts == ["f1", "f2", "lone"]
