@@ -133,7 +133,13 @@ class _InFlight(dist.Work):
 )
 def _collective_start(x, axis, size, dim, primitive, reduce, tag, phase):
     """`launch` as an op: the buffer the call fills, registered so that
-    `_c10d_functional.wait_tensor(buffer)` waits for it."""
+    `_c10d_functional.wait_tensor(buffer)` waits for it. A `tag` of two, "forward|backward",
+    names a call that a compiled backward may run again as a recomputation (ZeRO-3's gather,
+    `ops.recomputed_gathers`): the second, with phase backward, when autograd's engine runs it."""
+    if "|" in tag:
+        forward_tag, backward_tag = tag.split("|")
+        recomputed = torch._C._current_graph_task_id() != -1
+        tag, phase = (backward_tag, "backward") if recomputed else (forward_tag, phase)
     buffer, pending = launch(primitive, x, axis, size, dim, reduce, tag, phase)
     _register_work(buffer, _InFlight(pending))
     return buffer

@@ -26,7 +26,8 @@ import torch.fx as fx
 from fxpar.ir.axes import bound
 from fxpar.ops.collective_primitives import Primitive, started
 from fxpar.ops.distributed import BY_NAME, OPS, DistributedOp, distributed_op
-from fxpar.ops.recomputed_gathers import regathered_by_recomputation
+from fxpar.ops.parameter_gathers import OP as GATHER_OP, REGATHER, laid_out, laid_out_gradients, whole_values
+from fxpar.ops.recomputed_gathers import GATHER, regathered_by_recomputation
 
 
 def _primitive(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, reduce: str, tag: str,
@@ -67,7 +68,40 @@ def _traced_function(op: DistributedOp):
     return call
 
 
+class TracedGather(torch.autograd.Function):
+    """ZeRO-3's `gather_parameters` (`ops.parameter_gathers`) as traceable code: the layer's
+    shards laid out and all-gathered, each parameter's whole value cut out; backward, the
+    gradients laid out and reduce-scattered, each shard's piece cut out. Started and waited for
+    as two ops each way, so that `runtime.collective_schedule` can gather a layer while the
+    layer before it computes (FSDP's prefetch) and reduce-scatter under the backward's next
+    ops. A recomputation in backward (`ops.recomputed_gathers`) is the step program's
+    re-gather: the start op tells the two apart at run time (`collective_primitives`)."""
+
+    @staticmethod
+    def forward(ctx, axis: str, size: int, dtype, *shards: torch.Tensor):
+        ctx.axis, ctx.size = axis, size
+        ctx.widths, ctx.shapes = [s.numel() for s in shards], [s.shape for s in shards]
+        ctx.dtype = shards[0].dtype  # the gradients are summed in the pieces' dtype
+        tags = f"{GATHER_OP.tag(axis, 'forward')}|{REGATHER.tag(axis, 'backward')}"
+        gathered = started("all_gather", laid_out(list(shards), dtype), axis, size, 0, tags, "forward")
+        return tuple(whole_values(gathered, ctx.widths, size))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        like = next(g for g in grads if g is not None)
+        stacked = laid_out_gradients(list(grads), ctx.widths, like, ctx.size, ctx.dtype)
+        flat = started("reduce_scatter", stacked.reshape(-1), ctx.axis, ctx.size, 0,
+                       GATHER_OP.tag(ctx.axis, "backward"), "backward")
+        pieces = [p.view(shape) for p, shape in zip(flat.split(ctx.widths), ctx.shapes)]
+        return (None, None, None, *pieces)
+
+
+def gather_parameters(shards, axis, size, *, dtype=None):
+    return list(TracedGather.apply(axis, size, dtype, *shards))
+
+
 TRACED = {op.overload: _traced_function(op) for op in OPS if not op.many}
+TRACED[GATHER] = gather_parameters
 
 
 def lower_for_compile(module: fx.GraphModule) -> fx.GraphModule:
