@@ -57,12 +57,12 @@ def check_compiled(plan) -> None:
     """What `compile=inductor` does not cover, refused (`fxpar.runtime.compiled_forward`)."""
     if plan.compile != "inductor":
         return
-    if plan.zero == 3 and plan.prefetch:
+    if plan.zero == 3 and plan.prefetch is not None:
         raise PlanError(
             f"plan compile=inductor with prefetch={plan.prefetch}: a compiled ZeRO-3 graph "
-            "gathers each layer where it first reads it, and again in backward where the "
-            "partitioner recomputes it, so no gather can be issued layers ahead. Fix: drop "
-            "prefetch, or compile=eager to gather ahead",
+            "issues each layer's gather as soon as the call before it completed, so a layer is "
+            "gathered while the one before it computes (runtime.collective_schedule), and "
+            "the depth is not a choice. Fix: drop prefetch, or compile=eager to set it",
             field="prefetch",
             value=plan.prefetch,
         )

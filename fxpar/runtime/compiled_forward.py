@@ -3,15 +3,14 @@
 Under `compile=eager` each rank's module runs op by op: its graph's Python calls one kernel per
 node, and the distributed ops run through their eager forms (`ops.distributed.lower_for_eager`).
 Under `compile=inductor` the same forward, the GraphModule `StepContext.forwards` holds, goes to
-`torch.compile(forward, backend="inductor", fullgraph=True)`. Dynamo traces the graph (already
-a flat graph of aten ops, so nothing breaks it), AOTAutograd derives its backward, and Inductor
-fuses both into kernels. The distributed ops stay the registered `torch.ops.fxpar` custom ops
-(not lowered for eager): Inductor sees each as one opaque op with a fake kernel, in graph order,
-and runs the real kernel, the same primitive on the same bound axis, so the step program, its
-guard and `comm_stats()` read the same calls. The backward's collectives are two ops each, a
-start and a wait (`ops.collective_primitives.started`), which AOTAutograd keeps in the compiled
-backward and `runtime.collective_schedule` places: issued as soon as their input is computed,
-waited for after the work that does not need them.
+`torch.compile(forward, backend="inductor", fullgraph=True)`, in its compiled form
+(`ops.traced_collectives.compiled_form`: the distributed ops as code Dynamo traces through).
+Dynamo traces the graph (a flat graph of aten ops, so nothing breaks it), AOTAutograd derives
+its backward, and Inductor fuses both into kernels. Each collective, forward or backward, is a
+start and a wait (`ops.collective_primitives.started`), the same primitive on the same bound
+axis, so the step program, its guard and `comm_stats()` read the same calls; the post-grad pass
+of `runtime.collective_schedule` places them: issued as soon as their input is computed, waited
+for after the work that does not need them.
 
 Two things around the graph change with it:
 

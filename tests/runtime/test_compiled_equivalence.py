@@ -15,9 +15,10 @@ with eager single-device training as the eager plans' tests do (test_data_parall
   once where eager rounds after every op, so it is not eager bf16's arithmetic bit for bit
   (measured 3e-4 relative on Llama's losses at step 5), and both sit within bf16 of fp32.
 
-Every step's collectives are the step program's, call for call: the distributed ops stay the
-registered ops inside the compiled graph and run on the same bound axes, so `comm_stats()`
-and the step guard see what eager mode sees; ZeRO-3's re-gathers are the partitioner's
+Every step's collectives are the step program's, call for call: inside the compiled graph the
+distributed ops are started and waited for as two ops each (`ops.traced_collectives`, placed by
+`runtime.collective_schedule`) and run on the same bound axes, so `comm_stats()` and the step
+guard see what eager mode sees; ZeRO-3's re-gathers are the partitioner's
 recomputations of each layer's gather (`ops.recomputed_gathers`), in the program's order. Model-state bytes equal the estimate, and so do
 the activations the compiled forward keeps for backward (`cost.compiled_activations` runs
 Inductor's own partitioner on the rank's module), within 2%. Not to the byte: the runtime
