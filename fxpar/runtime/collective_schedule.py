@@ -19,6 +19,8 @@ backward collectives of tensor parallelism's f, g and sequence-parallel ops).
 Inductor would undo the order with its own memory-driven reordering (`reorder_for_peak_memory`,
 which sees the wait as an op that frees nothing and pulls it up to its start), so the compile
 that runs this pass turns that reordering off (`OPTIONS`): the order below is the one it emits.
+A module without collectives (data parallelism's: its buckets are the runtime's) compiles with
+Inductor's defaults, as `torch.compile` of the model would (`compile_options`).
 """
 
 from __future__ import annotations
@@ -91,3 +93,14 @@ class _SchedulePass(CustomGraphPass):
 
 
 OPTIONS = {"post_grad_custom_post_pass": _SchedulePass(), "reorder_for_peak_memory": False}
+
+
+def compile_options(module: torch.nn.Module) -> dict:
+    """Inductor's options for compiling `module`: `OPTIONS` where one of its graphs (its own, or
+    a checkpoint region's) runs a traced collective, Inductor's defaults where none does."""
+    from fxpar.ops.traced_collectives import TRACED
+
+    traced = set(TRACED.values())
+    graphs = (m.graph for m in module.modules() if isinstance(m, fx.GraphModule))
+    communicates = any(node.target in traced for graph in graphs for node in graph.nodes)
+    return OPTIONS if communicates else {}

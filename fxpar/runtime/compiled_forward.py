@@ -50,9 +50,10 @@ class CompiledForward:
         self.forward = forward
         self.arrival = arrival
         self.name = name  # for messages: which of the rank's modules
-        from fxpar.runtime.collective_schedule import OPTIONS  # loads Inductor: only when compiling
+        from fxpar.runtime.collective_schedule import compile_options  # loads Inductor: only here
 
-        self.compiled = torch.compile(forward, backend="inductor", fullgraph=True, options=OPTIONS)
+        self.compiled = torch.compile(forward, backend="inductor", fullgraph=True,
+                                      options=compile_options(forward))
 
     def __call__(self, *inputs: torch.Tensor):
         self.arrival.settle()  # the compiled graph reads the count (module doc)

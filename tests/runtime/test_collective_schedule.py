@@ -102,3 +102,24 @@ def test_schedule_keeps_the_calls_order_and_leaves_lone_starts():
     schedule_collectives(graph)  # lints: every node after its inputs
     starts = [n.args[6] for n in graph.nodes if n.target is START]
     assert starts == ["f1", "f2", "lone"]
+
+
+def test_modules_that_communicate_compile_with_the_schedule_and_others_with_inductors_defaults():
+    """The schedule (and Inductor's memory reordering off, which would undo it) where a graph of
+    the module runs a traced collective, checkpoint regions included; defaults elsewhere."""
+    from fxpar.ops.traced_collectives import TRACED
+    from fxpar.runtime.collective_schedule import OPTIONS, compile_options
+    from fxpar.runtime.step.recompute import RecomputedRegion
+
+    def module(target) -> fx.GraphModule:
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        graph.output(graph.call_function(target, (x, "tp")))
+        return fx.GraphModule({}, graph)
+
+    traced = module(TRACED[torch.ops.fxpar.all_reduce.default])
+    assert compile_options(traced) is OPTIONS
+    assert compile_options(module(torch.ops.aten.relu.default)) == {}
+    wrapper = torch.nn.Module()
+    wrapper.recompute_0 = RecomputedRegion(traced, None)
+    assert compile_options(wrapper) is OPTIONS
