@@ -135,8 +135,8 @@ def backward_bytes(program: CompiledProgram, rank: int) -> tuple[sympy.Expr, sym
 
 def gathered_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     """Under ZeRO-3 over dp > 1, the most bytes `rank`'s layer gathers and reduce-scatters
-    hold at once beside the saved activations (module doc): 2 W + ahead x (W + W / dp) for
-    the gathers (ahead: the gathers in flight, the plan's prefetch, or one compiled), W the largest layer it gathers whole in the dtype the gather moves, and the
+    hold at once beside the saved activations (module doc): 2 W + prefetch x (W + W / dp) for
+    the gathers, W the largest layer it gathers whole in the dtype the gather moves, and the
     reduce-scatter in flight, G the largest layer's whole gradients in the dtype they are summed
     in; both read off the rank's step program (ZeRO-3's calls are its all-gathers and
     reduce-scatters on dp). Zero otherwise."""
@@ -151,11 +151,7 @@ def gathered_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     # step, that buffer is the step's accumulated gradients, `cost.memory.peak_bytes`'s); on
     # gloo, fxpar's all-to-all receives the whole of it (`runtime.communicator`).
     in_flight = summed * (int(program.zero_reduce.per_microbatch) + int(_on_gloo(program)))
-    # Gathers in flight beside the layer that computes: the plan's prefetch in eager mode; a
-    # compiled graph starts each as soon as the call before it completed, one layer early
-    # (`runtime.collective_schedule`).
-    ahead = 1 if plan.compile == "inductor" else plan.gathers_ahead
-    return 2 * whole + ahead * (whole + whole / plan.dp) + in_flight
+    return 2 * whole + plan.gathers_ahead * (whole + whole / plan.dp) + in_flight
 
 
 def _on_gloo(program: CompiledProgram) -> bool:

@@ -57,12 +57,12 @@ def check_compiled(plan) -> None:
     """What `compile=inductor` does not cover, refused (`fxpar.runtime.compiled_forward`)."""
     if plan.compile != "inductor":
         return
-    if plan.zero == 3 and plan.prefetch is not None:
+    if plan.zero == 3 and plan.gathers_ahead > 1:
         raise PlanError(
             f"plan compile=inductor with prefetch={plan.prefetch}: a compiled ZeRO-3 graph "
-            "issues each layer's gather as soon as the call before it completed, so a layer is "
-            "gathered while the one before it computes (runtime.collective_schedule), and "
-            "the depth is not a choice. Fix: drop prefetch, or compile=eager to set it",
+            "gathers a layer while the one before it computes (prefetch=1, the default) or "
+            "where the layer reads it (prefetch=0), never more layers ahead "
+            "(runtime.collective_schedule). Fix: prefetch=1, or compile=eager to gather further ahead",
             field="prefetch",
             value=plan.prefetch,
         )

@@ -111,8 +111,8 @@ class Plan:
     # accumulate); "auto" takes what the cost model prices cheaper (`fxpar.plan.zero_reduction`).
     zero_reduce: str = "auto"
     # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
-    # gathered (None: FSDP2's 1 under compile=eager; a compiled graph's schedule sets its own:
-    # `gathers_ahead`), and whether the gathered parameters are freed after
+    # gathered (None: FSDP2's 1; at most 1 under compile=inductor), and whether the gathered
+    # parameters are freed after
     # forward and gathered again for backward (every layer's but the root's, as FSDP2's default).
     prefetch: int | None = None
     reshard_after_forward: bool = True
@@ -191,13 +191,9 @@ class Plan:
 
     @property
     def gathers_ahead(self) -> int:
-        """How many layers ahead of its turn in the call order ZeRO-3 issues a gather: the
-        plan's `prefetch`, else FSDP2's 1 in eager mode. A compiled graph keeps the calls in
-        their order (0) and overlaps each gather with the layer before it by where it starts
-        the call (`runtime.collective_schedule`; the workspace counts it)."""
-        if self.prefetch is not None:
-            return self.prefetch
-        return 0 if self.compile == "inductor" else 1
+        """How many layers ahead ZeRO-3 gathers: the plan's `prefetch`, else FSDP2's 1 (the
+        runtime's gatherer in eager mode, `runtime.collective_schedule` in a compiled graph)."""
+        return 1 if self.prefetch is None else self.prefetch
 
     # -- the degrees -----------------------------------------------------------------------------
 

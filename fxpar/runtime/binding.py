@@ -189,7 +189,7 @@ def step_context(
     for forward, gatherer in zip(forwards, gatherers):  # ZeRO-3: regions take gathered weights as recipes
         read_gathered_through(forward, gatherer)
     if compiled:
-        forwards = compiled_forwards(forwards, arrival)
+        forwards = compiled_forwards(forwards, arrival, gathers_ahead=program.plan.gathers_ahead)
     context = StepContext(
         rank=rank, device=device, step_program=step_program,
         guard=StepGuard(step_program), modules=tuple(modules),

@@ -46,14 +46,14 @@ _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.I
 class CompiledForward:
     """`forward` compiled by Inductor (module doc); called as the forward itself."""
 
-    def __init__(self, forward: fx.GraphModule, *, arrival: CountArrival, name: str):
+    def __init__(self, forward: fx.GraphModule, *, arrival: CountArrival, name: str, gathers_ahead: int):
         self.forward = forward
         self.arrival = arrival
         self.name = name  # for messages: which of the rank's modules
         from fxpar.runtime.collective_schedule import compile_options  # loads Inductor: only here
 
         self.compiled = torch.compile(forward, backend="inductor", fullgraph=True,
-                                      options=compile_options(forward))
+                                      options=compile_options(forward, gathers_ahead))
 
     def __call__(self, *inputs: torch.Tensor):
         self.arrival.settle()  # the compiled graph reads the count (module doc)
@@ -63,9 +63,12 @@ class CompiledForward:
             raise PlanError(_message(self.forward, self.name, error), field="compile", value="inductor") from error
 
 
-def compiled_forwards(forwards: tuple[fx.GraphModule, ...], arrival: CountArrival) -> tuple[Callable, ...]:
-    """Each of a rank's forwards compiled (module doc)."""
-    return tuple(CompiledForward(f, arrival=arrival, name=f"module {i}") for i, f in enumerate(forwards))
+def compiled_forwards(forwards: tuple[fx.GraphModule, ...], arrival: CountArrival, *,
+                      gathers_ahead: int) -> tuple[Callable, ...]:
+    """Each of a rank's forwards compiled (module doc); ZeRO-3 gathers `gathers_ahead` layers
+    early (`runtime.collective_schedule`)."""
+    return tuple(CompiledForward(f, arrival=arrival, name=f"module {i}", gathers_ahead=gathers_ahead)
+                 for i, f in enumerate(forwards))
 
 
 def _message(forward: fx.GraphModule, name: str, error: Exception) -> str:

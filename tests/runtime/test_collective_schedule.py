@@ -95,6 +95,43 @@ def test_schedule_starts_a_call_before_the_work_that_does_not_need_it():
                                        "input_grad2", "start2", "weight_grad2", "wait2")]
 
 
+GATHER_TAGS = "dp gather_parameters|dp regather_parameters (backward)"  # (TracedGather's)
+
+
+def _zero3_forward_graph() -> tuple[fx.Graph, dict[str, fx.Node]]:
+    """Two ZeRO-3 layers under tp, as Inductor sees their forward before the pass: each layer's
+    gather (its shards laid out, started, waited for), then its matmul and its tp all-reduce."""
+    graph = fx.Graph()
+    x, shards = graph.placeholder("x"), [graph.placeholder(f"shard{i}") for i in (1, 2)]
+    nodes = {}
+    current = x
+    for layer, shard in zip((1, 2), shards):
+        nodes[f"lay_out{layer}"] = graph.call_function(torch.ops.aten.clone.default, (shard,))
+        nodes[f"gather{layer}"] = graph.call_function(
+            START, (nodes[f"lay_out{layer}"], "dp", 2, 0, "all_gather", "sum", GATHER_TAGS, "forward"))
+        nodes[f"gathered{layer}"] = graph.call_function(WAIT, (nodes[f"gather{layer}"],))
+        nodes[f"matmul{layer}"] = graph.call_function(torch.ops.aten.mm.default, (current, nodes[f"gathered{layer}"]))
+        nodes[f"reduce{layer}"] = graph.call_function(
+            START, (nodes[f"matmul{layer}"], "tp", 2, 0, "all_reduce", "sum", f"g{layer}", "forward"))
+        nodes[f"reduced{layer}"] = current = graph.call_function(WAIT, (nodes[f"reduce{layer}"],))
+    graph.output(current)
+    return graph, nodes
+
+
+def test_zero3_gathers_a_layer_while_the_one_before_computes_or_where_it_reads():
+    """prefetch=1: the second layer's gather goes out right after the first's completed, ahead
+    of the first layer's matmul and all-reduce (the call order `lowering.prefetched` writes),
+    and is waited for where the second layer reads it; prefetch=0 leaves it there."""
+    for ahead, expected in ((1, ("lay_out1", "gather1", "gathered1", "lay_out2", "gather2", "matmul1",
+                                 "reduce1", "reduced1", "gathered2", "matmul2", "reduce2", "reduced2")),
+                            (0, ("lay_out1", "gather1", "gathered1", "matmul1", "reduce1", "reduced1",
+                                 "lay_out2", "gather2", "gathered2", "matmul2", "reduce2", "reduced2"))):
+        graph, nodes = _zero3_forward_graph()
+        schedule_collectives(graph, gathers_ahead=ahead)
+        name = {node.name: key for key, node in nodes.items()}
+        assert tuple(name[n.name] for n in graph.nodes if n.op == "call_function") == expected
+
+
 def test_schedule_keeps_the_calls_order_and_leaves_lone_starts():
     graph, nodes = _backward_like_graph()
     with graph.inserting_before(graph.output_node()):
@@ -108,7 +145,7 @@ def test_modules_that_communicate_compile_with_the_schedule_and_others_with_indu
     """The schedule (and Inductor's memory reordering off, which would undo it) where a graph of
     the module runs a traced collective, checkpoint regions included; defaults elsewhere."""
     from fxpar.ops.traced_collectives import TRACED
-    from fxpar.runtime.collective_schedule import OPTIONS, compile_options
+    from fxpar.runtime.collective_schedule import compile_options
     from fxpar.runtime.step.recompute import RecomputedRegion
 
     def module(target) -> fx.GraphModule:
@@ -118,8 +155,10 @@ def test_modules_that_communicate_compile_with_the_schedule_and_others_with_indu
         return fx.GraphModule({}, graph)
 
     traced = module(TRACED[torch.ops.fxpar.all_reduce.default])
-    assert compile_options(traced) is OPTIONS
-    assert compile_options(module(torch.ops.aten.relu.default)) == {}
+    options = compile_options(traced, gathers_ahead=1)
+    assert options["reorder_for_peak_memory"] is False
+    assert options["post_grad_custom_post_pass"].gathers_ahead == 1
+    assert compile_options(module(torch.ops.aten.relu.default), gathers_ahead=1) == {}
     wrapper = torch.nn.Module()
     wrapper.recompute_0 = RecomputedRegion(traced, None)
-    assert compile_options(wrapper) is OPTIONS
+    assert compile_options(wrapper, gathers_ahead=0)["post_grad_custom_post_pass"].gathers_ahead == 0

@@ -60,7 +60,7 @@ def test_a_graph_inductor_cannot_compile_names_the_node_and_module():
     graph.output(odd)
     forward = fx.GraphModule(torch.nn.Module(), graph)
     with pytest.raises(PlanError) as caught:
-        CompiledForward(forward, arrival=CountArrival(), name="module 0")(torch.ones(3))
+        CompiledForward(forward, arrival=CountArrival(), name="module 0", gathers_ahead=1)(torch.ones(3))
     message = str(caught.value)
     assert re.search(r"module 0 at node '_storage_address' .* in module 'h\.1\.mlp': .*data_ptr", message), message
     assert message.endswith("Fix: compile=eager, which runs the same graph op by op")
@@ -69,8 +69,7 @@ def test_a_graph_inductor_cannot_compile_names_the_node_and_module():
 
 @pytest.mark.parametrize(("text", "refused", "fix"), [
     ("pp=2 mb=2 schedule=zb-h1 compile=inductor", "schedule=zb-h1", "compile=eager"),
-    ("dp=2 zero=3 prefetch=1 compile=inductor", "prefetch=1", "drop prefetch"),
-    ("dp=2 zero=3 prefetch=0 compile=inductor", "prefetch=0", "drop prefetch"),
+    ("dp=2 zero=3 prefetch=2 compile=inductor", "prefetch=2", "prefetch=1"),
     ("dp=2 zero=3 mb=2 zero_reduce=step compile=inductor", "zero=3 zero_reduce=step", "drop zero_reduce"),
 ])
 def test_what_compiled_mode_does_not_cover_is_refused_with_a_fix(text, refused, fix):
@@ -79,13 +78,13 @@ def test_what_compiled_mode_does_not_cover_is_refused_with_a_fix(text, refused, 
 
 
 def test_compiled_zero3_gathers_where_layers_read_and_reduces_per_microbatch():
-    """ZeRO-3's `prefetch` defaults to FSDP2's 1 layer ahead in eager mode; a compiled graph
-    keeps its calls in the step program's order (it overlaps a gather with the layer before it
-    by where it starts the call, `runtime.collective_schedule`), and its backward
-    reduce-scatters each microbatch's gradients (`fxpar.plan.zero_reduction`)."""
+    """ZeRO-3's `prefetch` defaults to FSDP2's 1 layer ahead, in eager mode and in a compiled
+    graph (`runtime.collective_schedule`; 0 gathers where a layer reads), and a compiled
+    backward reduce-scatters each microbatch's gradients (`fxpar.plan.zero_reduction`)."""
     assert Plan.parse("dp=2 zero=3").gathers_ahead == 1
     assert Plan.parse("dp=2 zero=3 prefetch=3").gathers_ahead == 3
-    assert Plan.parse("dp=2 zero=3 compile=inductor").gathers_ahead == 0
+    assert Plan.parse("dp=2 zero=3 compile=inductor").gathers_ahead == 1
+    assert Plan.parse("dp=2 zero=3 prefetch=0 compile=inductor").gathers_ahead == 0
     assert str(Plan.parse("dp=2 zero=3 compile=inductor")) == "dp=2 zero=3 compile=inductor"
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
     tokens = torch.randint(0, 64, (4, 16))
