@@ -16,7 +16,7 @@ communicator that counts and logs every call (`runtime.communicator.AxisOnGroup`
 bind anything with these methods (tp ranks as threads of one process, for instance). A binding
 that can also start a collective without waiting for it has `start_all_reduce`,
 `start_all_gather` and `start_reduce_scatter` (the same arguments, returning what to `wait()`
-on): a compiled graph then computes while the call is in flight (`ops.async_collectives`); with
+on): a compiled graph then computes while the call is in flight (`ops.traced_collectives`); with
 one that cannot, the call is waited for where it starts.
 """
 

@@ -13,7 +13,7 @@ other. In a compiled graph they are two ops apart (`started`): `fxpar::collectiv
 registers the call's completion with torch's functional collectives, and
 `torch.ops._c10d_functional.wait_tensor` waits for it, so Inductor sees the call as the
 issue-and-wait pair its own collectives are, and a schedule can compute between the two
-(`ops.async_collectives`). The binding still issues the call, so the step guard and
+(`runtime.collective_schedule`). The binding still issues the call, so the step guard and
 `comm_stats()` see it as they see every other.
 """
 

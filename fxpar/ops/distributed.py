@@ -39,7 +39,8 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir.collectives import Phase
-from fxpar.ops.collective_primitives import COMMUNICATING, Primitive, fake, run, started
+from fxpar.ops.collective_primitives import COMMUNICATING  # noqa: F401  (lowering and pictures read it here)
+from fxpar.ops.collective_primitives import Primitive, fake, run
 from fxpar.ops.deferred_linear import stands_for
 
 
@@ -116,23 +117,13 @@ def axis_of(node: fx.Node) -> str:
     schema="(Tensor grad, str axis, int size, int dim, str primitive, str tag) -> Tensor",
 )
 def _backward_collective(grad, axis, size, dim, primitive, tag):
-    """The backward half of a DistributedOp that does not communicate (a slice), itself an op
-    so that a traced backward keeps it; the ones that do are `collective_primitives.started`."""
+    """The backward half of a DistributedOp, itself an op so that a traced backward keeps it."""
     return run(primitive, grad, axis, size, dim, "sum", tag, "backward")
 
 
 @_backward_collective.register_fake
 def _(grad, axis, size, dim, primitive, tag):
     return fake(primitive, grad, size, dim)
-
-
-def _backward_primitive(primitive: Primitive, grad: torch.Tensor, axis: str, size: int, dim: int,
-                        tag: str) -> torch.Tensor:
-    """A registered op's backward collective: started and waited for as two graph ops, so that
-    a compiled backward can compute between them (`ops.async_collectives`)."""
-    if primitive in COMMUNICATING:
-        return started(primitive, grad, axis, size, dim, tag, "backward")
-    return torch.ops.fxpar.backward_collective(grad, axis, size, dim, primitive, tag)
 
 
 def _register(op: DistributedOp) -> None:
@@ -155,7 +146,9 @@ def _register(op: DistributedOp) -> None:
 
     def backward(ctx, grad):
         if op.backward != "identity":
-            grad = _backward_primitive(op.backward, grad, ctx.axis, ctx.size, ctx.dim, op.tag(ctx.axis, "backward"))
+            grad = torch.ops.fxpar.backward_collective(
+                grad, ctx.axis, ctx.size, ctx.dim, op.backward, op.tag(ctx.axis, "backward")
+            )
         return (grad, None, None, None) if op.takes_dim else (grad, None)
 
     registered.register_autograd(backward, setup_context=setup_context)
