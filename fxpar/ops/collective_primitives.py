@@ -113,6 +113,19 @@ def fake(primitive: Primitive, x: torch.Tensor, size: int, dim: int) -> torch.Te
 # -- the two halves as graph ops -----------------------------------------------------------------
 
 
+_RECOMPUTABLE = "|"  # between a call's forward tag and the tag it has when recomputed in backward
+
+
+def recomputable(forward_tag: str, backward_tag: str) -> str:
+    """The tag of a call a compiled backward may run again as a recomputation (`_collective_start`)."""
+    return f"{forward_tag}{_RECOMPUTABLE}{backward_tag}"
+
+
+def forward_tag(tag: str) -> str:
+    """A start's tag as its forward call has it."""
+    return tag.split(_RECOMPUTABLE)[0]
+
+
 class _InFlight(dist.Work):
     """A started call as torch's functional collectives track one: `wait_tensor` on its buffer
     calls `wait`, which is the binding's own (the communicator's errors and timeout, and what
@@ -136,8 +149,8 @@ def _collective_start(x, axis, size, dim, primitive, reduce, tag, phase):
     `_c10d_functional.wait_tensor(buffer)` waits for it. A `tag` of two, "forward|backward",
     names a call that a compiled backward may run again as a recomputation (ZeRO-3's gather,
     `ops.recomputed_gathers`): the second, with phase backward, when autograd's engine runs it."""
-    if "|" in tag:
-        forward_tag, backward_tag = tag.split("|")
+    if _RECOMPUTABLE in tag:
+        forward_tag, backward_tag = tag.split(_RECOMPUTABLE)
         recomputed = torch._C._current_graph_task_id() != -1
         tag, phase = (backward_tag, "backward") if recomputed else (forward_tag, phase)
     buffer, pending = launch(primitive, x, axis, size, dim, reduce, tag, phase)

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir.axes import bound
-from fxpar.ops.collective_primitives import Primitive, started
+from fxpar.ops.collective_primitives import Primitive, recomputable, started
 from fxpar.ops.distributed import BY_NAME, OPS, DistributedOp, distributed_op
 from fxpar.ops.parameter_gathers import OP as GATHER_OP, REGATHER, laid_out, laid_out_gradients, whole_values
 from fxpar.ops.recomputed_gathers import GATHER, regathered_by_recomputation
@@ -82,7 +82,7 @@ class TracedGather(torch.autograd.Function):
         ctx.axis, ctx.size = axis, size
         ctx.widths, ctx.shapes = [s.numel() for s in shards], [s.shape for s in shards]
         ctx.dtype = shards[0].dtype  # the gradients are summed in the pieces' dtype
-        tags = f"{GATHER_OP.tag(axis, 'forward')}|{REGATHER.tag(axis, 'backward')}"
+        tags = recomputable(GATHER_OP.tag(axis, "forward"), REGATHER.tag(axis, "backward"))
         gathered = started("all_gather", laid_out(list(shards), dtype), axis, size, 0, tags, "forward")
         return tuple(whole_values(gathered, ctx.widths, size))
 

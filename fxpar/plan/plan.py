@@ -112,8 +112,8 @@ class Plan:
     zero_reduce: str = "auto"
     # ZeRO-3 only (FSDP2's options and defaults): how many layers ahead parameters are
     # gathered (None: FSDP2's 1; at most 1 under compile=inductor), and whether the gathered
-    # parameters are freed after
-    # forward and gathered again for backward (every layer's but the root's, as FSDP2's default).
+    # parameters are freed after forward and gathered again for backward (every layer's but
+    # the root's, as FSDP2's default).
     prefetch: int | None = None
     reshard_after_forward: bool = True
     # "bf16-mixed": bf16 weights and math, fp32 master weights and optimizer state; gradients

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import fxpar.ops.collective_primitives  # noqa: F401  (registers fxpar::collective_start)
+from fxpar.ops.collective_primitives import forward_tag  # (registers fxpar::collective_start)
 from fxpar.ops.parameter_gathers import OP as GATHER_OP
 
 START = torch.ops.fxpar.collective_start.default
@@ -79,7 +79,7 @@ def _started_and_waited(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
 
 def _gathers_parameters(start: fx.Node) -> bool:
     """A ZeRO-3 gather of a layer's parameters (`ops.traced_collectives.TracedGather`)."""
-    return start.args[6].split("|")[0].endswith(GATHER_OP.name)
+    return forward_tag(start.args[6]).endswith(GATHER_OP.name)
 
 
 def _gather_ahead(graph: fx.Graph, gathers: list[tuple[fx.Node, fx.Node]]) -> None:

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 import fxpar  # noqa: F401  (registers the ops)
 from fxpar.ir.axes import bind_axes, unbind_axes
-from fxpar.ops.collective_primitives import run, started
+from fxpar.ops.collective_primitives import recomputable, run, started
 from fxpar.runtime.collective_schedule import START, WAIT, schedule_collectives
 
 SIZE, INDEX = 2, 1
@@ -95,7 +95,7 @@ def test_schedule_starts_a_call_before_the_work_that_does_not_need_it():
                                        "input_grad2", "start2", "weight_grad2", "wait2")]
 
 
-GATHER_TAGS = "dp gather_parameters|dp regather_parameters (backward)"  # (TracedGather's)
+GATHER_TAGS = recomputable("dp gather_parameters", "dp regather_parameters (backward)")  # (TracedGather's)
 
 
 def _zero3_forward_graph() -> tuple[fx.Graph, dict[str, fx.Node]]:
