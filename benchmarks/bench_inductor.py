@@ -12,6 +12,10 @@ training loop does (forward, backward, AdamW, zero_grad), the sides in alternati
 torch.compile's Dynamo's trace of the module, so their fp32 sums may round differently) or
 the script exits 1.
 
+Beside them, fxpar's own prediction of its step: `program.estimate("cpu")` (`time.total`,
+the compiled step priced by the kernels Inductor runs: `cost.fused_kernels`) on the `cpu`
+profile measured at this thread count, and the measured median over it.
+
 Compile time: each side's first step, compile included, with Inductor's on-disk and in-memory
 caches off (`fx_graph_cache`, `enable_autograd_cache`), so that neither side reads what the
 other compiled; fxpar's also counts `fxpar.compile` (capture and passes) and bind. The ratio is
@@ -56,6 +60,17 @@ def first_step_seconds(step) -> float:
     return float(seconds)
 
 
+def estimated_step(program) -> float:
+    """fxpar's predicted step on the measured `cpu` profile. Rank 0 measures the profile (once:
+    it is cached) while the others wait, so that no two ranks measure the machine at once."""
+    from fxpar.cost.profiles import hardware_profile
+
+    if dist.get_rank() == 0:
+        hardware_profile("cpu")
+    dist.barrier()
+    return program.estimate("cpu").time["total"]
+
+
 def bench_model(name: str, args) -> tuple[dict, object]:
     world = int(os.environ["WORLD_SIZE"])
     config = GPT_SIZES[name]
@@ -68,6 +83,7 @@ def bench_model(name: str, args) -> tuple[dict, object]:
     program = fxpar.compile(model, f"dp={world} bucket_mb={BUCKET_MB:g} compile=inductor", batches[0])
     runner = program.bind(timeout=600)
     planning = time.perf_counter() - start  # capture, passes, bind: part of fxpar's compile time
+    estimated = estimated_step(program)
     fx_optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
     local = [runner.local_batch(*b) for b in batches]
     compiled = torch.compile(native_model)
@@ -92,6 +108,7 @@ def bench_model(name: str, args) -> tuple[dict, object]:
         "parameters": program.captured.parameter_count(),
         "compile_seconds": compile_seconds,
         "compile_ratio": compile_seconds["fxpar"] / compile_seconds["torch"],
+        "estimated_seconds": estimated,
         **comparison(runs, "torch", native_losses, fx_losses, mismatch),
     }, runner
 
@@ -100,11 +117,14 @@ def report(results: list[dict], args) -> None:
     world = int(os.environ["WORLD_SIZE"])
     native = "torch.compile" if world == 1 else "DDP(torch.compile)"
     header = ["model", "params", f"{native} ms [p10-p90]", "fxpar ms [p10-p90]", "fxpar/torch", "paired",
-              "CPU ratio", "first step s torch/fxpar", "compile ratio", "losses match"]
+              "CPU ratio", "first step s torch/fxpar", "compile ratio", "fxpar est ms", "measured/est",
+              "losses match"]
     rows = [[r["model"], f"{r['parameters']:,}", timing_cell(r["torch"]), timing_cell(r["fxpar"]),
              f"{r['ratio']:.3f}", f"{r['paired_ratio']:.3f}", f"{r['cpu_ratio']:.3f}",
              f"{r['compile_seconds']['torch']:.1f}/{r['compile_seconds']['fxpar']:.1f}",
-             f"{r['compile_ratio']:.2f}", "yes" if r["losses_match"] else "NO"] for r in results]
+             f"{r['compile_ratio']:.2f}", f"{1e3 * r['estimated_seconds']:.1f}",
+             f"{r['fxpar']['median_ms'] / (1e3 * r['estimated_seconds']):.2f}", "yes" if r["losses_match"] else "NO"]
+            for r in results]
     print()
     print(f"fxpar dp={world} compile=inductor vs {native}, gloo on CPU, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread/rank, global batch {GLOBAL_BATCH}x{SEQ}, AdamW, "

@@ -49,11 +49,11 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 
 from fxpar.cost.compiled_activations import compiled_saved_bytes
+from fxpar.cost.compiled_graphs import module_graphs
 from fxpar.cost.input_pieces import Pieces, boundary_pieces, piece_values
 from fxpar.cost.memo import memoised, module_key
 from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
-from fxpar.ir.axes import PlannedAxis
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.recompute_regions import block_lists, region_labels, segment_outputs, segments
 from fxpar.ops.distributed import shares_storage_at_run_time
@@ -167,23 +167,17 @@ def rank_activation_bytes(program: CompiledProgram, rank: int) -> sympy.Expr:
     forwards keep, `cost.compiled_activations`; memoised with the program's graph, and each
     distinct module with the capture's, `cost.memo.module_key`)."""
     captured, given = program.captured, set(program.input_names)
-    pieces, axes = boundary_pieces(program), None
-    if program.plan.compile == "inductor":
-        coord, sizes = program.mesh.coord(rank), program.mesh.sizes
-        axes = {axis: PlannedAxis(size, coord[axis]) for axis, size in sizes.items()}
+    pieces = boundary_pieces(program)
 
-        def saved(m: fx.GraphModule) -> sympy.Expr:
-            return compiled_saved_bytes(m, captured, given, axes, pieces)
-    else:
-        def saved(m: fx.GraphModule) -> sympy.Expr:
-            return module_activation_bytes(m, captured, given, pieces)
-
-    def shared(m: fx.GraphModule) -> sympy.Expr:  # one trace per distinct module of the capture
-        key = module_key(m, program.plan.compile, sorted(pieces.items()), sorted(given), axes)
-        return memoised(captured.graph_module, f"module_activations.{key}", lambda: saved(m))
+    def saved(m: fx.GraphModule) -> sympy.Expr:
+        if program.plan.compile == "inductor":  # the partition the time model reads too
+            return compiled_saved_bytes(module_graphs(program, m, rank), captured, given)
+        key = module_key(m, sorted(pieces.items()), sorted(given))  # one trace per distinct module
+        return memoised(captured.graph_module, f"module_activations.{key}",
+                        lambda: module_activation_bytes(m, captured, given, pieces))
 
     return memoised(program.graph_module, f"rank_activations.{rank}", lambda: sympy.expand(sum(
-        (shared(m) for m in program.stage_modules(rank)), sympy.Integer(0))))
+        (saved(m) for m in program.stage_modules(rank)), sympy.Integer(0))))
 
 
 def recomputed_nodes(captured: CapturedGraph, checkpoint: str) -> dict[fx.Node, str]:

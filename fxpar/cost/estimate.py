@@ -72,7 +72,8 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
-from fxpar.cost.step_time import comm_terms, piece_seconds
+from fxpar.cost.compiled_graphs import stage_graphs
+from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
@@ -332,6 +333,19 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     return terms
 
 
+def piece_times(program: CompiledProgram, pieces, device: Hardware, precision: str) -> dict[int, tuple]:
+    """id(share) -> its forward, backward, weight-gradient and recompute seconds, for each
+    of `pieces` (`cost.layout` shares): priced by its ops in eager mode
+    (`cost.step_time.piece_seconds`), by the kernels Inductor runs for its module under
+    `compile=inductor` (`compiled_piece_seconds`)."""
+    plan = program.plan
+    if plan.compile == "inductor":
+        readable = program.captured.readable
+        return {id(p): compiled_piece_seconds(stage_graphs(program, p.stage), readable, plan, device, precision)
+                for p in pieces}
+    return {id(p): piece_seconds(p, plan, device, precision) for p in pieces}
+
+
 def _rank_terms(program, rank, device, optimizer, precision, numbers):
     """Memory, time and communication formulas of one rank, its comm table and, with a
     pipeline, the simulated step behind its bubble."""
@@ -343,7 +357,7 @@ def _rank_terms(program, rank, device, optimizer, precision, numbers):
     pp_index = program.mesh.coord(rank).pp
     formulas = {f"memory.{k}": v for k, v in rank_memory_formulas(program, rank, optimizer=optimizer).items()}
 
-    timed = {id(p): piece_seconds(p, plan, device, precision) for p in all_shares}
+    timed = piece_times(program, all_shares, device, precision)
     forward = sum((timed[id(p)][0] for p in mine), sympy.Integer(0))
     backward = sum((timed[id(p)][1] for p in mine), sympy.Integer(0))
     # rng=exact: the whole value drawn (fp32, written once) for each microbatch.
@@ -399,7 +413,7 @@ def exposed_comm_seconds(program: CompiledProgram, device: Hardware,
     worst = (0.0, 0.0)
     for rank in (mesh.rank_of(dp=0, pp=i, tp=0) for i in range(mesh.pp)):
         mine = _holding(program, rank)[1]
-        timed = [piece_seconds(p, plan, device, plan.compute_precision) for p in mine]
+        timed = piece_times(program, mine, device, plan.compute_precision).values()
         forward = sum((t[0] for t in timed), sympy.Integer(0))
         backward = sum((t[1] for t in timed), sympy.Integer(0))
         exposed, _ = comm_terms(program, step_program(rank), device, forward, backward)

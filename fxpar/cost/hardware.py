@@ -24,6 +24,14 @@ FLOPs and bytes:
   counts them (on the CPU 9 us, measured on a transformer block: `cost.calibrate`). GPU
   default 5 us, the order of a CUDA launch seen from Python; as a GPU launches while earlier
   kernels run, adding it is pessimistic there unless the ops are tiny;
+* `kernel_launch` and `fused_bandwidth`: under `compile=inductor` a rank's graphs run as
+  Inductor's kernels (`cost.fused_kernels`), with no autograd or dispatcher between them: each
+  kernel pays `kernel_launch` (default 5 us, the order of a launch from Inductor's Python
+  wrapper) instead of `op_overhead`, and each fused kernel streams its bytes at
+  `fused_bandwidth`, by default the copy bandwidth (`memory_bandwidth`): a fused kernel reads
+  its inputs and writes its outputs once, as a copy does. Neither is measured yet (on the
+  CPU a compiled step of the small GPT took what an eager one did, 53 ms, where the estimate
+  priced both alike: RESULTS.md);
 * `host_overlap`: whether the device runs its kernels while the host dispatches the next
   ops (a GPU, asynchronous), so that a phase takes the longer of its kernels and its
   per-op overhead rather than their sum (a CPU, which does both on the same cores). False
@@ -93,6 +101,8 @@ class Hardware:
     elementwise_efficiency: float = 1.0  # other ops' share of memory bandwidth
     op_overhead: float = 5e-6  # seconds per forward op and per backward node
     optimizer_tensor_overhead: float = 0.0  # seconds per parameter tensor of an AdamW step
+    kernel_launch: float = 5e-6  # seconds per kernel of a compiled graph (module doc)
+    fused_bandwidth: float | None = None  # bytes/s of Inductor's fused kernels; None: memory_bandwidth
     comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
     bandwidths: dict[str, float] = field(default_factory=dict)  # bytes/s by class of op, where measured
     host_overlap: bool = False  # kernels run while the host dispatches the next ops (module doc)
@@ -139,6 +149,10 @@ class Hardware:
         streamed = sum(b / self.elementwise_bandwidth(kind) for kind, b in other_bytes.items())
         return attention + streamed
 
+    def fused_seconds(self, moved):
+        """Seconds Inductor's fused kernels take to move `moved` bytes (module doc)."""
+        return moved / (self.fused_bandwidth or self.memory_bandwidth)
+
     def shared_by(self, ranks: int) -> Hardware:
         """This device as each of `ranks` ranks sees it when they compute at once on one
         node's `cores` (module doc): compute rates divided and per-op overheads multiplied
@@ -163,6 +177,8 @@ class Hardware:
             bandwidths={k: v / slowdown for k, v in self.bandwidths.items()},
             matmul_tables={k: table.scaled(1 / slowdown) for k, table in self.matmul_tables.items()},
             op_overhead=self.op_overhead * slowdown,
+            kernel_launch=self.kernel_launch * slowdown,
+            fused_bandwidth=self.fused_bandwidth and self.fused_bandwidth / slowdown,
             optimizer_tensor_overhead=self.optimizer_tensor_overhead * slowdown,
             **links,
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sympy
 
 from fxpar.cost.collectives import collective_time, wire_bytes
+from fxpar.cost.compiled_graphs import PartitionedGraphs, recomputed
+from fxpar.cost.fused_kernels import Kernel, kernels
 from fxpar.cost.hardware import Hardware
 from fxpar.ir.step_program import Compute, StepProgram
 from fxpar.ir.symbols import BATCH
@@ -38,6 +40,40 @@ def piece_seconds(piece, plan, device: Hardware, precision: str):
         + dense(piece.recompute_shapes),
         piece.recompute_ops * overhead)
     return forward, backward, weight, recompute
+
+
+def compiled_piece_seconds(graphs: PartitionedGraphs, readable, plan, device: Hardware, precision: str):
+    """`piece_seconds` under `compile=inductor`: forward, backward, weight-gradient and
+    recompute seconds of one compiled module (its partitioned `graphs`, sizes read through
+    `readable`, the capture's symbols) over this rank's share of the batch, from the kernels
+    Inductor runs (`cost.fused_kernels`): each dense matmul at its shape, attention at the
+    attention rate, fused kernels' bytes at `Hardware.fused_seconds`, an op Inductor cannot
+    generate at the copy bandwidth, and `kernel_launch` per kernel. The recomputation of
+    checkpoint regions is part of the compiled backward: its kernels (those whose every op a
+    region tags) are `recompute`, the rest `backward`. No weight gradients run apart (a split
+    schedule is not compiled)."""
+    backward = kernels(graphs.backward, readable, recomputed)
+    return (_kernel_seconds(kernels(graphs.forward, readable), plan, device, precision),
+            _kernel_seconds([k for k in backward if not k.recomputed], plan, device, precision),
+            sympy.Integer(0),
+            _kernel_seconds([k for k in backward if k.recomputed], plan, device, precision))
+
+
+def _kernel_seconds(found: list[Kernel], plan, device: Hardware, precision: str):
+    """Seconds of `found`, kernels of one compiled graph, per step on one rank: each
+    microbatch runs them all over its share of the batch."""
+    shapes: dict[tuple, int] = {}
+    for kernel in found:
+        if kernel.kind == "dense":
+            shapes[kernel.shape] = shapes.get(kernel.shape, 0) + 1
+    attention = sum((k.attention_flops for k in found), sympy.Integer(0))
+    fused = sum((k.bytes for k in found if k.kind == "fused"), sympy.Integer(0))
+    extern = sum((k.bytes for k in found if k.kind == "extern"), sympy.Integer(0))
+    streamed = (attention / device.attention_rate(precision) + device.fused_seconds(fused)
+                + extern / device.elementwise_bandwidth("copy")) / plan.dp
+    launches = len(found) * plan.microbatches * sympy.Float(device.kernel_launch)
+    together = sympy.Max if device.host_overlap else sympy.Add  # (`Hardware.host_overlap`)
+    return together(streamed + dense_seconds(shapes, plan, device, precision), launches)
 
 
 def dense_seconds(shapes, plan, device: Hardware, precision: str):

@@ -19,8 +19,9 @@ candidate. A candidate whose batch cannot split `dp x mb` ways is left out here;
 rule (heads divisible by tp, blocks by the stages, ...) is the plan's and the compiler's own,
 and the search reports the candidates they refuse with their reasons.
 
-Compiled mode is not searched: its time is priced as eager mode's until the cost model prices
-fused kernels (issue #32, item 2), so the search could not tell the two apart.
+Compiled mode is priced (`cost.fused_kernels`) but not searched unless the caller fixes it
+(`fixed="compile=inductor"`): pricing it partitions each distinct rank module with Inductor,
+seconds each, which would multiply a search's time several-fold.
 """
 
 from __future__ import annotations
