@@ -78,17 +78,27 @@ def kernels(graph: fx.GraphModule, readable: Callable[[object], sympy.Expr],
             recomputed: Callable[[fx.Node], bool] = lambda node: False) -> list[Kernel]:
     """The kernels `graph` runs (module doc), sizes as formulas through `readable` (the
     capture's symbols); `recomputed(node)` tells an op activation checkpointing runs again."""
-    nodes = [n for n in graph.graph.nodes if _launches(n) or _is_view(n)]
-    depth = extern_depth(graph)
-    group = _fused_groups(nodes, depth)
-    found = [_extern(n, readable, recomputed(n)) for n in nodes if _launches(n) and n not in group]
-    members: dict[int, list[fx.Node]] = {}
-    for node, root in group.items():
-        members.setdefault(root, []).append(node)
-    for run in members.values():
-        moved = _fused_bytes(set(run), readable)
+    externs, runs = _kernel_runs(graph)
+    found = [_extern(n, readable, recomputed(n)) for n in externs]
+    for run in runs:
+        moved = _fused_bytes(run, readable)
         found.append(Kernel("fused", moved, recomputed=all(recomputed(n) for n in run)))
     return found
+
+
+def _kernel_runs(graph: fx.GraphModule) -> tuple[list[fx.Node], list[set[fx.Node]]]:
+    """The extern kernels of `graph` in order, and its fused kernels, each the set of its ops."""
+    nodes = [n for n in graph.graph.nodes if _launches(n) or _is_view(n)]
+    group = _fused_groups(nodes, extern_depth(graph))
+    members: dict[int, set[fx.Node]] = {}
+    for node, root in group.items():
+        members.setdefault(root, set()).add(node)
+    return [n for n in nodes if _launches(n) and n not in group], list(members.values())
+
+
+def _values(node: fx.Node) -> list[fx.Node]:
+    """The nodes holding `node`'s tensors: itself, or the getitems of an op returning several."""
+    return [node] if _tensor(node) is not None else [u for u in node.users if u.target is operator.getitem]
 
 
 def extern_depth(graph: fx.GraphModule) -> dict[fx.Node, int]:
@@ -138,18 +148,20 @@ def _fused_bytes(run: set[fx.Node], readable) -> sympy.Expr:
     read: dict[fx.Node, sympy.Expr] = {}
     for node in run:
         for arg in node.all_input_nodes:
-            base = arg
-            while _is_view(base):
-                base = base.all_input_nodes[0]
+            base = storage(arg)
             if base not in run and _tensor(arg) is not None:
                 read[base] = sympy.Min(_bytes(arg, readable), _bytes(base, readable)) if base is not arg \
                     else _bytes(arg, readable)
-    written = sympy.Integer(0)
-    for node in run:
-        values = [node] if _tensor(node) is not None else [u for u in node.users if u.target is operator.getitem]
-        written += sum((_bytes(v, readable) for v in values if any(_outside(u, run) for u in v.users)),
-                       sympy.Integer(0))
+    written = sum((_bytes(v, readable) for node in run for v in _values(node)
+                   if any(_outside(u, run) for u in v.users)), sympy.Integer(0))
     return sum(read.values(), sympy.Integer(0)) + written
+
+
+def storage(node: fx.Node) -> fx.Node:
+    """The node whose allocation `node`'s value lives in: through views to their base."""
+    while _is_alias(node):
+        node = node.all_input_nodes[0]
+    return node
 
 
 def _outside(user: fx.Node, run: set[fx.Node]) -> bool:
@@ -227,8 +239,11 @@ def _returns_tensors(node: fx.Node) -> bool:
 
 def _is_view(node: fx.Node) -> bool:
     """A view, or one value of an op returning several: no kernel of its own."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        return True
+    return (node.op == "call_function" and node.target is operator.getitem) or _is_alias(node)
+
+
+def _is_alias(node: fx.Node) -> bool:
+    """A view of its input's storage."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
             and node.target.overloadpacket in _VIEWS)
 

@@ -72,6 +72,17 @@ def test_a_view_between_two_ops_does_not_split_their_kernel():
     assert found[0].bytes == (ROWS * WIDTH + ROWS) * FP32
 
 
+def test_a_value_of_an_op_returning_several_is_read_at_its_own_size():
+    def normalised_product(x, w):
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True)  # one kernel, writes var
+        return (x @ w) * var  # behind the matmul: reads the product and var
+
+    found = _kernels(normalised_product, (ROWS, WIDTH), (WIDTH, WIDTH))
+    first, second = sorted((k for k in found if k.kind == "fused"), key=lambda k: k.bytes)
+    assert first.bytes == (ROWS * WIDTH + ROWS) * FP32
+    assert second.bytes == (2 * ROWS * WIDTH + ROWS) * FP32
+
+
 @pytest.fixture(scope="module")
 def gpt():
     """The model and one capture of it, which every plan here compiles from (so each distinct
