@@ -98,3 +98,13 @@ def test_fixed_fields_hold_in_every_ranked_plan(captured):
                              fixed="zero=1, mb=2")
     assert search.ranked and all(s.plan.zero == 1 and s.plan.microbatches == 2 for s in search.ranked)
     assert search.plan.dp == 2  # ZeRO shards over dp: only dp=2 can hold zero=1
+
+
+def test_compiled_mode_is_searched_when_fixed_and_priced_by_its_kernels(captured):
+    """`fixed="compile=inductor"` searches compiled plans, priced by the kernels Inductor runs
+    (`cost.fused_kernels`): on the h100 profile fewer launches and bytes than eager mode's
+    ops, so the same layout is predicted faster compiled."""
+    fixed = "dp=2, zero=0, compile=inductor, checkpoint=none"
+    search = fxpar.plan_auto(captured, world_size=2, hardware="h100", memory_per_device=AMPLE, fixed=fixed)
+    assert search.plan == Plan(dp=2, compile="inductor")
+    assert search.best.seconds < estimate(captured, Plan(dp=2)).time["total"]
