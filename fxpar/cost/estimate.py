@@ -73,6 +73,7 @@ from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.compiled_graphs import stage_graphs
+from fxpar.cost.fused_kernels import kernels
 from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
@@ -161,6 +162,10 @@ class Estimate:
     # microbatch, the reported rank's boundary transfer; print it for the grid. None without
     # a pipeline.
     pipeline: Simulation | None = None
+    # Under compile=inductor, the kernels the worst rank's compiled graphs run per microbatch
+    # (`cost.fused_kernels`), "forward" and "backward", which its compute is priced by; None in
+    # eager mode, priced per op.
+    kernels: dict[str, int] | None = None
 
     def mfu(self, seconds: float | None = None) -> float:
         """Model FLOPs utilisation of a step taking `seconds` (default: the predicted time)."""
@@ -189,6 +194,9 @@ class Estimate:
             )
         if not self.comm:
             lines.append("  comm                  none")
+        if self.kernels is not None:
+            lines.append(f"  compute priced as     Inductor's kernels: {self.kernels['forward']} forward, "
+                         f"{self.kernels['backward']} backward a microbatch")
         lines.append(f"  MFU at predicted time {100 * self.mfu():.1f}%")
         uncosted = ", ".join(f"{op} x{n}" for op, n in self.uncosted.items()) or "none"
         lines.append(f"  uncosted ops          {uncosted}")
@@ -253,6 +261,7 @@ def estimate(
         peak_flops=device.peak_flops[precision],
         world_size=program.world_size,
         pipeline=pipeline_run,
+        kernels=compiled_kernel_counts(program, rank) if plan.compile == "inductor" else None,
     )
 
 
@@ -331,6 +340,14 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
         largest_bucket=max((b.nbytes for s in mine for b in _buckets(program, s)), default=0),
     )
     return terms
+
+
+def compiled_kernel_counts(program: CompiledProgram, rank: int) -> dict[str, int]:
+    """The kernels `rank`'s compiled graphs run for one microbatch, forward and backward."""
+    readable, mine = program.captured.readable, _holding(program, rank)[1]
+    graphs = [stage_graphs(program, share.stage) for share in mine]
+    return {"forward": sum(len(kernels(g.forward, readable)) for g in graphs),
+            "backward": sum(len(kernels(g.backward, readable)) for g in graphs)}
 
 
 def piece_times(program: CompiledProgram, pieces, device: Hardware, precision: str) -> dict[int, tuple]:

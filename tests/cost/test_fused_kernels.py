@@ -126,7 +126,11 @@ def test_compiled_time_is_its_kernels_and_eager_time_its_ops(gpt):
     assert 0 < compiled.time["compute"] < eager.time["compute"]
     program = _compile(gpt, "dp=2 compile=inductor")
     graphs = module_graphs(program, program.rank_module(0), 0)
-    launched = sum(len(kernels(g, program.captured.readable)) for g in (graphs.forward, graphs.backward))
+    counts = {phase: len(kernels(getattr(graphs, phase), program.captured.readable))
+              for phase in ("forward", "backward")}
+    assert compiled.kernels == counts and eager.kernels is None  # what the report shows
+    assert f"{counts['forward']} forward, {counts['backward']} backward" in compiled.table()
+    launched = sum(counts.values())
     slow = _estimate(gpt, "dp=2 compile=inductor", replace(device, kernel_launch=1e-3))
     extra = launched * (1e-3 - device.kernel_launch)
     assert slow.time["compute"] - compiled.time["compute"] == pytest.approx(extra, rel=1e-9)
