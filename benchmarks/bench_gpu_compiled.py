@@ -159,8 +159,8 @@ def _checks(name: str, runs, readings: dict, torch_compile: float, device) -> li
         seconds, estimate = runs[side].timing.median, reading["estimate"]
         ratio = seconds / torch_run.timing.median
         row(f"{side} / torch.compile step", f"{ratio:.3f}", "<= 1.00", ratio <= 1.0)
-        row(f"{side} MFU (torch.compile's)", f"{estimate.mfu(seconds):.1%} ({estimate.mfu(torch_run.timing.median):.1%})",
-            "aim 50%", None)
+        mfu = f"{estimate.mfu(seconds):.1%} ({estimate.mfu(torch_run.timing.median):.1%})"
+        row(f"{side} MFU (torch.compile's)", mfu, "aim 50%", None)
         row(f"{side} measured / estimated step", f"{seconds / estimate.time['total']:.2f}", "0.9-1.1",
             0.9 <= seconds / estimate.time["total"] <= 1.1)
         compile_ratio = reading["compile_seconds"] / torch_compile
@@ -170,7 +170,8 @@ def _checks(name: str, runs, readings: dict, torch_compile: float, device) -> li
         row(f"{side} losses against torch.compile's", f"{loss:.1e}", f"<= {LOSS_RELATIVE:g}", loss <= LOSS_RELATIVE)
         if reading["peak"] is not None:
             peak = reading["peak"] / estimate.memory["total"]
-            row(f"{side} allocator peak / estimate", f"{peak:.3f}", f"1 +- {PEAK_TARGET:g}", abs(peak - 1) <= PEAK_TARGET)
+            row(f"{side} allocator peak / estimate", f"{peak:.3f}", f"1 +- {PEAK_TARGET:g}",
+                abs(peak - 1) <= PEAK_TARGET)
     return rows
 
 

@@ -263,6 +263,6 @@ def _communicates(target: torch._ops.OpOverload, node: fx.Node) -> bool:
     """A collective or its wait: priced per call by the communication model, not here."""
     if target.namespace in ("_c10d_functional", "c10d_functional"):
         return True
-    return target.namespace == "fxpar" and (
-        target.overloadpacket.__name__ in ("collective_start", "backward_collective") or distributed_op(node) is not None)
+    starts = ("collective_start", "backward_collective")
+    return target.namespace == "fxpar" and (target.overloadpacket.__name__ in starts or distributed_op(node) is not None)
 
