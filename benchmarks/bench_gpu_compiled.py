@@ -27,7 +27,6 @@ smoke run (no peak, no targets).
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,9 @@ import torch._functorch.config
 import torch._inductor.config
 
 import fxpar
-from harness import Side, format_table, run_interleaved, side_by_side_arguments, write_json
+from harness import (
+    Side, bench_device, format_table, run_interleaved, side_by_side_arguments, synchronized, write_json,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -61,15 +62,6 @@ def parse_args():
     parser.add_argument("--hardware", default="h200", help="the estimate's profile")
     parser.set_defaults(steps=10, warmup=3)
     return parser.parse_args()
-
-
-def synchronized(step, device: torch.device):
-    def run(i: int):
-        loss = step(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return float(loss)
-    return run
 
 
 def fxpar_side(model, plan: str, example, batches, args, device):
@@ -166,7 +158,7 @@ def _checks(name: str, runs, readings: dict, torch_compile: float, device) -> li
         compile_ratio = reading["compile_seconds"] / torch_compile
         row(f"{side} compile / torch.compile's", f"{compile_ratio:.2f}", f"<= {COMPILE_TARGET:g}",
             compile_ratio <= COMPILE_TARGET)
-        loss = max(abs(a - b) / abs(b) for a, b in zip(runs[side].losses, torch_run.losses))
+        loss = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(runs[side].losses, torch_run.losses))
         row(f"{side} losses against torch.compile's", f"{loss:.1e}", f"<= {LOSS_RELATIVE:g}", loss <= LOSS_RELATIVE)
         if reading["peak"] is not None:
             peak = reading["peak"] / estimate.memory["total"]
@@ -181,10 +173,7 @@ def main() -> int:
     # (bench_inductor.py does the same).
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    device = bench_device(args.device)
     rows = [r for name in args.shapes for r in bench_shape(name, args, device)]
     print(f"\nfxpar compile=inductor against torch.compile on {device}, torch {torch.__version__}, "
           f"median of {args.steps} steps after {args.warmup} warm-up")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -39,7 +38,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fxpar
 from harness import (
-    GPT_SIZES, Side, format_table, paired_ratio, run_interleaved, side_by_side_arguments, write_json,
+    GPT_SIZES, Side, bench_device, format_table, paired_ratio, run_interleaved, side_by_side_arguments,
+    synchronized, write_json,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -61,16 +61,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hardware", default="h200", help="the estimate's profile (peak memory does not depend on it)")
     parser.set_defaults(steps=20, warmup=3)
     return parser.parse_args()
-
-
-def synchronized(step, device: torch.device):
-    """`step`, returning only once the device has finished its work (so timing it is honest)."""
-    def run(i: int):
-        loss = step(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return loss
-    return run
 
 
 def eager_step(model, optimizer, batches, device: torch.device):
@@ -118,10 +108,7 @@ def fxpar_side(model, example, batches, args, device: torch.device):
 
 def main() -> int:
     args = parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+    device = bench_device(args.device)
     config = MODELS[args.model]
     if args.seq > config.block_size:
         raise SystemExit(f"--seq {args.seq} exceeds the model's block_size {config.block_size}")

@@ -94,6 +94,26 @@ def write_json(path: Path, args, results: list, **extra) -> None:
     }, indent=2))
 
 
+def synchronized(step: Callable[[int], object], device: torch.device) -> Callable[[int], object]:
+    """`step`, returning only once the device has finished its work (so timing it is honest)."""
+    def run(i: int):
+        loss = step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return loss
+    return run
+
+
+def bench_device(name: str) -> torch.device:
+    """The device `--device name` means for this rank: a GPU is the rank's own (`LOCAL_RANK`),
+    made current."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    return device
+
+
 def side_by_side_arguments(description: str) -> argparse.ArgumentParser:
     """A parser with the options every side-by-side script takes: --steps, --warmup, --block
     (`run_interleaved`) and --json (`write_json`)."""
