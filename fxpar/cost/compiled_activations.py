@@ -22,14 +22,8 @@ import torch
 import torch.fx as fx
 
 from fxpar.cost.compiled_graphs import PartitionedGraphs
+from fxpar.cost.fused_kernels import storage
 from fxpar.frontend.trace import CapturedGraph
-
-# Ops whose output shares its input's storage: a saved one holds its base's bytes.
-_VIEWS = {
-    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "slice", "select",
-    "unsqueeze", "squeeze", "as_strided", "alias", "diagonal", "unfold",
-}
-
 
 def compiled_saved_bytes(graphs: PartitionedGraphs, captured: CapturedGraph, given: set[str]) -> sympy.Expr:
     """Bytes the compiled forward of a module (its partitioned `graphs`) keeps for backward
@@ -41,7 +35,7 @@ def compiled_saved_bytes(graphs: PartitionedGraphs, captured: CapturedGraph, giv
     for node in saved:
         if not (isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)):
             continue  # the sizes the backward reads
-        base = _base(node)
+        base = storage(node)  # a saved view holds its base's bytes
         if base.op == "placeholder":
             index = primals.index(base) - graphs.state
             if index < 0 or graphs.placeholders[index] in given:
@@ -62,8 +56,3 @@ def _rng_state_bytes(device: torch.device) -> int:
     partitioner leaves its size symbolic (unknown until run)."""
     return torch.get_rng_state().numel() if device.type == "cpu" else 16
 
-
-def _base(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in _VIEWS:
-        node = node.args[0]
-    return node

@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxpar.cost.fused_kernels import Kernel, kernels
 from fxpar.cost.input_pieces import Pieces, boundary_pieces, piece_values
 from fxpar.cost.memo import memoised, module_key
 from fxpar.ir import meta
@@ -98,6 +99,13 @@ def partitioned_graphs(module: fx.GraphModule, axes: dict[str, PlannedAxis],
         returned=len(torch.utils._pytree.tree_leaves(module.graph.output_node().args[0])),
         device=next(i.device for i in inputs if isinstance(i, torch.Tensor)),
     )
+
+
+def graph_kernels(graphs: PartitionedGraphs, readable) -> tuple[list[Kernel], list[Kernel]]:
+    """The kernels of the forward and of the backward (`cost.fused_kernels`; the backward's
+    recomputed ones marked), read once per partition (memoised with its forward graph)."""
+    return memoised(graphs.forward, "kernels", lambda: (
+        kernels(graphs.forward, readable), kernels(graphs.backward, readable, recomputed)))
 
 
 def recomputed(node: fx.Node) -> bool:

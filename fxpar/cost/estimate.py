@@ -72,8 +72,7 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
-from fxpar.cost.compiled_graphs import stage_graphs
-from fxpar.cost.fused_kernels import kernels
+from fxpar.cost.compiled_graphs import graph_kernels, stage_graphs
 from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
@@ -345,9 +344,8 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
 def compiled_kernel_counts(program: CompiledProgram, rank: int) -> dict[str, int]:
     """The kernels `rank`'s compiled graphs run for one microbatch, forward and backward."""
     readable, mine = program.captured.readable, _holding(program, rank)[1]
-    graphs = [stage_graphs(program, share.stage) for share in mine]
-    return {"forward": sum(len(kernels(g.forward, readable)) for g in graphs),
-            "backward": sum(len(kernels(g.backward, readable)) for g in graphs)}
+    read = [graph_kernels(stage_graphs(program, share.stage), readable) for share in mine]
+    return {"forward": sum(len(forward) for forward, _ in read), "backward": sum(len(backward) for _, backward in read)}
 
 
 def piece_times(program: CompiledProgram, pieces, device: Hardware, precision: str) -> dict[int, tuple]:

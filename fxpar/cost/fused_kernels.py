@@ -28,15 +28,15 @@ transformer block where it can be). Views and shape arithmetic are free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from collections.abc import Callable
-
 import operator
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx as fx
 
+from fxpar.cost.ops import MATMUL_RULES, cost_of
 from fxpar.ops.distributed import distributed_op
 
 aten = torch.ops.aten
@@ -172,32 +172,30 @@ def _outside(user: fx.Node, run: set[fx.Node]) -> bool:
 
 
 def _extern(node: fx.Node, readable, recomputed: bool) -> Kernel:
+    """An extern kernel: its matmul's (m, k, n) and its attention's FLOPs by `cost.ops`' rules,
+    which eager mode's pricing reads too; any other op's bytes in and out."""
     target, args = _op(node)
     packet = target.overloadpacket
+
+    def shape_of(value: fx.Node) -> tuple[sympy.Expr, ...]:
+        return tuple(readable(d) for d in _tensor(value).shape)
+
     if packet in _DENSE:
-        a, b = args[1:3] if packet in (aten.addmm, aten.baddbmm) else args[:2]
-        (*batch, m, k), n = (readable(d) for d in _tensor(a).shape), readable(_tensor(b).shape[-1])
-        rows = sympy.Mul(*batch) * m if batch else m
-        return Kernel("dense", shape=(rows, k, n), recomputed=recomputed)
+        return Kernel("dense", shape=cost_of(node, shape_of).shape, recomputed=recomputed)
     if packet in _ATTENTION_FORWARD or packet in _ATTENTION_BACKWARD:
         backward = packet in _ATTENTION_BACKWARD
-        q, k, v = (readable_shape(_tensor(a), readable) for a in args[backward:backward + 3])
-        scores = sympy.Mul(*q[:-1]) * k[-2]
-        flops = 2 * scores * q[-1] + 2 * scores * v[-1]
+        query_key_value = [shape_of(a) for a in args[backward:backward + 3]]
+        flops, _ = MATMUL_RULES[aten.scaled_dot_product_attention](query_key_value, (), ())
         return Kernel("attention", attention_flops=2 * flops if backward else flops, recomputed=recomputed)
     moved = sum((_bytes(a, readable) for a in node.all_input_nodes if _tensor(a) is not None), sympy.Integer(0))
-    return Kernel("extern", moved + (_bytes(node, readable) if _tensor(node) is not None else 0), recomputed=recomputed)
-
-
-def readable_shape(value: torch.Tensor, readable) -> tuple[sympy.Expr, ...]:
-    return tuple(readable(d) for d in value.shape)
+    return Kernel("extern", moved + _bytes(node, readable), recomputed=recomputed)
 
 
 def _bytes(node: fx.Node, readable) -> sympy.Expr:
     value = _tensor(node)
     if value is None:
         return sympy.Integer(0)
-    return sympy.Mul(*readable_shape(value, readable)) * value.element_size()
+    return sympy.Mul(*(readable(d) for d in value.shape)) * value.element_size()
 
 
 def _tensor(node: fx.Node) -> torch.Tensor | None:

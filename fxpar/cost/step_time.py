@@ -9,8 +9,8 @@ from __future__ import annotations
 import sympy
 
 from fxpar.cost.collectives import collective_time, wire_bytes
-from fxpar.cost.compiled_graphs import PartitionedGraphs, recomputed
-from fxpar.cost.fused_kernels import Kernel, kernels
+from fxpar.cost.compiled_graphs import PartitionedGraphs, graph_kernels
+from fxpar.cost.fused_kernels import Kernel
 from fxpar.cost.hardware import Hardware
 from fxpar.ir.step_program import Compute, StepProgram
 from fxpar.ir.symbols import BATCH
@@ -52,8 +52,8 @@ def compiled_piece_seconds(graphs: PartitionedGraphs, readable, plan, device: Ha
     checkpoint regions is part of the compiled backward: its kernels (those whose every op a
     region tags) are `recompute`, the rest `backward`. No weight gradients run apart (a split
     schedule is not compiled)."""
-    backward = kernels(graphs.backward, readable, recomputed)
-    return (_kernel_seconds(kernels(graphs.forward, readable), plan, device, precision),
+    forward, backward = graph_kernels(graphs, readable)
+    return (_kernel_seconds(forward, plan, device, precision),
             _kernel_seconds([k for k in backward if not k.recomputed], plan, device, precision),
             sympy.Integer(0),
             _kernel_seconds([k for k in backward if k.recomputed], plan, device, precision))
