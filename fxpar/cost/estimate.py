@@ -356,7 +356,7 @@ def piece_times(program: CompiledProgram, pieces, device: Hardware, precision: s
     plan = program.plan
     if plan.compile == "inductor":
         readable = program.captured.readable
-        return {id(p): compiled_piece_seconds(stage_graphs(program, p.stage), readable, plan, device, precision)
+        return {id(p): compiled_piece_seconds(p, stage_graphs(program, p.stage), readable, plan, device, precision)
                 for p in pieces}
     return {id(p): piece_seconds(p, plan, device, precision) for p in pieces}
 

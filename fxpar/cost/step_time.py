@@ -42,20 +42,21 @@ def piece_seconds(piece, plan, device: Hardware, precision: str):
     return forward, backward, weight, recompute
 
 
-def compiled_piece_seconds(graphs: PartitionedGraphs, readable, plan, device: Hardware, precision: str):
+def compiled_piece_seconds(piece, graphs: PartitionedGraphs, readable, plan, device: Hardware, precision: str):
     """`piece_seconds` under `compile=inductor`: forward, backward, weight-gradient and
-    recompute seconds of one compiled module (its partitioned `graphs`, sizes read through
-    `readable`, the capture's symbols) over this rank's share of the batch, from the kernels
-    Inductor runs (`cost.fused_kernels`): each dense matmul at its shape, attention at the
+    recompute seconds of one share of the work (`cost.layout`), from the kernels Inductor runs
+    for its compiled module (its partitioned `graphs`, sizes read through `readable`, the
+    capture's symbols; `cost.fused_kernels`): each dense matmul at its shape, attention at the
     attention rate, fused kernels' bytes at `Hardware.fused_seconds`, an op Inductor cannot
     generate at the copy bandwidth, and `kernel_launch` per kernel. The recomputation of
     checkpoint regions is part of the compiled backward: its kernels (those whose every op a
-    region tags) are `recompute`, the rest `backward`. No weight gradients run apart (a split
-    schedule is not compiled)."""
+    region tags) are `recompute`, the rest `backward`. `weight` is the part of `backward` that
+    a split schedule runs as W: the deferred linears' weight-gradient matmuls, which run op by
+    op between the compiled pieces (`runtime.compiled_segments`), priced as in eager mode."""
     forward, backward = graph_kernels(graphs, readable)
     return (_kernel_seconds(forward, plan, device, precision),
             _kernel_seconds([k for k in backward if not k.recomputed], plan, device, precision),
-            sympy.Integer(0),
+            dense_seconds(piece.weight_gradient_shapes, plan, device, precision),
             _kernel_seconds([k for k in backward if k.recomputed], plan, device, precision))
 
 

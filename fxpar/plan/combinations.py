@@ -74,15 +74,6 @@ def check_compiled(plan) -> None:
             field="zero_reduce",
             value=plan.zero_reduce,
         )
-    if plan.schedule == "zb-h1" and plan.pp > 1:
-        raise PlanError(
-            "plan compile=inductor with schedule=zb-h1: the zero-bubble schedule runs each "
-            "backward in two actions, B (input gradients) and later W (weight gradients), and "
-            "a compiled backward computes both at once. Fix: compile=eager, or schedule=1f1b "
-            "with compile=inductor",
-            field="compile",
-            value=plan.compile,
-        )
 
 
 def check_pipeline(plan) -> None:

@@ -36,6 +36,8 @@ import torch._inductor.exc
 import torch.fx as fx
 
 from fxpar.errors import PlanError
+from fxpar.passes.weight_gradients import takes_weight_gradients
+from fxpar.runtime.compiled_segments import compiled_between_deferred_linears
 from fxpar.runtime.step.valid_targets import CountArrival
 
 # What a failed compilation raises: Dynamo's errors (a graph it cannot trace, or a backend
@@ -52,15 +54,20 @@ class CompiledForward:
         self.name = name  # for messages: which of the rank's modules
         from fxpar.runtime.collective_schedule import compile_options  # loads Inductor: only here
 
-        self.compiled = torch.compile(forward, backend="inductor", fullgraph=True,
-                                      options=compile_options(forward, gathers_ahead))
+        def inductor(module: fx.GraphModule) -> torch.nn.Module:
+            return torch.compile(module, backend="inductor", fullgraph=True,
+                                 options=compile_options(module, gathers_ahead))
+
+        # A zero-bubble stage is compiled between its deferred linears (`compiled_segments`).
+        self.compiled = (compiled_between_deferred_linears(forward, inductor)
+                         if takes_weight_gradients(forward) else inductor(forward))
 
     def __call__(self, *inputs: torch.Tensor):
         self.arrival.settle()  # the compiled graph reads the count (module doc)
         try:
             return self.compiled(*inputs)
         except _COMPILE_ERRORS as error:
-            raise PlanError(_message(self.forward, self.name, error), field="compile", value="inductor") from error
+            raise PlanError(_message(self.compiled, self.name, error), field="compile", value="inductor") from error
 
 
 def compiled_forwards(forwards: tuple[fx.GraphModule, ...], arrival: CountArrival, *,
@@ -71,8 +78,8 @@ def compiled_forwards(forwards: tuple[fx.GraphModule, ...], arrival: CountArriva
                  for i, f in enumerate(forwards))
 
 
-def _message(forward: fx.GraphModule, name: str, error: Exception) -> str:
-    node = _failing_node(forward, error)
+def _message(compiled: torch.nn.Module, name: str, error: Exception) -> str:
+    node = _failing_node(compiled, error)
     where = ""
     if node is not None:
         path = _module_path(node)
@@ -83,15 +90,17 @@ def _message(forward: fx.GraphModule, name: str, error: Exception) -> str:
             "Fix: compile=eager, which runs the same graph op by op")
 
 
-def _failing_node(forward: fx.GraphModule, error: Exception) -> fx.Node | None:
-    """The node of `forward` whose line of generated code Dynamo's stack last passes through
-    (`torch.fx` maps a line, counted from the code's prologue, to the node's index)."""
-    filename = type(forward).forward.__code__.co_filename  # "<eval_with_key>.N", this module's own
-    lines, start = getattr(forward, "_lineno_map", None) or {}, getattr(forward, "_prologue_start", 0)
-    nodes = list(forward.graph.nodes)
+def _failing_node(compiled: torch.nn.Module, error: Exception) -> fx.Node | None:
+    """The node whose line of generated code Dynamo's stack last passes through, in the graph
+    compiled or in one of its pieces (`torch.fx` maps a line, counted from the code's prologue,
+    to the node's index; each GraphModule's code has a file name of its own)."""
+    graphs = {type(m).forward.__code__.co_filename: m for m in compiled.modules() if isinstance(m, fx.GraphModule)}
     for frame in reversed(list(getattr(error, "real_stack", None) or ())):
-        if frame.filename == filename and (index := lines.get(frame.lineno - start)) is not None \
-                and 0 <= index < len(nodes):
+        if (forward := graphs.get(frame.filename)) is None:
+            continue
+        lines, start = getattr(forward, "_lineno_map", None) or {}, getattr(forward, "_prologue_start", 0)
+        nodes = list(forward.graph.nodes)
+        if (index := lines.get(frame.lineno - start)) is not None and 0 <= index < len(nodes):
             return nodes[index]
     return None
 

@@ -21,8 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxpar
 from fxpar.cost.compiled_graphs import module_graphs, recomputed
+from fxpar.cost.estimate import piece_times
 from fxpar.cost.fused_kernels import extern_depth, kernels
 from fxpar.cost.hardware import PROFILES
+from fxpar.cost.layout import shares
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -161,3 +163,17 @@ def test_bf16_mixed_is_partitioned_in_the_dtype_the_graph_computes_in(gpt):
     fp32 = _estimate(gpt, "dp=2 compile=inductor")
     bf16 = _estimate(gpt, "dp=2 precision=bf16-mixed compile=inductor")
     assert bf16.memory["activations"] < 0.75 * fp32.memory["activations"]
+
+
+def test_a_compiled_zero_bubble_stage_runs_its_weight_gradients_apart_priced_as_in_eager_mode(gpt):
+    """Under `schedule=zb-h1 compile=inductor` the deferred linears run op by op between the
+    compiled pieces (`runtime.compiled_segments`): W is their weight-gradient matmuls at
+    eager mode's price, and B the rest of the compiled backward."""
+    compiled, eager = (_compile(gpt, f"pp=2 mb=2 schedule=zb-h1{mode}") for mode in (" compile=inductor", ""))
+    device, sizes = PROFILES["h100"], dict(compiled.captured.example_sizes)
+    timed = [piece_times(p, shares(p), device, "fp32").values() for p in (compiled, eager)]
+    for (_, backward, weight, _), (_, _, eager_weight, _) in zip(*timed, strict=True):
+        assert weight == eager_weight != 0
+        assert float(backward.subs(sizes)) > float(weight.subs(sizes))  # B is what is left
+    one_f_one_b = _compile(gpt, "pp=2 mb=2 compile=inductor").estimate("h100")
+    assert compiled.estimate("h100").time["bubble"] < one_f_one_b.time["bubble"]

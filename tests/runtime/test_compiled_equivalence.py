@@ -3,7 +3,8 @@
 Each rank's forward and backward run as Inductor's C++ kernels on this CPU
 (`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under four
 plans (dp with ZeRO-2, ZeRO-3 with full checkpointing and tp with sp in fp32, a bf16-mixed
-pipeline), each compiled twice (the resized first step, then the training batch), and compares
+zero-bubble pipeline, compiled between its deferred linears: `runtime.compiled_segments`),
+each compiled twice (the resized first step, then the training batch), and compares
 with eager single-device training as the eager plans' tests do (test_data_parallel_equivalence):
 
 * fp32, the same tolerances as eager plans, relative 1e-5. Inductor fuses elementwise chains
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.multirank
 
 FP32 = ["dp=2 zero=2 mb=2 compile=inductor", "dp=2 zero=3 mb=2 checkpoint=full compile=inductor",
         "tp=2 sp=true checkpoint=selective compile=inductor"]
-BF16 = "pp=2 mb=2 precision=bf16-mixed compile=inductor"  # (each plan compiles for minutes on CI's cold cache)
+BF16 = "pp=2 mb=2 schedule=zb-h1 precision=bf16-mixed compile=inductor"  # (each plan compiles for minutes on CI's cold cache)
 
 
 @pytest.fixture(scope="module")

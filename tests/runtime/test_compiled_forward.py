@@ -1,8 +1,9 @@
 """`runtime.compiled_forward` in one process: a second runner of the same program compiles
 from Inductor's on-disk caches, as a restarted job does; what Inductor cannot compile is a
-PlanError that names the node and its module path, with compile=eager as the fix; the plan
-refuses what compiled mode does not cover; verify refuses a compiled plan (it records eager
-values)."""
+PlanError that names the node and its module path, with compile=eager as the fix; a
+zero-bubble stage is compiled between its deferred linears and leaves their weight gradients
+for W; the plan refuses what compiled mode does not cover; verify refuses a compiled plan (it
+records eager values)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ from torch._dynamo.utils import counters
 
 import fxpar
 from fxpar.errors import PlanError, VerifyError
+from fxpar.frontend.trace import capture
+from fxpar.ops import deferred_linear
+from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.plan.plan import Plan
 from fxpar.runtime.compiled_forward import CompiledForward
+from fxpar.runtime.step.weight_gradients import WeightGradientStore
 from fxpar.runtime.step.valid_targets import CountArrival
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
@@ -67,8 +72,47 @@ def test_a_graph_inductor_cannot_compile_names_the_node_and_module():
     assert (caught.value.field, caught.value.value) == ("compile", "inductor")
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return (x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))).square().sum()
+
+
+def test_a_zero_bubble_stage_compiles_between_its_deferred_linears_and_leaves_w_for_later():
+    """The stage of `schedule=zb-h1 compile=inductor` (`runtime.compiled_segments`): the two
+    deferred linears run op by op, the three stretches around them compiled; B leaves the
+    linears' weight gradients in the store, and W gives the gradients one eager backward gives
+    (fp32, each gradient's norm relative 1e-6: Inductor's fused layer norm and GELU sum in
+    another order than ATen's kernels)."""
+    torch.manual_seed(0)
+    stage = defer_weight_gradients(capture(_Block(), (torch.randn(4, 8),)).graph_module)
+    x = torch.randn(4, 8)
+
+    def gradients(forward, weights_apart: set[str]):
+        stage.zero_grad(set_to_none=True)
+        store = WeightGradientStore()
+        with store.collect((0, 0)):
+            forward(x, store).backward()
+        assert {n for n, p in stage.named_parameters() if p.grad is None} == weights_apart  # B
+        store.run((0, 0))  # W
+        return {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+    eager = gradients(stage, {"up.weight", "down.weight"})
+    compiled = CompiledForward(stage, arrival=CountArrival(), name="module 0", gathers_ahead=1)
+    pieces = dict(compiled.compiled.named_children())
+    eager_pieces = [n for n, m in pieces.items() if isinstance(m, fx.GraphModule)]
+    assert [[n.target for n in pieces[name].graph.nodes if n.op == "call_function"] for name in eager_pieces] == \
+        [[deferred_linear.linear]] * 2
+    assert sum(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in pieces.values()) == 3
+    found = gradients(compiled, {"up.weight", "down.weight"})
+    for name, grad in eager.items():
+        assert (found[name] - grad).norm() <= 1e-6 * grad.norm(), name  # (measured 2e-7 at most)
+
+
 @pytest.mark.parametrize(("text", "refused", "fix"), [
-    ("pp=2 mb=2 schedule=zb-h1 compile=inductor", "schedule=zb-h1", "compile=eager"),
     ("dp=2 zero=3 prefetch=2 compile=inductor", "prefetch=2", "prefetch=1"),
     ("dp=2 zero=3 mb=2 zero_reduce=step compile=inductor", "zero=3 zero_reduce=step", "drop zero_reduce"),
 ])
