@@ -37,7 +37,11 @@ Time model, per rank:
   per step hide under the last backward only, those reduced per microbatch each under
   theirs), so what is exposed is, per window, the larger of its last call and the part that
   outlasts the hidden share (all of it when `comm_overlap` is 0, as on the CPU); collectives
-  around the optimizer step are fully exposed;
+  around the optimizer step are fully exposed, and so are tensor parallelism's: the op after
+  Megatron's f or g (or sequence parallelism's gather or reduce-scatter) reads what the call
+  returns, so the runtime waits for it where it is issued (Narayanan et al. 2021 Sec. 3.3),
+  except a backward one under `compile=inductor`, waited for after the weight gradients that
+  do not need it (`runtime.collective_schedule`; `cost.step_time.waits_where_issued`);
 * bubble: with a pipeline, the schedule simulated with each stage's predicted times and one
   boundary transfer between dependent actions on different ranks (`fxpar.schedule.simulation.simulate`);
   the rank's idle time in it (the simulation itself is `Estimate.pipeline`). A schedule that

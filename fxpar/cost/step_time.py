@@ -12,7 +12,7 @@ from fxpar.cost.collectives import collective_time, wire_bytes
 from fxpar.cost.compiled_graphs import PartitionedGraphs, graph_kernels
 from fxpar.cost.fused_kernels import Kernel
 from fxpar.cost.hardware import Hardware
-from fxpar.ir.step_program import Compute, StepProgram
+from fxpar.ir.step_program import Call, Compute, StepProgram
 from fxpar.ir.symbols import BATCH
 
 
@@ -94,16 +94,20 @@ def comm_terms(program, step: StepProgram, device: Hardware, forward, backward):
     # Backward calls hide under the backward they are issued in or after (`backward_windows`).
     windows, backwards = backward_windows(step)
     phase_calls: dict[tuple[str, int], list[sympy.Expr]] = {}
-    for call, window in zip(step.collectives(program.example_sizes), windows):
+    exposed = sympy.Integer(0)
+    for planned, call, window in zip(step.calls(), step.collectives(program.example_sizes), windows, strict=True):
         payload = call.payload_bytes  # in the dtype the call moves (bf16 where bf16 travels)
         n = len(call.group)
         entry = comm.setdefault(call.kind, {"count": 0, "payload_bytes": 0, "wire_bytes": 0})
         entry["count"] += 1
         entry["payload_bytes"] += float(payload)
         entry["wire_bytes"] += float(wire_bytes(call.kind, payload, n))
+        seconds = collective_time(call.kind, payload, n, device.link(call.group))
+        if waits_where_issued(planned, program.plan):
+            exposed += seconds
+            continue
         key = (call.phase, window if call.phase == "backward" else 0)
-        phase_calls.setdefault(key, []).append(collective_time(call.kind, payload, n, device.link(call.group)))
-    exposed = sympy.Integer(0)
+        phase_calls.setdefault(key, []).append(seconds)
     for (phase, _), times in phase_calls.items():
         window = {"forward": forward, "backward": backward / backwards, "step": 0}[phase]
         if device.comm_overlap == 0 or phase == "step":
@@ -111,6 +115,17 @@ def comm_terms(program, step: StepProgram, device: Hardware, forward, backward):
         else:
             exposed += sympy.Max(times[-1], sum(times) - device.comm_overlap * window)
     return exposed, comm
+
+
+def waits_where_issued(call: Call, plan) -> bool:
+    """Whether the compute after `call` waits for it where it is issued, so no compute hides
+    it: a tensor-parallel op's call, whose result the next op reads (Megatron's f and g,
+    sequence parallelism's gathers and reduce-scatters: Narayanan et al. 2021 Sec. 3.3; the
+    eager runtime runs each as a call and its wait), and the step agreement on the tp group.
+    Under `compile=inductor` a backward one is waited for after the work that does not need
+    it (`runtime.collective_schedule`: f's input gradient is all-reduced while the weight
+    gradients are computed), so it may hide as the backward's other calls do."""
+    return call.axis == "tp" and not (plan.compile == "inductor" and call.phase == "backward")
 
 
 def backward_windows(step: StepProgram) -> tuple[list[int], int]:

@@ -239,6 +239,24 @@ def test_comm_overlap_zero_exposes_every_collective(program):
     assert hidden.time["comm_exposed"] < alone
 
 
+def test_tensor_parallel_calls_are_exposed_where_the_runtime_waits_for_them():
+    """The op after Megatron's f or g reads what the call returns, so tp's calls hide under no
+    compute, however much the profile overlaps (h100: dp's buckets hide under backward); under
+    compile=inductor a backward one is waited for after the weight gradients, and may hide."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 32))
+    device = PROFILES["h100"]
+    for plan in ("tp=2", "dp=2 tp=2 sp=true"):
+        eager, compiled = (fxpar.compile(GPT(CONFIG), f"{plan}{mode}", example_inputs=(tokens, tokens))
+                           for mode in ("", " compile=inductor"))
+        tp = [c for c in eager.collectives(0) if c.tag.startswith("tp ") or "on tp" in c.tag]
+        blocking = sum(float(collective_time(c.kind, c.payload_bytes, len(c.group), device.intra_node)) for c in tp)
+        assert tp and eager.estimate(device).time["comm_exposed"] >= blocking * (1 - 1e-9)
+        forward = sum(float(collective_time(c.kind, c.payload_bytes, len(c.group), device.intra_node))
+                      for c in tp if c.phase == "forward")
+        assert forward * (1 - 1e-9) <= compiled.estimate(device).time["comm_exposed"] < blocking
+
+
 def test_a_1024_rank_plan_of_a_meta_model_is_estimated():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_embd=12288, n_head=96, vocab_size=51200, block_size=2048))
