@@ -25,6 +25,7 @@ Partitioning a module takes seconds; every plan that gives a rank the same modul
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -89,7 +90,8 @@ def partitioned_graphs(module: fx.GraphModule, axes: dict[str, PlannedAxis],
         graphs.setdefault("backward" if options.get("is_backward") else "forward", graph)
         return lambda *args: None
 
-    with planned_axes(axes), fake_mode, torch._dynamo.config.patch(fake_tensor_cache_enabled=True):
+    with planned_axes(axes), fake_mode, torch._dynamo.config.patch(fake_tensor_cache_enabled=True), \
+            _backward_lowered_now():
         compile_fx(traced, inputs, inner_compile=keep)
     return PartitionedGraphs(
         forward=graphs["forward"],
@@ -99,6 +101,17 @@ def partitioned_graphs(module: fx.GraphModule, axes: dict[str, PlannedAxis],
         returned=len(torch.utils._pytree.tree_leaves(module.graph.output_node().args[0])),
         device=next(i.device for i in inputs if isinstance(i, torch.Tensor)),
     )
+
+
+def _backward_lowered_now():
+    """AOTAutograd lowers a backward that saves no symbolic size for it lazily, at its first
+    run (a pipeline's last stage under full checkpointing): make it lower the backward inside
+    `compile_fx`, where `keep` sees it."""
+    import torch._functorch.config as aot_config
+
+    if hasattr(aot_config, "force_non_lazy_backward_lowering"):
+        return aot_config.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
 
 
 def graph_kernels(graphs: PartitionedGraphs, readable) -> tuple[list[Kernel], list[Kernel]]:

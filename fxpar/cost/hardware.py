@@ -32,6 +32,12 @@ FLOPs and bytes:
   its inputs and writes its outputs once, as a copy does. Neither is measured yet (on the
   CPU a compiled step of the small GPT took what an eager one did, 53 ms, where the estimate
   priced both alike: RESULTS.md);
+* `compile_pays`: whether Inductor's kernels run a step faster than eager ops on this device,
+  so that the planner prices `compile=inductor` variants of its fastest plans
+  (`planner.search`). True by default: on an H200 torch.compile of GPT-2 124M ran 35.5 ms a
+  step against eager's 51.7 (shared/measurements/h200-2026-12-04). False for the CPU: a
+  compiled step of the small GPT took what an eager one did (53.5 against 54.1 ms,
+  RESULTS.md), compiling takes minutes, and it needs a C++ compiler;
 * `host_overlap`: whether the device runs its kernels while the host dispatches the next
   ops (a GPU, asynchronous), so that a phase takes the longer of its kernels and its
   per-op overhead rather than their sum (a CPU, which does both on the same cores). False
@@ -104,6 +110,7 @@ class Hardware:
     kernel_launch: float = 5e-6  # seconds per kernel of a compiled graph (module doc)
     fused_bandwidth: float | None = None  # bytes/s of Inductor's fused kernels; None: memory_bandwidth
     comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
+    compile_pays: bool = True  # the planner searches compile=inductor (module doc)
     bandwidths: dict[str, float] = field(default_factory=dict)  # bytes/s by class of op, where measured
     host_overlap: bool = False  # kernels run while the host dispatches the next ops (module doc)
     optimizer_bytes_per_parameter: float | None = None  # Adam's b where measured (`cost.optimizer`)
@@ -223,4 +230,5 @@ NOMINAL_CPU = Hardware(
     op_overhead=9e-6,  # per op as op_counts counts them, measured 9 us on a block (cost.calibrate)
     optimizer_tensor_overhead=20e-6,  # torch's for-loop AdamW, measured 17-29 us
     comm_overlap=0.0,
+    compile_pays=False,  # a compiled step took what an eager one did (module doc)
 )

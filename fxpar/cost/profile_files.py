@@ -77,7 +77,7 @@ def load_profile(path: str | Path) -> Hardware:
                              f'"wait": seconds), got {link!r}')
         given[name] = Link(**{k: _number(path, f"{name}.{k}", v) for k, v in link.items()})
     for name, value in given.items():
-        if name in _LINKS or name in ("name", "measured", "cores", "host_overlap", "matmul_tables", *_TABLES) \
+        if name in _LINKS or name in ("name", "measured", "cores", "host_overlap", "compile_pays", "matmul_tables", *_TABLES) \
                 or value is None:
             continue
         given[name] = _number(path, name, value)

@@ -14,6 +14,7 @@ shares make them all choose the same plan (as gradient-bucket sizes, `cost.profi
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -56,8 +57,17 @@ def search_plans(
     def evaluate(plan: Plan) -> Scored:
         return priced(compile_plan, captured, plan, hardware=hardware, device=device, optimizer=optimizer)
 
+    # Compiled mode, where it pays (`Hardware.compile_pays`) and the caller left it open: the
+    # fastest plans compiled by Inductor, priced by the kernels it runs (`cost.fused_kernels`).
+    compiled = device.compile_pays and "compile" not in space.fixed
     return search(space, hardware=device.name, budget_bytes=memory_budget(memory_per_device, world_size=world_size),
-                  bound=bound, evaluate=evaluate)
+                  bound=bound, evaluate=evaluate, variant=compiled_variant if compiled else None)
+
+
+def compiled_variant(plan: Plan) -> Plan:
+    """`plan` under `compile=inductor`; the plan's PlanError where compiled mode does not
+    cover it (`plan.combinations.check_compiled`)."""
+    return dataclasses.replace(plan, compile="inductor")
 
 
 def priced(compile_plan, captured: CapturedGraph, plan: Plan, *, hardware: str, device: Hardware,

@@ -17,8 +17,11 @@ Each candidate passes four filters, cheapest first, and the first that refuses i
                            PlanError (heads that tp does not divide, too few blocks for the
                            stages) or its predicted peak over the budget
 
-The survivors are ranked by predicted step time, then peak memory. This module knows nothing
-of how a plan is compiled or priced: the caller passes `bound` and `evaluate`
+The survivors are ranked by predicted step time, then peak memory. Given a `variant` (a plan
+to price beside each of the fastest: `compile=inductor`, where the hardware's profile says
+compiling pays), the `VARIANTS_PRICED` fastest survivors' variants are priced too, through
+the same filters, and ranked with the rest. This module knows nothing of how a plan is
+compiled or priced: the caller passes `bound`, `evaluate` and `variant`
 (`fxpar.compiler.program.plan_auto`), so the search is the same whatever the cost model is.
 """
 
@@ -35,6 +38,9 @@ from fxpar.plan.text import FIELDS, text_of
 from fxpar.planner.space import SearchSpace, memory_trade
 
 FILLED_IN_WHEN_NOTHING_FITS = 8  # plans refused by the bound, compiled to name the least peak
+# Survivors whose `variant` is priced too: a compiled variant costs a partition of each of its
+# distinct modules by Inductor (seconds), and the layouts that lead eager mode lead compiled.
+VARIANTS_PRICED = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,9 +136,11 @@ def search(
     budget_bytes: float | None,
     bound: Callable[[Plan], float],
     evaluate: Callable[[Plan], Scored],
+    variant: Callable[[Plan], Plan] | None = None,
 ) -> PlanSearch:
-    """Every candidate of `space` filtered and ranked (module doc); a PlanError when none fits,
-    naming the least memory a candidate needs and that candidate."""
+    """Every candidate of `space` filtered and ranked, and the fastest ones' `variant`s
+    (module doc); a PlanError when none fits, naming the least memory a candidate needs and
+    that candidate."""
     started = time.perf_counter()
     ranked: list[Scored] = []
     rejected: list[Rejected] = []
@@ -168,9 +176,32 @@ def search(
                 rejected = [r for r in rejected if r.plan != outcome.plan] + [outcome]
         raise _nothing_fits(space, budget_bytes, rejected)
     ranked.sort(key=lambda s: (s.seconds, s.peak_bytes))
+    if variant is not None:
+        for outcome in _variants(ranked[:VARIANTS_PRICED], variant, bound, evaluate, budget_bytes):
+            (ranked if isinstance(outcome, Scored) else rejected).append(outcome)
+        ranked.sort(key=lambda s: (s.seconds, s.peak_bytes))
     return PlanSearch(world_size=space.world_size, hardware=hardware, budget_bytes=budget_bytes,
                       ranked=tuple(ranked), rejected=tuple(rejected),
                       seconds=time.perf_counter() - started)
+
+
+def _variants(fastest: list[Scored], variant: Callable[[Plan], Plan], bound: Callable[[Plan], float],
+              evaluate: Callable[[Plan], Scored], budget_bytes: float | None) -> list[Scored | Rejected]:
+    """The `variant` of each of the `fastest`, through the filters a candidate passes: its
+    plan's rules, the memory bound, the cost model (a variant has its own activations)."""
+    outcomes = []
+    for scored in fastest:
+        try:
+            plan = variant(scored.plan)
+        except PlanError as error:
+            outcomes.append(_refused(f"{scored.plan} (its variant)", error))
+            continue
+        if budget_bytes is not None and (least := bound(plan)) > budget_bytes:
+            outcomes.append(Rejected(plan=str(plan), reason="memory", peak_bytes=least, bound=True,
+                                     message=f"holds at least {si(least, 'B')} of model state"))
+            continue
+        outcomes.append(_priced(plan, evaluate, budget_bytes))
+    return outcomes
 
 
 def _priced(plan: Plan, evaluate: Callable[[Plan], Scored], budget_bytes: float | None) -> Scored | Rejected:

@@ -19,9 +19,11 @@ candidate. A candidate whose batch cannot split `dp x mb` ways is left out here;
 rule (heads divisible by tp, blocks by the stages, ...) is the plan's and the compiler's own,
 and the search reports the candidates they refuse with their reasons.
 
-Compiled mode is priced (`cost.fused_kernels`) but not searched unless the caller fixes it
-(`fixed="compile=inductor"`): pricing it partitions each distinct rank module with Inductor,
-seconds each, which would multiply a search's time several-fold.
+Compiled mode is not crossed with the rest: pricing it partitions each distinct rank module
+with Inductor, seconds each, which would multiply a search's time several-fold. Where compiling
+pays (`Hardware.compile_pays`: GPUs, not the CPU), the search prices the compiled variant of
+its fastest plans (`planner.search.VARIANTS_PRICED`); `fixed="compile=inductor"` (or `eager`)
+decides it for every candidate.
 """
 
 from __future__ import annotations

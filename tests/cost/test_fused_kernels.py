@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxpar
-from fxpar.cost.compiled_graphs import module_graphs, recomputed
+from fxpar.cost.compiled_graphs import module_graphs, recomputed, stage_graphs
 from fxpar.cost.estimate import piece_times
 from fxpar.cost.fused_kernels import extern_depth, kernels
 from fxpar.cost.hardware import PROFILES
@@ -177,3 +177,13 @@ def test_a_compiled_zero_bubble_stage_runs_its_weight_gradients_apart_priced_as_
         assert float(backward.subs(sizes)) > float(weight.subs(sizes))  # B is what is left
     one_f_one_b = _compile(gpt, "pp=2 mb=2 compile=inductor").estimate("h100")
     assert compiled.estimate("h100").time["bubble"] < one_f_one_b.time["bubble"]
+
+
+def test_a_backward_that_saves_no_symbolic_size_is_partitioned_too(gpt):
+    """AOTAutograd lowers such a backward lazily, at its first run (the last stage of a
+    pipeline under full checkpointing); the partition has it lowered at once, so the plan is
+    priced (it raised a KeyError, and the planner with it)."""
+    program = _compile(gpt, "pp=2 mb=2 checkpoint=full compile=inductor")
+    last = stage_graphs(program, 1)
+    assert any(recomputed(n) for n in last.backward.graph.nodes)
+    assert program.estimate("h100").time["recompute"] > 0

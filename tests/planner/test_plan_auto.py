@@ -1,6 +1,7 @@
 """Tier 2: `fxpar.plan_auto` and `fxpar.compile(model, "auto")` on the example GPT, every
 candidate priced by fxpar's own cost model (`program.estimate()` on the h100 profile)."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 import fxpar
 from fxpar.cost.profiles import hardware_profile
 from fxpar.plan.plan import Plan
+from fxpar.planner.search import VARIANTS_PRICED
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -35,8 +37,22 @@ def estimate(captured, plan):
 
 
 def test_a_model_that_fits_with_room_gets_pure_data_parallelism(ample):
-    assert ample.plan == Plan(dp=2)
-    assert ample.table().splitlines()[1] == "chosen: dp=2"
+    """Compiled by Inductor: on h100 compiling pays (`Hardware.compile_pays`), so the fastest
+    plans' compiled variants are priced too, and run fewer kernels than eager mode's ops."""
+    assert ample.plan == Plan(dp=2, compile="inductor")
+    assert ample.table().splitlines()[1] == "chosen: dp=2 compile=inductor"
+    eager = [s for s in ample.ranked if s.plan.compile == "eager"]
+    assert eager[0].plan == Plan(dp=2) and ample.best.seconds < eager[0].seconds
+    compiled = sorted(str(s.plan) for s in ample.ranked if s.plan.compile == "inductor")
+    assert compiled == sorted(str(dataclasses.replace(s.plan, compile="inductor")) for s in eager[:VARIANTS_PRICED])
+
+
+def test_on_the_cpu_compiled_mode_is_searched_only_when_fixed(captured):
+    """A compiled step on this CPU takes what an eager one does and compiling takes minutes
+    (`Hardware.compile_pays` is False): the cpu profile's search prices no compiled plan."""
+    search = fxpar.plan_auto(captured, world_size=2, hardware="cpu", measured=False, memory_per_device=AMPLE,
+                             fixed="tp=1 pp=1 checkpoint=none")
+    assert search.ranked and all(s.plan.compile == "eager" for s in search.ranked)
 
 
 def test_each_candidate_is_ranked_by_its_own_estimate(captured, ample):

@@ -1,10 +1,12 @@
 """Tier 1: the search's filters, ranking, report and errors (`fxpar.planner.search`), with a
 stand-in cost model so that each rule is seen alone."""
 
+import dataclasses
+
 import pytest
 
 import fxpar
-from fxpar.planner.search import Scored, search
+from fxpar.planner.search import VARIANTS_PRICED, Scored, search
 from fxpar.planner.space import SearchSpace
 
 MB = 1e6
@@ -20,14 +22,14 @@ def toy_price(plan: fxpar.Plan) -> Scored:
     return Scored(plan=plan, seconds=seconds, peak_bytes=peak)
 
 
-def run(budget, evaluate=toy_price, bound=lambda plan: 0.0, space=SPACE):
+def run(budget, evaluate=toy_price, bound=lambda plan: 0.0, space=SPACE, variant=None):
     calls = []
 
     def counted(plan):
         calls.append(str(plan))
         return evaluate(plan)
 
-    return search(space, hardware="toy", budget_bytes=budget, bound=bound, evaluate=counted), calls
+    return search(space, hardware="toy", budget_bytes=budget, bound=bound, evaluate=counted, variant=variant), calls
 
 
 def test_the_fastest_plan_that_fits_is_chosen_and_the_ranking_is_by_time():
@@ -55,6 +57,33 @@ def test_recomputation_and_microbatches_are_not_priced_when_the_plan_without_the
     # Under a budget that dp=4 misses but dp=4 with full recomputation makes, the latter is priced.
     _, calls = run(budget=44 * MB)
     assert "dp=4 checkpoint=full" in calls
+
+
+def test_the_fastest_plans_variants_are_priced_through_the_same_filters():
+    """`variant` (compiled mode, in `planner.auto`) is priced for the VARIANTS_PRICED fastest
+    plans only; a variant its plan's rules refuse, or that misses the budget, is rejected."""
+    def compiled(plan):
+        if plan.pp > 1:
+            raise fxpar.PlanError("plan compile=inductor: not with a pipeline here. Fix: compile=eager",
+                                  field="compile", value="inductor")
+        return dataclasses.replace(plan, compile="inductor")
+
+    def faster_compiled(plan):
+        scored = toy_price(plan)
+        if plan.compile == "inductor":
+            return Scored(plan=plan, seconds=scored.seconds - 0.05, peak_bytes=scored.peak_bytes + (plan.zero == 0) * MB)
+        return scored
+
+    eager, _ = run(budget=None)
+    result, calls = run(budget=None, evaluate=faster_compiled, variant=compiled)
+    assert str(result.plan) == "dp=4 compile=inductor"
+    priced = [c for c in calls if "compile=inductor" in c]
+    assert priced == [f"{s.plan} compile=inductor" for s in eager.ranked[:VARIANTS_PRICED] if s.plan.pp == 1]
+    # Over a budget that the eager dp=4 meets and its compiled variant (1 MB more) does not:
+    budget = eager.best.peak_bytes + 0.5 * MB
+    tight, _ = run(budget=budget, evaluate=faster_compiled, variant=compiled)
+    assert str(tight.plan) != "dp=4 compile=inductor"
+    assert any(r.plan == "dp=4 compile=inductor" and r.reason == "memory" for r in tight.rejected)
 
 
 def test_plan_rules_refuse_candidates_with_their_own_messages():
