@@ -156,9 +156,16 @@ def _with_fake_state(module: fx.GraphModule, fake_mode) -> fx.GraphModule:
 def stage_graphs(program: CompiledProgram, stage: int | None) -> PartitionedGraphs:
     """The partitioned graphs of pipeline stage `stage` (of the whole program for None), as
     the first rank that runs it compiles them."""
+    rank, module = stage_module(program, stage)
+    return module_graphs(program, module, rank)
+
+
+def stage_module(program: CompiledProgram, stage: int | None) -> tuple[int, fx.GraphModule]:
+    """The first rank that runs pipeline stage `stage` (the whole program for None), and its
+    module of it."""
     if stage is None:
-        return module_graphs(program, program.rank_module(0), 0)
+        return 0, program.rank_module(0)
     pp = program.schedule.rank_of(stage)
     rank = program.mesh.rank_of(dp=0, pp=pp, tp=0)
     held = [s.index for s in program.stages if program.schedule.rank_of(s.index) == pp]
-    return module_graphs(program, program.stage_modules(rank)[held.index(stage)], rank)
+    return rank, program.stage_modules(rank)[held.index(stage)]

@@ -76,12 +76,13 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
-from fxpar.cost.compiled_graphs import graph_kernels, stage_graphs
+from fxpar.cost.compiled_graphs import graph_kernels, stage_graphs, stage_module
 from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
+from fxpar.runtime.compiled_segments import compiled_calls
 from fxpar.schedule.simulation import Simulation, simulate
 
 
@@ -360,7 +361,8 @@ def piece_times(program: CompiledProgram, pieces, device: Hardware, precision: s
     plan = program.plan
     if plan.compile == "inductor":
         readable = program.captured.readable
-        return {id(p): compiled_piece_seconds(p, stage_graphs(program, p.stage), readable, plan, device, precision)
+        return {id(p): compiled_piece_seconds(p, stage_graphs(program, p.stage), readable, plan, device, precision,
+                                              compiled_calls(stage_module(program, p.stage)[1]))
                 for p in pieces}
     return {id(p): piece_seconds(p, plan, device, precision) for p in pieces}
 

@@ -107,7 +107,7 @@ def extern_depth(graph: fx.GraphModule) -> dict[fx.Node, int]:
     depth: dict[fx.Node, int] = {}
     for node in graph.graph.nodes:
         before = max((depth[a] for a in node.all_input_nodes), default=0)
-        depth[node] = before + (_launches(node) and not _fusible(node))
+        depth[node] = before + (_launches(node) and not fusible(node))
     return depth
 
 
@@ -123,7 +123,7 @@ def _fused_groups(nodes: list[fx.Node], depth: dict[fx.Node, int]) -> dict[fx.No
         return node
 
     for node in nodes:
-        if not _fusible(node):
+        if not fusible(node):
             continue
         parent[node] = node
         for source in _producers(node):
@@ -246,7 +246,7 @@ def _is_alias(node: fx.Node) -> bool:
             and node.target.overloadpacket in _VIEWS)
 
 
-def _fusible(node: fx.Node) -> bool:
+def fusible(node: fx.Node) -> bool:
     """Generated code: an aten or prims op that is not an extern kernel (module doc)."""
     if not _launches(node):
         return False

@@ -31,7 +31,11 @@ FLOPs and bytes:
   `fused_bandwidth`, by default the copy bandwidth (`memory_bandwidth`): a fused kernel reads
   its inputs and writes its outputs once, as a copy does. Neither is measured yet (on the
   CPU a compiled step of the small GPT took what an eager one did, 53 ms, where the estimate
-  priced both alike: RESULTS.md);
+  priced both alike: RESULTS.md). Each call of a compiled graph, forward or backward, also
+  pays `compiled_call` on the host (Dynamo's guards, AOTAutograd's wrapper and its autograd
+  node): on this project's CPU a forward and backward of a compiled two-op graph took 209 us
+  against 52 us eager, so about 80 us a call; it counts where a step makes many calls (a
+  zero-bubble stage, compiled between its linears: `runtime.compiled_segments`);
 * `compile_pays`: whether Inductor's kernels run a step faster than eager ops on this device,
   so that the planner prices `compile=inductor` variants of its fastest plans
   (`planner.search`). True by default: on an H200 torch.compile of GPT-2 124M ran 35.5 ms a
@@ -108,6 +112,7 @@ class Hardware:
     op_overhead: float = 5e-6  # seconds per forward op and per backward node
     optimizer_tensor_overhead: float = 0.0  # seconds per parameter tensor of an AdamW step
     kernel_launch: float = 5e-6  # seconds per kernel of a compiled graph (module doc)
+    compiled_call: float = 80e-6  # host seconds per call of a compiled graph (module doc)
     fused_bandwidth: float | None = None  # bytes/s of Inductor's fused kernels; None: memory_bandwidth
     comm_overlap: float = 1.0  # share of a phase's compute collectives hide under
     compile_pays: bool = True  # the planner searches compile=inductor (module doc)
@@ -185,6 +190,7 @@ class Hardware:
             matmul_tables={k: table.scaled(1 / slowdown) for k, table in self.matmul_tables.items()},
             op_overhead=self.op_overhead * slowdown,
             kernel_launch=self.kernel_launch * slowdown,
+            compiled_call=self.compiled_call * slowdown,
             fused_bandwidth=self.fused_bandwidth and self.fused_bandwidth / slowdown,
             optimizer_tensor_overhead=self.optimizer_tensor_overhead * slowdown,
             **links,

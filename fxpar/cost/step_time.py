@@ -42,27 +42,32 @@ def piece_seconds(piece, plan, device: Hardware, precision: str):
     return forward, backward, weight, recompute
 
 
-def compiled_piece_seconds(piece, graphs: PartitionedGraphs, readable, plan, device: Hardware, precision: str):
+def compiled_piece_seconds(piece, graphs: PartitionedGraphs, readable, plan, device: Hardware, precision: str,
+                           calls: tuple[int, int] = (1, 0)):
     """`piece_seconds` under `compile=inductor`: forward, backward, weight-gradient and
     recompute seconds of one share of the work (`cost.layout`), from the kernels Inductor runs
     for its compiled module (its partitioned `graphs`, sizes read through `readable`, the
     capture's symbols; `cost.fused_kernels`): each dense matmul at its shape, attention at the
     attention rate, fused kernels' bytes at `Hardware.fused_seconds`, an op Inductor cannot
-    generate at the copy bandwidth, and `kernel_launch` per kernel. The recomputation of
-    checkpoint regions is part of the compiled backward: its kernels (those whose every op a
-    region tags) are `recompute`, the rest `backward`. `weight` is the part of `backward` that
-    a split schedule runs as W: the deferred linears' weight-gradient matmuls, which run op by
-    op between the compiled pieces (`runtime.compiled_segments`), priced as in eager mode."""
+    generate at the copy bandwidth, and `kernel_launch` per kernel. Each forward and backward
+    also pays its host calls (`runtime.compiled_segments.compiled_calls`: compiled graphs at
+    `compiled_call`, ops run op by op at `op_overhead`). The recomputation of checkpoint
+    regions is part of the compiled backward: its kernels (those whose every op a region tags)
+    are `recompute`, the rest `backward`. `weight` is the part of `backward` that a split
+    schedule runs as W: the deferred linears' weight-gradient matmuls, which run op by op
+    between the compiled pieces, priced as in eager mode."""
     forward, backward = graph_kernels(graphs, readable)
-    return (_kernel_seconds(forward, plan, device, precision),
-            _kernel_seconds([k for k in backward if not k.recomputed], plan, device, precision),
+    graphs_called, ops = calls
+    host = plan.microbatches * (graphs_called * sympy.Float(device.compiled_call) + ops * sympy.Float(device.op_overhead))
+    return (_kernel_seconds(forward, plan, device, precision, host),
+            _kernel_seconds([k for k in backward if not k.recomputed], plan, device, precision, host),
             dense_seconds(piece.weight_gradient_shapes, plan, device, precision),
             _kernel_seconds([k for k in backward if k.recomputed], plan, device, precision))
 
 
-def _kernel_seconds(found: list[Kernel], plan, device: Hardware, precision: str):
+def _kernel_seconds(found: list[Kernel], plan, device: Hardware, precision: str, host=sympy.Integer(0)):
     """Seconds of `found`, kernels of one compiled graph, per step on one rank: each
-    microbatch runs them all over its share of the batch."""
+    microbatch runs them all over its share of the batch; `host`: the calls around them."""
     shapes: dict[tuple, int] = {}
     for kernel in found:
         if kernel.kind == "dense":
@@ -72,7 +77,7 @@ def _kernel_seconds(found: list[Kernel], plan, device: Hardware, precision: str)
     extern = sum((k.bytes for k in found if k.kind == "extern"), sympy.Integer(0))
     streamed = (attention / device.attention_rate(precision) + device.fused_seconds(fused)
                 + extern / device.elementwise_bandwidth("copy")) / plan.dp
-    launches = len(found) * plan.microbatches * sympy.Float(device.kernel_launch)
+    launches = len(found) * plan.microbatches * sympy.Float(device.kernel_launch) + host
     together = sympy.Max if device.host_overlap else sympy.Add  # (`Hardware.host_overlap`)
     return together(streamed + dense_seconds(shapes, plan, device, precision), launches)
 

@@ -36,30 +36,67 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from fxpar.cost.fused_kernels import fusible
 from fxpar.ops import deferred_linear
+
+FUSED_AT_LEAST = 2  # ops a stretch must fuse to be compiled (`pieces`)
 
 
 def compiled_between_deferred_linears(
     forward: fx.GraphModule, compile_piece: Callable[[fx.GraphModule], torch.nn.Module],
 ) -> fx.GraphModule:
-    """`forward` cut at its deferred linears (module doc), each piece without one replaced by
-    `compile_piece(piece)`. The pieces read `forward`'s own parameters and buffers, as the
-    top-level graph passes them in (`split_module` keeps `get_attr` where it was)."""
-    stretch = 0
+    """`forward` cut into its `pieces`, each compiled one replaced by `compile_piece(piece)`.
+    The pieces read `forward`'s own parameters and buffers, as the top-level graph passes them
+    in (`split_module` keeps `get_attr` where it was)."""
+    cut_at = pieces(forward.graph)
+    index = {node: i for i, (_, nodes) in enumerate(cut_at) for node in nodes}
+    last = 0
 
     def piece_of(node: fx.Node) -> int:
-        nonlocal stretch
-        if node.target is deferred_linear.linear:
-            stretch += 2  # the linear alone, then a new stretch after it
-            return stretch - 1
-        return stretch
+        nonlocal last
+        last = index.get(node, last)  # (get_attr and sym nodes outside `pieces`: where they are)
+        return last
 
     cut = split_module(forward, forward, piece_of, keep_original_order=True, keep_original_node_name=True)
-    for name, piece in list(cut.named_children()):
-        if isinstance(piece, fx.GraphModule) and not _holds_deferred_linear(piece):
-            setattr(cut, name, compile_piece(piece))
+    compiled = {node.name for fused, nodes in cut_at if fused for node in nodes}
+    for name, module in list(cut.named_children()):
+        if isinstance(module, fx.GraphModule) and any(
+                n.op == "call_function" and n.name in compiled for n in module.graph.nodes):
+            setattr(cut, name, compile_piece(module))
     return cut
 
 
-def _holds_deferred_linear(piece: fx.GraphModule) -> bool:
-    return any(node.target is deferred_linear.linear for node in piece.graph.nodes)
+def pieces(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
+    """A zero-bubble stage's ops in the pieces it runs as, in order: (compiled, ops). A stretch
+    between deferred linears is compiled when it has at least `FUSED_AT_LEAST` ops Inductor
+    generates code for (`cost.fused_kernels.fusible`, the cost model's rule); a stretch of
+    views (between q, k and v) or of one op (a GELU) has nothing to fuse, and runs op by op
+    with the linears around it, sparing a compiled call (`compiled_calls`)."""
+    stretches: list[tuple[bool, list[fx.Node]]] = []
+    stretch: list[fx.Node] = []
+    for node in [*graph.nodes, None]:
+        if node is None or node.target is deferred_linear.linear:
+            stretches.append((sum(map(fusible, stretch)) >= FUSED_AT_LEAST, stretch))
+            if node is not None:
+                stretches.append((False, [node]))
+            stretch = []
+        elif node.op == "call_function":
+            stretch.append(node)
+    merged: list[tuple[bool, list[fx.Node]]] = []
+    for fused, nodes in stretches:
+        if nodes and merged and merged[-1][0] == fused is False:
+            merged[-1][1].extend(nodes)  # op-by-op stretches beside each other run as one piece
+        elif nodes:
+            merged.append((fused, list(nodes)))
+    return merged
+
+
+def compiled_calls(forward: fx.GraphModule) -> tuple[int, int]:
+    """What one forward of a rank's module calls under `compile=inductor`, besides kernels:
+    (compiled graphs, ops run op by op). A module compiled whole: (1, 0). A zero-bubble stage:
+    its compiled pieces, and the ops of the rest (module doc). Its backward calls as many."""
+    if not any(node.target is deferred_linear.linear for node in forward.graph.nodes):
+        return 1, 0
+    cut_at = pieces(forward.graph)
+    return (sum(fused for fused, _ in cut_at),
+            sum(len(nodes) for fused, nodes in cut_at if not fused))

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxpar
-from fxpar.cost.compiled_graphs import module_graphs, recomputed, stage_graphs
+from fxpar.cost.compiled_graphs import module_graphs, recomputed, stage_graphs, stage_module
 from fxpar.cost.estimate import piece_times
 from fxpar.cost.fused_kernels import extern_depth, kernels
 from fxpar.cost.hardware import PROFILES
 from fxpar.cost.layout import shares
+from fxpar.runtime.compiled_segments import compiled_calls
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -168,15 +169,21 @@ def test_bf16_mixed_is_partitioned_in_the_dtype_the_graph_computes_in(gpt):
 def test_a_compiled_zero_bubble_stage_runs_its_weight_gradients_apart_priced_as_in_eager_mode(gpt):
     """Under `schedule=zb-h1 compile=inductor` the deferred linears run op by op between the
     compiled pieces (`runtime.compiled_segments`): W is their weight-gradient matmuls at
-    eager mode's price, and B the rest of the compiled backward."""
+    eager mode's price, B the rest of the compiled backward, and each forward and backward
+    pays a host call per compiled piece and an op's overhead per op run between them."""
     compiled, eager = (_compile(gpt, f"pp=2 mb=2 schedule=zb-h1{mode}") for mode in (" compile=inductor", ""))
     device, sizes = PROFILES["h100"], dict(compiled.captured.example_sizes)
     timed = [piece_times(p, shares(p), device, "fp32").values() for p in (compiled, eager)]
     for (_, backward, weight, _), (_, _, eager_weight, _) in zip(*timed, strict=True):
         assert weight == eager_weight != 0
         assert float(backward.subs(sizes)) > float(weight.subs(sizes))  # B is what is left
-    one_f_one_b = _compile(gpt, "pp=2 mb=2 compile=inductor").estimate("h100")
-    assert compiled.estimate("h100").time["bubble"] < one_f_one_b.time["bubble"]
+    # Each forward and backward pays its calls: the compiled pieces and the ops run between them.
+    quiet = replace(device, compiled_call=0.0, op_overhead=0.0)
+    for share, timed, silent in zip(shares(compiled), timed[0], piece_times(compiled, shares(compiled), quiet, "fp32").values()):
+        pieces, ops = compiled_calls(stage_module(compiled, share.stage)[1])
+        assert pieces >= 2 and ops >= 4  # (a block: its linears, and the views and attention between q, k and v)
+        host = 2 * (pieces * device.compiled_call + ops * device.op_overhead)  # 2 microbatches
+        assert float((timed[0] - silent[0]).subs(sizes)) == pytest.approx(host)
 
 
 def test_a_backward_that_saves_no_symbolic_size_is_partitioned_too(gpt):

@@ -23,6 +23,7 @@ from fxpar.ops import deferred_linear
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.plan.plan import Plan
 from fxpar.runtime.compiled_forward import CompiledForward
+from fxpar.runtime.compiled_segments import compiled_calls
 from fxpar.runtime.step.weight_gradients import WeightGradientStore
 from fxpar.runtime.step.valid_targets import CountArrival
 
@@ -78,15 +79,17 @@ class _Block(torch.nn.Module):
         self.norm, self.up, self.down = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
 
     def forward(self, x):
-        return (x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))).square().sum()
+        hidden = self.up(self.norm(2 * x + 1))
+        return (x + self.down(torch.nn.functional.gelu(hidden))).square().sum()
 
 
 def test_a_zero_bubble_stage_compiles_between_its_deferred_linears_and_leaves_w_for_later():
-    """The stage of `schedule=zb-h1 compile=inductor` (`runtime.compiled_segments`): the two
-    deferred linears run op by op, the three stretches around them compiled; B leaves the
-    linears' weight gradients in the store, and W gives the gradients one eager backward gives
-    (fp32, each gradient's norm relative 1e-6: Inductor's fused layer norm and GELU sum in
-    another order than ATen's kernels)."""
+    """The stage of `schedule=zb-h1 compile=inductor` (`runtime.compiled_segments`): the
+    stretches with something to fuse (2x + 1 and the layer norm; the residual add, square and
+    sum) compiled, the two deferred linears run op by op with the GELU between them, alone in
+    its stretch; B leaves the linears' weight gradients in the store, and W gives the
+    gradients one eager backward gives (fp32, each gradient's norm relative 1e-6: Inductor's
+    fused layer norm sums in another order than ATen's kernel)."""
     torch.manual_seed(0)
     stage = defer_weight_gradients(capture(_Block(), (torch.randn(4, 8),)).graph_module)
     x = torch.randn(4, 8)
@@ -102,11 +105,13 @@ def test_a_zero_bubble_stage_compiles_between_its_deferred_linears_and_leaves_w_
 
     eager = gradients(stage, {"up.weight", "down.weight"})
     compiled = CompiledForward(stage, arrival=CountArrival(), name="module 0", gathers_ahead=1)
-    pieces = dict(compiled.compiled.named_children())
-    eager_pieces = [n for n, m in pieces.items() if isinstance(m, fx.GraphModule)]
-    assert [[n.target for n in pieces[name].graph.nodes if n.op == "call_function"] for name in eager_pieces] == \
-        [[deferred_linear.linear]] * 2
-    assert sum(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in pieces.values()) == 3
+    pieces = list(compiled.compiled.children())
+    kinds = ["compiled" if isinstance(p, torch._dynamo.eval_frame.OptimizedModule) else "eager"
+             for p in pieces if isinstance(p, (fx.GraphModule, torch._dynamo.eval_frame.OptimizedModule))]
+    assert kinds == ["compiled", "eager", "compiled"]
+    between = [n.target for p in pieces if isinstance(p, fx.GraphModule) for n in p.graph.nodes if n.op == "call_function"]
+    assert between == [deferred_linear.linear, torch.ops.aten.gelu.default, deferred_linear.linear]
+    assert compiled_calls(stage) == (2, 3)  # what the estimate prices (`cost.step_time`)
     found = gradients(compiled, {"up.weight", "down.weight"})
     for name, grad in eager.items():
         assert (found[name] - grad).norm() <= 1e-6 * grad.norm(), name  # (measured 2e-7 at most)
