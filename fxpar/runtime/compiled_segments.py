@@ -9,23 +9,25 @@ compiled code cannot call. torch's own pipelining fails on the same point (pytor
 #161904: ZeroBubble schedules with a torch.compiled model), and AReaL turns compilation off for
 its zero-bubble schedules.
 
-So the stage graph is cut at each deferred linear (`torch.fx.passes.split_module`):
+So the stage graph is cut at its deferred linears (`torch.fx.passes.split_module`), into the
+pieces `pieces` lists:
 
-    embedding, layer norm  ->  linear (q)  ->  view, transpose  ->  linear (k)  -> ...
-    [compiled]                 [eager, W]      [compiled]            [eager, W]
+    embedding, add, norm -> q, views, k, views, v, views, attention, o -> add, norm -> up, GELU, down
+    [compiled]              [op by op: the linears record for W]          [compiled]  [op by op]
 
-Each linear is a piece of its own that runs op by op and records for W. Every piece between two
-of them is compiled by Inductor whole (`fullgraph=True`, its own forward and backward), so
-anything Dynamo cannot trace there is still the PlanError of `runtime.compiled_forward`, never a
-silent graph break. The linears' matmuls are extern kernels, where Inductor's fusion stops in a
-graph compiled whole too. So the pieces run the kernels that one compiled graph of the stage
-would run, and the estimate prices that graph, with the W matmuls apart
-(`cost.step_time.compiled_piece_seconds`).
+Each stretch between two linears with at least two ops to fuse is compiled by Inductor whole
+(`fullgraph=True`, its own forward and backward), so anything Dynamo cannot trace there is
+still the PlanError of `runtime.compiled_forward`, never a silent graph break. A stretch with
+nothing to fuse (views, attention, a lone GELU) runs op by op with the linears around it: a
+compiled call costs the host about 80 us (Dynamo's guards, AOTAutograd's wrapper), more than
+the ops it would spare. The linears' matmuls are extern kernels, where Inductor's fusion stops
+in a graph compiled whole too, so the estimate prices the kernels of that graph, with the W
+matmuls apart, and each piece's host call (`compiled_calls`, read by
+`cost.step_time.compiled_piece_seconds`).
 
-What the cut costs: a compiled piece's guards and its own autograd node per stretch (up to
-seven per transformer block). A collective's start and its wait are in one piece, which the
-schedule pass (`runtime.collective_schedule`) orders within that piece: a ZeRO-3 gather is
-issued early only within the stretch that reads it.
+A collective's start and its wait are in one piece, which the schedule pass
+(`runtime.collective_schedule`) orders within that piece: a ZeRO-3 gather is issued early only
+within the stretch that reads it.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def pieces(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
             stretch.append(node)
     merged: list[tuple[bool, list[fx.Node]]] = []
     for fused, nodes in stretches:
-        if nodes and merged and merged[-1][0] == fused is False:
+        if nodes and not fused and merged and not merged[-1][0]:
             merged[-1][1].extend(nodes)  # op-by-op stretches beside each other run as one piece
         elif nodes:
             merged.append((fused, list(nodes)))
