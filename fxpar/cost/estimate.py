@@ -82,7 +82,7 @@ from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
-from fxpar.runtime.compiled_segments import compiled_calls
+from fxpar.cost.compiled_pieces import compiled_calls
 from fxpar.schedule.simulation import Simulation, simulate
 
 

@@ -10,7 +10,7 @@ compiled code cannot call. torch's own pipelining fails on the same point (pytor
 its zero-bubble schedules.
 
 So the stage graph is cut at its deferred linears (`torch.fx.passes.split_module`), into the
-pieces `pieces` lists:
+pieces `cost.compiled_pieces.pieces` lists (the estimate reads the same cut):
 
     embedding, add, norm -> q, views, k, views, v, views, attention, o -> add, norm -> up, GELU, down
     [compiled]              [op by op: the linears record for W]          [compiled]  [op by op]
@@ -22,8 +22,7 @@ nothing to fuse (views, attention, a lone GELU) runs op by op with the linears a
 compiled call costs the host about 80 us (Dynamo's guards, AOTAutograd's wrapper), more than
 the ops it would spare. The linears' matmuls are extern kernels, where Inductor's fusion stops
 in a graph compiled whole too, so the estimate prices the kernels of that graph, with the W
-matmuls apart, and each piece's host call (`compiled_calls`, read by
-`cost.step_time.compiled_piece_seconds`).
+matmuls apart, and each piece's host call (`cost.compiled_pieces.compiled_calls`).
 
 A collective's start and its wait are in one piece, which the schedule pass
 (`runtime.collective_schedule`) orders within that piece: a ZeRO-3 gather is issued early only
@@ -38,10 +37,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from fxpar.cost.fused_kernels import fusible
-from fxpar.ops import deferred_linear
-
-FUSED_AT_LEAST = 2  # ops a stretch must fuse to be compiled (`pieces`)
+from fxpar.cost.compiled_pieces import pieces
 
 
 def compiled_between_deferred_linears(
@@ -66,39 +62,3 @@ def compiled_between_deferred_linears(
                 n.op == "call_function" and n.name in compiled for n in module.graph.nodes):
             setattr(cut, name, compile_piece(module))
     return cut
-
-
-def pieces(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
-    """A zero-bubble stage's ops in the pieces it runs as, in order: (compiled, ops). A stretch
-    between deferred linears is compiled when it has at least `FUSED_AT_LEAST` ops Inductor
-    generates code for (`cost.fused_kernels.fusible`, the cost model's rule); a stretch of
-    views (between q, k and v) or of one op (a GELU) has nothing to fuse, and runs op by op
-    with the linears around it, sparing a compiled call (`compiled_calls`)."""
-    stretches: list[tuple[bool, list[fx.Node]]] = []
-    stretch: list[fx.Node] = []
-    for node in [*graph.nodes, None]:
-        if node is None or node.target is deferred_linear.linear:
-            stretches.append((sum(map(fusible, stretch)) >= FUSED_AT_LEAST, stretch))
-            if node is not None:
-                stretches.append((False, [node]))
-            stretch = []
-        elif node.op == "call_function":
-            stretch.append(node)
-    merged: list[tuple[bool, list[fx.Node]]] = []
-    for fused, nodes in stretches:
-        if nodes and not fused and merged and not merged[-1][0]:
-            merged[-1][1].extend(nodes)  # op-by-op stretches beside each other run as one piece
-        elif nodes:
-            merged.append((fused, list(nodes)))
-    return merged
-
-
-def compiled_calls(forward: fx.GraphModule) -> tuple[int, int]:
-    """What one forward of a rank's module calls under `compile=inductor`, besides kernels:
-    (compiled graphs, ops run op by op). A module compiled whole: (1, 0). A zero-bubble stage:
-    its compiled pieces, and the ops of the rest (module doc). Its backward calls as many."""
-    if not any(node.target is deferred_linear.linear for node in forward.graph.nodes):
-        return 1, 0
-    cut_at = pieces(forward.graph)
-    return (sum(fused for fused, _ in cut_at),
-            sum(len(nodes) for fused, nodes in cut_at if not fused))

@@ -25,7 +25,7 @@ from fxpar.cost.estimate import piece_times
 from fxpar.cost.fused_kernels import extern_depth, kernels
 from fxpar.cost.hardware import PROFILES
 from fxpar.cost.layout import shares
-from fxpar.runtime.compiled_segments import compiled_calls
+from fxpar.cost.compiled_pieces import compiled_calls
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402

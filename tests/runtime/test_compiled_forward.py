@@ -23,7 +23,7 @@ from fxpar.ops import deferred_linear
 from fxpar.passes.weight_gradients import defer_weight_gradients
 from fxpar.plan.plan import Plan
 from fxpar.runtime.compiled_forward import CompiledForward
-from fxpar.runtime.compiled_segments import compiled_calls
+from fxpar.cost.compiled_pieces import compiled_calls
 from fxpar.runtime.step.weight_gradients import WeightGradientStore
 from fxpar.runtime.step.valid_targets import CountArrival
 
