@@ -25,6 +25,11 @@ Two measurements per GPT size and schedule (1F1B, GPipe and ZB-H1, 8 microbatche
    parameters. The sides alternate in blocks (`harness.run_interleaved`); their global losses
    must agree to 1e-4 relative at every step or the script exits 1.
 
+With `--compile` fxpar runs `compile=inductor` against torch's eager schedules (torch's
+pipelining fails on a compiled model under its zero-bubble schedules, pytorch#161904); under
+ZB-H1 fxpar compiles the stretches between each stage's deferred linears
+(`runtime.compiled_segments`).
+
 2. The bubble. More fxpar steps with `runner.record_timeline = True`; both ranks' timelines
    go to rank 0 (`dist.all_gather_object`). A step's time T runs from the earliest action start
    to the latest action end over both ranks; a rank's idle fraction is 1 - busy / T; a step's
@@ -78,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zb-h1"],
                         choices=list(TORCH_SCHEDULES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="fxpar compile=inductor (module doc)")
     args = parser.parse_args()
     if args.bubble_steps < 1:
         parser.error(f"--bubble-steps {args.bubble_steps}: the bubble needs at least one recorded step")
@@ -110,7 +116,7 @@ def bench(name: str, schedule_name: str, args: argparse.Namespace) -> tuple[dict
     torch_model.load_state_dict(copy.deepcopy(model.state_dict()))
     batches = global_batches(config.vocab_size, args.warmup + args.steps, args.seed + 1)
 
-    plan = f"pp=2 mb={args.microbatches} schedule={schedule_name}"
+    plan = f"pp=2 mb={args.microbatches} schedule={schedule_name}" + (" compile=inductor" if args.compile else "")
     program = fxpar.compile(model, plan, example_inputs=batches[0])
     runner = program.bind(timeout=120)
     fx_optimizer = runner.optimizer(torch.optim.AdamW, **OPTIMIZER)
