@@ -77,12 +77,12 @@ from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
 from fxpar.cost.compiled_graphs import graph_kernels, stage_graphs, stage_module
+from fxpar.cost.compiled_pieces import compiled_calls
 from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
-from fxpar.cost.compiled_pieces import compiled_calls
 from fxpar.schedule.simulation import Simulation, simulate
 
 

@@ -50,7 +50,7 @@ def compiled_piece_seconds(piece, graphs: PartitionedGraphs, readable, plan, dev
     capture's symbols; `cost.fused_kernels`): each dense matmul at its shape, attention at the
     attention rate, fused kernels' bytes at `Hardware.fused_seconds`, an op Inductor cannot
     generate at the copy bandwidth, and `kernel_launch` per kernel. Each forward and backward
-    also pays its host calls (`runtime.compiled_segments.compiled_calls`: compiled graphs at
+    also pays its host calls (`cost.compiled_pieces.compiled_calls`: compiled graphs at
     `compiled_call`, ops run op by op at `op_overhead`). The recomputation of checkpoint
     regions is part of the compiled backward: its kernels (those whose every op a region tags)
     are `recompute`, the rest `backward`. `weight` is the part of `backward` that a split
