@@ -76,7 +76,7 @@ from fxpar.cost.memory import model_state_bytes, peak_bytes
 from fxpar.cost.ops import cost_of, exact_draws, op_counts
 from fxpar.cost.optimizer import STEP_COUNTER_BYTES, optimizer_seconds
 from fxpar.cost.profiles import hardware_profile
-from fxpar.cost.compiled_graphs import graph_kernels, stage_graphs, stage_module
+from fxpar.cost.compiled_graphs import graph_kernels, module_graphs, stage_graphs, stage_module
 from fxpar.cost.compiled_pieces import compiled_calls
 from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
@@ -360,10 +360,12 @@ def piece_times(program: CompiledProgram, pieces, device: Hardware, precision: s
     `compile=inductor` (`compiled_piece_seconds`)."""
     plan = program.plan
     if plan.compile == "inductor":
-        readable = program.captured.readable
-        return {id(p): compiled_piece_seconds(p, stage_graphs(program, p.stage), readable, plan, device, precision,
-                                              compiled_calls(stage_module(program, p.stage)[1]))
-                for p in pieces}
+        readable, timed = program.captured.readable, {}
+        for p in pieces:
+            rank, module = stage_module(program, p.stage)
+            timed[id(p)] = compiled_piece_seconds(p, module_graphs(program, module, rank), readable, plan, device,
+                                                  precision, compiled_calls(module))
+        return timed
     return {id(p): piece_seconds(p, plan, device, precision) for p in pieces}
 
 

@@ -157,11 +157,9 @@ def search(
             rejected.append(Rejected(plan=str(plan), reason="dominance", message=(
                 f"'{faster}' fits with less recomputation or fewer microbatches, and is at least as fast")))
             continue
-        least = bound(plan)
-        if budget_bytes is not None and least > budget_bytes:
-            rejected.append(Rejected(plan=str(plan), reason="memory", peak_bytes=least, bound=True,
-                                     message=f"holds at least {si(least, 'B')} of model state"))
-            bounded.append((least, plan))
+        if refused := _over_bound(plan, bound, budget_bytes):
+            rejected.append(refused)
+            bounded.append((refused.peak_bytes, plan))
             continue
         outcome = _priced(plan, evaluate, budget_bytes)
         (ranked if isinstance(outcome, Scored) else rejected).append(outcome)
@@ -196,12 +194,16 @@ def _variants(fastest: list[Scored], variant: Callable[[Plan], Plan], bound: Cal
         except PlanError as error:
             outcomes.append(_refused(f"{scored.plan} (its variant)", error))
             continue
-        if budget_bytes is not None and (least := bound(plan)) > budget_bytes:
-            outcomes.append(Rejected(plan=str(plan), reason="memory", peak_bytes=least, bound=True,
-                                     message=f"holds at least {si(least, 'B')} of model state"))
-            continue
-        outcomes.append(_priced(plan, evaluate, budget_bytes))
+        outcomes.append(_over_bound(plan, bound, budget_bytes) or _priced(plan, evaluate, budget_bytes))
     return outcomes
+
+
+def _over_bound(plan: Plan, bound: Callable[[Plan], float], budget_bytes: float | None) -> Rejected | None:
+    """`plan` refused by the memory bound, or None where the bound leaves it to be priced."""
+    if budget_bytes is None or (least := bound(plan)) <= budget_bytes:
+        return None
+    return Rejected(plan=str(plan), reason="memory", peak_bytes=least, bound=True,
+                    message=f"holds at least {si(least, 'B')} of model state")
 
 
 def _priced(plan: Plan, evaluate: Callable[[Plan], Scored], budget_bytes: float | None) -> Scored | Rejected:
