@@ -11,9 +11,22 @@ MESHES = [Mesh(dp=8), Mesh(dp=2, tp=4), Mesh(dp=2, pp=2, tp=2), Mesh(pp=3, tp=2)
 
 
 def test_axes_are_outermost_first_with_str_values() -> None:
-    assert list(Axis) == [Axis.DP, Axis.PP, Axis.TP]
-    assert [axis.value for axis in Axis] == ["dp", "pp", "tp"]
+    assert list(Axis) == [Axis.DP, Axis.PP, Axis.CP, Axis.TP]
+    assert [axis.value for axis in Axis] == ["dp", "pp", "cp", "tp"]
     assert Axis("tp") is Axis.TP
+
+
+def test_context_parallel_ranks_sit_between_pipeline_and_tensor() -> None:
+    """rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i: a cp group's ranks are tp apart."""
+    mesh = Mesh(dp=2, pp=2, cp=2, tp=2)
+    assert mesh.world_size == 16
+    assert mesh.coord(13) == Coord(dp=1, pp=1, cp=0, tp=1)  # 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
+    assert mesh.group(13, Axis.CP) == (13, 15)
+    assert mesh.group(13, Axis.TP) == (12, 13)
+    assert mesh.group(13, Axis.PP) == (9, 13)
+    assert mesh.group(13, Axis.DP) == (5, 13)
+    assert all(mesh.rank(mesh.coord(r)) == r for r in range(16))
+    assert str(mesh) == "Mesh(dp=2, pp=2, cp=2, tp=2)" and str(Mesh(dp=2)) == "Mesh(dp=2, pp=1, tp=1)"
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
@@ -54,10 +67,10 @@ def test_groups_partition_the_ranks(mesh: Mesh, axis: Axis) -> None:
 
 def test_sizes_and_world_size() -> None:
     mesh = Mesh(dp=2, pp=3, tp=4)
-    assert [mesh.size(axis) for axis in Axis] == [2, 3, 4]
+    assert [mesh.size(axis) for axis in Axis] == [2, 3, 1, 4]
     assert mesh.size("pp") == 3  # type: ignore[arg-type]
     assert mesh.world_size == 24
-    assert [mesh.stride(axis) for axis in Axis] == [12, 4, 1]
+    assert [mesh.stride(axis) for axis in Axis] == [12, 4, 4, 1]
     assert Mesh().world_size == 1
 
 

@@ -112,7 +112,7 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 
 
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
-    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "tp_rules": "auto",
+    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "cp": 1, "tp_rules": "auto",
                 "sequence_parallel": False, "pp": 1, "schedule": "1f1b", "virtual_stages": 1,
                 "split": [], "prefetch": None, "reshard_after_forward": True, "reduce_dtype": "fp32",
                 "checkpoint": "none", "rng": "fast", "zero_reduce": "auto", "compile": "eager", "loss": "full"}
@@ -128,7 +128,7 @@ def test_world_size_is_the_product_of_the_degrees() -> None:
     assert Plan().world_size == 1
     assert Plan(dp=8, microbatches=4).world_size == 8
     plan = Plan(dp=6)
-    assert plan.degrees == {"dp": 6, "pp": 1, "tp": 1}
+    assert plan.degrees == {"dp": 6, "pp": 1, "cp": 1, "tp": 1}
     assert plan.world_size == math.prod(plan.degrees.values())
 
 
@@ -222,7 +222,7 @@ def test_precision_must_be_known() -> None:
 
 def test_tp_multiplies_into_the_world_and_round_trips() -> None:
     plan = Plan.parse("dp=2 tp=4 sp=true")
-    assert plan.world_size == 8 and plan.degrees == {"dp": 2, "pp": 1, "tp": 4}
+    assert plan.world_size == 8 and plan.degrees == {"dp": 2, "pp": 1, "cp": 1, "tp": 4}
     assert str(plan) == "dp=2 tp=4 sp=true" and Plan.parse(str(plan)) == plan
 
 

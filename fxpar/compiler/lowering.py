@@ -165,8 +165,9 @@ def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[St
     return actions
 
 
-# The axes whose ranks must be given one batch: tp's split one model's layers, pp's its depth.
-SAME_BATCH = (Axis.TP, Axis.PP)
+# The axes whose ranks must be given one batch: tp's split one model's layers, pp's its depth,
+# cp's its sequence.
+SAME_BATCH = (Axis.TP, Axis.PP, Axis.CP)
 
 
 def lower_row(program, pp: int, ahead: int, *, per_microbatch: bool
@@ -180,7 +181,10 @@ def lower_row(program, pp: int, ahead: int, *, per_microbatch: bool
         step, optimizer = _single_stage_row(program, per_microbatch)
     else:
         step, optimizer = _pipeline_row(program, pp, ahead, per_microbatch)
-    count_may_ride = program.stages is None and program.plan.zero == 0 and carries_loss(program.buckets)
+    # The count may ride in DDP's first bucket, which divides the gradients and the loss it
+    # carries by it; under cp the loss is summed over cp after the buckets, so it goes ahead.
+    count_may_ride = (program.stages is None and program.plan.zero == 0 and program.plan.cp == 1
+                      and carries_loss(program.buckets))
     return ride_agreements(step, count_may_ride=count_may_ride), optimizer
 
 
@@ -253,7 +257,7 @@ def _single_stage_row(program, per_microbatch: bool) -> tuple[tuple[StepAction, 
         if each:
             actions += bucket_actions(buckets, mesh, zero=zero, carry_loss=False, microbatch=microbatch)
     if zero == 0:  # the loss rides in the last bucket, if that is fp32
-        carry = carries_loss(buckets)
+        carry = carries_loss(buckets) and mesh.cp == 1  # a sum over cp follows dp's
         actions += bucket_actions(buckets, mesh, zero=0, carry_loss=carry)
         actions += partial_gradient_actions(gm, mesh)
         return tuple(actions + ([] if carry else loss_actions(mesh))), ()

@@ -52,6 +52,7 @@ from fxpar.ir.recompute_regions import FULL, SELECTIVE, attention_cores, block_l
 from fxpar.ops.chunked_loss import ROWS
 from fxpar.passes.activation_checkpoint import mark_recomputation
 from fxpar.passes.chunked_loss import chunk_cross_entropy
+from fxpar.passes.context_parallel import split_sequence
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
 from fxpar.passes.infra import GraphPass, pass_name
@@ -98,6 +99,8 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
             sequence_parallel=plan.sequence_parallel, seq=frozenset(captured.export_symbols("seq")),
             gathered_outputs=placements.gathered_outputs, loss_rows=ROWS if plan.loss == "chunked" else None,
         ))
+    if plan.cp > 1:
+        graph.append(_context_parallel(plan, captured))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
     if plan.loss == "chunked":
         graph.append(chunk_cross_entropy)
@@ -123,6 +126,19 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     ))
     per_stage = (defer_weight_gradients, *last) if pipeline.splits_backward else last
     return PassList(graph=tuple(graph), stage=per_stage, schedule=pipeline)
+
+
+def _context_parallel(plan: Plan, captured: CapturedGraph) -> GraphPass:
+    """The sequence split over cp; a PlanError for a model that draws randomness, which cp
+    does not yet draw as one device does."""
+    if draws_randomness(captured.graph_module):
+        raise PlanError(
+            f"plan cp={plan.cp}: this model draws random numbers (dropout), and context "
+            "parallelism does not yet give each rank the draws of its slice of the sequence. "
+            "Fix: set the model's dropout probabilities to 0 (model.eval() keeps them from "
+            "drawing in a Hugging Face model's attention too), or cp=1",
+            field="cp", value=plan.cp)
+    return partial(split_sequence, cp=plan.cp, seq=frozenset(captured.export_symbols("seq")))
 
 
 def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]:

@@ -5,8 +5,8 @@ actions for the gradients and the loss, by ZeRO stage (Rajbhandari et al. 2020):
 
     GRADIENT_BUCKET      a bucket's all-reduce (DDP) or reduce-scatter (ZeRO-1/2), once per
                          step or, ZeRO-2 reducing per microbatch, after each backward
-    PARTIAL_GRADIENTS    replicated parameters' partial tp gradients, summed over tp
-    LOSS                 the step's loss summed over dp, where no bucket carries it
+    PARTIAL_GRADIENTS    replicated parameters' partial gradients, summed over tp or cp
+    LOSS                 the step's loss summed over dp, where no bucket carries it, and cp
     UPDATED_PARAMETERS   ZeRO-1/2, around the optimizer step: each bucket's new values gathered
 
 and, for ZeRO-3, which backward holds its layers' reduce-scatters (`backward_calls`). When
@@ -89,24 +89,31 @@ def optimizer_actions(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, sta
 
 
 def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[StepAction]:
-    """The step's loss summed (dp's divisor first) over dp, where no bucket carries it."""
-    if mesh.dp == 1:
-        return []
-    call = Call(kind="all_reduce", numel=1, dtype=torch.float32, axis="dp", tag="loss", phase=phase)
-    return [Communicate(Purpose.LOSS, (call,))]
+    """The step's loss summed (dp's divisor first) over dp, where no bucket carries it, then
+    over cp, whose ranks each hold the sum over their slice of the sequence."""
+    return [
+        Communicate(Purpose.LOSS, (Call(kind="all_reduce", numel=1, dtype=torch.float32, axis=axis,
+                                        tag="loss" if axis == "dp" else f"{axis} loss", phase=phase),))
+        for axis in ("dp", "cp") if mesh.sizes[axis] > 1
+    ]
 
 
 def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[StepAction]:
-    """The one all-reduce per step (and stage) that completes replicated parameters' partial
-    gradients over tp (`passes.tensor_parallel.rewrite`, settle_parameters_feeding_shards)."""
-    names = meta.partial_gradient_parameters(gm.graph)
-    if mesh.tp == 1 or not names:
-        return []
+    """The one all-reduce per step (and stage) and axis that completes replicated parameters'
+    partial gradients: over tp (`passes.tensor_parallel.rewrite`,
+    settle_parameters_feeding_shards), and over cp, where every trained parameter's gradient
+    is a sum over each rank's slice of the sequence (`passes.context_parallel`)."""
+    actions = []
     nodes = meta.parameter_nodes(gm.graph)
-    numel = sum(local_numel(nodes[n].meta["val"].shape, meta.placements(nodes[n]), mesh.sizes) for n in names)
-    call = Call(kind="all_reduce", numel=numel, dtype=nodes[names[0]].meta["val"].dtype, axis="tp",
-                tag="tp partial parameter gradients", phase="step")
-    return [Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage)]
+    for axis in ("tp", "cp"):
+        names = meta.partial_gradient_parameters(gm.graph, axis)
+        if mesh.sizes[axis] == 1 or not names:
+            continue
+        numel = sum(local_numel(nodes[n].meta["val"].shape, meta.placements(nodes[n]), mesh.sizes) for n in names)
+        call = Call(kind="all_reduce", numel=numel, dtype=nodes[names[0]].meta["val"].dtype, axis=axis,
+                    tag=f"{axis} partial parameter gradients", phase="step")
+        actions.append(Communicate(Purpose.PARTIAL_GRADIENTS, (call,), stage=stage))
+    return actions
 
 
 def backward_calls(calls: tuple[Call, ...], *, last: bool, zero: int, per_microbatch: bool) -> tuple[Call, ...]:

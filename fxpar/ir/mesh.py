@@ -2,17 +2,18 @@
 
 Map of this module:
 
-- `Axis`        the mesh axes, outermost first: data, pipeline, tensor
-- `Coord`       one rank's position on the mesh: `Coord(dp=1, pp=0, tp=1)`
+- `Axis`        the mesh axes, outermost first: data, pipeline, context, tensor
+- `Coord`       one rank's position on the mesh: `Coord(dp=1, pp=0, tp=1)` (`cp=0` by default)
 - `Mesh`        the degrees, with `coord(rank)`, `rank(coord)`, `group(rank, axis)`, `groups(axis)`
 
 No process group is created here: the runtime builds one group per tuple that `groups(axis)`
 returns, so the compiler can reason about rank 517 of a 1024-rank job on a laptop.
 
 Rank order (docs/design.md, "Mesh and ranks") puts tensor parallelism innermost, where links are
-fastest, then pipeline, then data::
+fastest, then context parallelism (its key and value gathers run in every attention layer:
+within a node too, as torchtitan lays cp next to tp), then pipeline, then data::
 
-    rank = (dp_i * pp + pp_i) * tp + tp_i
+    rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
 
 so for `Mesh(dp=2, pp=2, tp=2)`::
 
@@ -40,10 +41,11 @@ if TYPE_CHECKING:
 
 
 class Axis(enum.Enum):
-    """A mesh axis. Iterating over `Axis` gives them outermost first: DP, PP, TP."""
+    """A mesh axis. Iterating over `Axis` gives them outermost first: DP, PP, CP, TP."""
 
     DP = "dp"
     PP = "pp"
+    CP = "cp"
     TP = "tp"
 
 
@@ -54,6 +56,7 @@ class Coord:
     dp: int
     pp: int
     tp: int
+    cp: int = 0  # last, so that a mesh without context parallelism reads as before
 
     def __getitem__(self, axis: Axis) -> int:
         return getattr(self, Axis(axis).value)
@@ -61,7 +64,7 @@ class Coord:
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """`dp * pp * tp` ranks laid out with tensor parallelism innermost.
+    """`dp * pp * cp * tp` ranks laid out with tensor parallelism innermost.
 
     >>> mesh = Mesh(dp=2, tp=4)
     >>> mesh.coord(5), mesh.group(5, Axis.TP), mesh.group(5, Axis.DP)
@@ -71,6 +74,7 @@ class Mesh:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in Axis:
@@ -89,12 +93,12 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        """The number of ranks: `dp * pp * tp`."""
+        """The number of ranks: `dp * pp * cp * tp`."""
         return math.prod(self.size(axis) for axis in Axis)
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Axis name -> degree, `{"dp": 2, "pp": 1, "tp": 2}`: what `placement.local_shape` reads."""
+        """Axis name -> degree, `{"dp": 2, "pp": 1, "cp": 1, "tp": 2}`: what `placement.local_shape` reads."""
         return {axis.value: getattr(self, axis.value) for axis in Axis}
 
     def size(self, axis: Axis) -> int:
@@ -102,18 +106,21 @@ class Mesh:
         return getattr(self, Axis(axis).value)
 
     def stride(self, axis: Axis) -> int:
-        """How far apart in rank two neighbours along `axis` are: tp 1, pp tp, dp pp * tp."""
-        return {Axis.DP: self.pp * self.tp, Axis.PP: self.tp, Axis.TP: 1}[Axis(axis)]
+        """How far apart in rank two neighbours along `axis` are: tp 1, cp tp, pp cp * tp,
+        dp pp * cp * tp."""
+        return {Axis.DP: self.pp * self.cp * self.tp, Axis.PP: self.cp * self.tp, Axis.CP: self.tp,
+                Axis.TP: 1}[Axis(axis)]
 
     def coord(self, rank: int) -> Coord:
-        """Where `rank` sits: the inverse of `rank = (dp_i * pp + pp_i) * tp + tp_i`."""
+        """Where `rank` sits: the inverse of `rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i`."""
         self._check_rank(rank)
         rest, tp_i = divmod(rank, self.tp)
+        rest, cp_i = divmod(rest, self.cp)
         dp_i, pp_i = divmod(rest, self.pp)
-        return Coord(dp=dp_i, pp=pp_i, tp=tp_i)
+        return Coord(dp=dp_i, pp=pp_i, tp=tp_i, cp=cp_i)
 
     def rank(self, coord: Coord) -> int:
-        """The rank at `coord`: `(dp_i * pp + pp_i) * tp + tp_i`."""
+        """The rank at `coord`: `((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i`."""
         for axis in Axis:
             index = coord[axis]
             if not _is_index(index, self.size(axis)):
@@ -121,11 +128,11 @@ class Mesh:
                     f"coordinate {axis.value}={index!r} is outside {self}: it must be an integer "
                     f"in 0..{self.size(axis) - 1}."
                 )
-        return (coord.dp * self.pp + coord.pp) * self.tp + coord.tp
+        return ((coord.dp * self.pp + coord.pp) * self.cp + coord.cp) * self.tp + coord.tp
 
-    def rank_of(self, *, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
-        """`rank(Coord(dp=dp, pp=pp, tp=tp))`, with 0 for the axes left out."""
-        return self.rank(Coord(dp=dp, pp=pp, tp=tp))
+    def rank_of(self, *, dp: int = 0, pp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        """`rank(Coord(dp=dp, pp=pp, tp=tp, cp=cp))`, with 0 for the axes left out."""
+        return self.rank(Coord(dp=dp, pp=pp, tp=tp, cp=cp))
 
     def group(self, rank: int, axis: Axis) -> tuple[int, ...]:
         """The ranks that share every coordinate with `rank` but `axis`, in that axis' order.
@@ -145,18 +152,24 @@ class Mesh:
         )
 
     def describe(self, *, max_ranks: int = 64) -> str:
-        """A text table of rank -> (dp, pp, tp), cut after `max_ranks` rows; for docs and logs."""
+        """A text table of rank -> (dp, pp, tp), and cp where the mesh has it, cut after
+        `max_ranks` rows; for docs and logs."""
         width = max(len(str(self.world_size - 1)), 4)
-        lines = [f"{self}", f"{'rank':>{width}}" + "".join(f"{a.value:>4}" for a in Axis)]
+        axes = self._shown_axes()
+        lines = [f"{self}", f"{'rank':>{width}}" + "".join(f"{a.value:>4}" for a in axes)]
         for rank in range(min(self.world_size, max_ranks)):
             coord = self.coord(rank)
-            lines.append(f"{rank:>{width}}" + "".join(f"{coord[a]:>4}" for a in Axis))
+            lines.append(f"{rank:>{width}}" + "".join(f"{coord[a]:>4}" for a in axes))
         if self.world_size > max_ranks:
             lines.append(f"... (ranks {max_ranks}..{self.world_size - 1} left out)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+        return "Mesh(" + ", ".join(f"{a.value}={self.size(a)}" for a in self._shown_axes()) + ")"
+
+    def _shown_axes(self) -> tuple[Axis, ...]:
+        """dp, pp and tp always; cp where the mesh splits the sequence."""
+        return tuple(a for a in Axis if a is not Axis.CP or self.cp > 1)
 
     def _check_rank(self, rank: int) -> None:
         if not _is_index(rank, self.world_size):

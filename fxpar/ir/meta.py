@@ -11,8 +11,8 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
     fxpar.placement           tensor_parallel,  the value's Placements: one Placement per mesh
                               dp_placement      axis (dp, tp), each pass setting its own axis
-    fxpar.grad_partial        tensor_parallel   a replicated parameter whose gradient is a
-                                                partial sum over the tp group
+    fxpar.grad_partial        tensor_parallel,  the axes ("tp", "cp") over which a replicated
+                              context_parallel  parameter's gradient is a partial sum
     fxpar.stage               pipeline          the pipeline stage that computes the node
     fxpar.master_dtype        mixed_precision   a parameter stored in bf16: the dtype its master
                                                 copy is trained in (fp32)
@@ -156,9 +156,14 @@ def trained_parameters(gm: fx.GraphModule) -> set[str]:
     return {name for bucket in graph_buckets(gm) for name in bucket.parameters}
 
 
-def partial_gradient_parameters(graph: fx.Graph) -> list[str]:
-    """Replicated parameters whose gradients each tp rank holds only a summand of."""
-    return [n for n, node in parameter_nodes(graph).items() if node.meta.get(GRAD_PARTIAL)]
+def partial_gradient_parameters(graph: fx.Graph, axis: PlacementAxis = "tp") -> list[str]:
+    """Replicated parameters whose gradients each rank of `axis` holds only a summand of."""
+    return [n for n, node in parameter_nodes(graph).items() if axis in node.meta.get(GRAD_PARTIAL, ())]
+
+
+def mark_gradient_partial(node: fx.Node, axis: PlacementAxis) -> None:
+    """Say that the parameter of `node` gets only a summand of its gradient on each `axis` rank."""
+    node.meta[GRAD_PARTIAL] = (*node.meta.get(GRAD_PARTIAL, ()), axis)
 
 
 def recompute_region(node: fx.Node) -> str | None:

@@ -12,7 +12,7 @@
                        multiple of `size`: ZeRO-3's parameters on the dp axis, which need no
                        divisible dim and nest inside a tensor-parallel shard
 
-A value carries one placement per mesh axis that splits data, `Placements(dp=..., tp=...)`
+A value carries one placement per mesh axis that splits data, `Placements(dp=..., cp=..., tp=...)`
 (DTensor's `placements`, by axis name). The pipeline axis is not among them: which stage
 computes a value is its own annotation (`fxpar.ir.meta.STAGE`), since a stage's values live on
 one pipeline rank whole rather than split across the axis.
@@ -93,8 +93,8 @@ Placement = Replicate | Shard | Partial | FlatShard
 R, P = Replicate(), Partial()
 
 
-PlacementAxis = Literal["dp", "tp"]
-AXES: tuple[PlacementAxis, ...] = ("dp", "tp")  # outermost first, as the mesh orders them
+PlacementAxis = Literal["dp", "cp", "tp"]
+AXES: tuple[PlacementAxis, ...] = ("dp", "cp", "tp")  # outermost first, as the mesh orders them
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class Placements:
 
     dp: Placement = R
     tp: Placement = R
+    cp: Placement = R  # context parallelism's sequence shards (`passes.context_parallel`)
 
     def __getitem__(self, axis: PlacementAxis) -> Placement:
         return getattr(self, axis)
@@ -112,7 +113,8 @@ class Placements:
         return replace(self, **{axis: placement})
 
     def __str__(self) -> str:
-        return " ".join(f"{axis}={self[axis]}" for axis in AXES)
+        """`dp=S(0) tp=R`, and cp where it is not replicated: `dp=S(0) cp=S(1) tp=R`."""
+        return " ".join(f"{axis}={self[axis]}" for axis in AXES if axis != "cp" or self.cp != R)
 
 
 REPLICATED = Placements()

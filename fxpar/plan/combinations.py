@@ -17,6 +17,7 @@ from fxpar.plan.text import text_of
 def check_options_apply(plan) -> None:
     """Options that only one setting uses are refused without it: never silently ignored."""
     check_compiled(plan)
+    check_context_parallel(plan)
     if plan.reduce_dtype != "fp32" and plan.precision != "bf16-mixed":
         raise PlanError(
             f"plan reduce_dtype={plan.reduce_dtype} sets the dtype bf16-mixed training "
@@ -74,6 +75,33 @@ def check_compiled(plan) -> None:
             field="zero_reduce",
             value=plan.zero_reduce,
         )
+
+
+# What context parallelism composes with so far: dp and bf16-mixed, in eager mode. Each of these
+# is refused rather than run untested: field -> (its value that composes, why not yet).
+_CP_NOT_YET = {
+    "tp": (1, "tensor parallelism's rewrite does not yet see the sequence shards"),
+    "pp": (1, "a pipeline stage boundary does not yet carry sequence shards"),
+    "zero": (0, "ZeRO does not yet sum gradients over the cp ranks before it shards them"),
+    "compile": ("eager", "compiled mode does not yet trace the key and value gathers"),
+    "checkpoint": ("none", "recomputation does not yet re-gather keys and values"),
+    "loss": ("full", "the chunked loss does not yet take its labels' sequence shards"),
+}
+
+
+def check_context_parallel(plan) -> None:
+    """Context parallelism (`cp`) with what it does not compose with yet, refused by field."""
+    if plan.cp == 1:
+        return
+    for name, (composes, why) in _CP_NOT_YET.items():
+        if getattr(plan, name) != composes:
+            raise PlanError(
+                f"plan cp={plan.cp} with {name}={text_of(getattr(plan, name))}: {why}; cp composes "
+                f"with dp and precision=bf16-mixed in eager mode. Fix: {name}={text_of(composes)}, "
+                f"or cp=1 (spend the ranks on dp, tp or pp)",
+                field=name,
+                value=getattr(plan, name),
+            )
 
 
 def check_pipeline(plan) -> None:

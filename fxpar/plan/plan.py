@@ -88,6 +88,9 @@ class Plan:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    # Context parallelism: the sequence split over `cp` ranks for the whole model, attention
+    # over the keys and values gathered from all of them (`fxpar.passes.context_parallel`).
+    cp: int = 1
     # Which modules tensor parallelism splits: "auto" (a Hugging Face model's own base-model
     # plan, else Megatron's pairs inferred from the graph), "model" (the model's whole
     # declared plan, its head's included), "infer" (Megatron's pairs inferred from the graph)
@@ -134,7 +137,7 @@ class Plan:
     loss: str = "full"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "virtual_stages", "microbatches"):
+        for name in ("dp", "pp", "tp", "cp", "virtual_stages", "microbatches"):
             if not is_positive_int(value := getattr(self, name)):
                 raise invalid_value(name, value)
             object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON
@@ -384,18 +387,21 @@ class Plan:
         )
 
     def check_sequence(self, length: int, *, what: str = "the sequence length") -> None:
-        """Raise `PlanError` when sequence parallelism cannot split `length` tokens over tp;
-        `what` names the length in the message ("the example's sequence length")."""
-        if not self.sequence_parallel or length % self.tp == 0:
-            return
-        fits = [n for n in (length - length % self.tp, length + self.tp - length % self.tp) if n > 0]
-        raise PlanError(
-            f"plan sp=true shards the sequence over tp={self.tp} ranks, and {what} {length} is "
-            f"not divisible by {self.tp}. Fix: use sequences of {' or '.join(map(str, fits))} "
-            "tokens (a multiple of tp), or sp=false",
-            field="sequence_parallel",
-            value=True,
-        )
+        """Raise `PlanError` when sequence parallelism cannot split `length` tokens over tp, or
+        context parallelism over cp; `what` names the length in the message ("the example's
+        sequence length")."""
+        for field, key, axis, degree in (("sequence_parallel", "sp=true", "tp", self.tp if self.sequence_parallel else 1),
+                                         ("cp", f"cp={self.cp}", "cp", self.cp)):
+            if length % degree == 0:
+                continue
+            fits = [n for n in (length - length % degree, length + degree - length % degree) if n > 0]
+            raise PlanError(
+                f"plan {key} shards the sequence over {axis}={degree} ranks, and {what} {length} is "
+                f"not divisible by {degree}. Fix: use sequences of {' or '.join(map(str, fits))} "
+                f"tokens (a multiple of {degree}), or {'sp=false' if field == 'sequence_parallel' else 'cp=1'}",
+                field=field,
+                value=getattr(self, field),
+            )
 
     def for_world(self, world_size: int) -> list[Plan]:
         """Valid plans like this one whose degrees multiply to `world_size`: the fixes

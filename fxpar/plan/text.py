@@ -50,6 +50,7 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     ),
     "tp": ("tp", "a positive integer (the tensor-parallel degree)", "tp=2"),
     "pp": ("pp", "a positive integer (the number of pipeline ranks)", "pp=2"),
+    "cp": ("cp", "a positive integer (the context-parallel degree: ranks the sequence is split over)", "cp=2"),
     "schedule": (
         "schedule",
         "one of " + ", ".join(repr(s) for s in SCHEDULES) + " (the pipeline schedule)",
@@ -134,12 +135,12 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
     name: name for name in FIELDS
 }
 SUPPORTED_KEYS = (
-    "dp, tp, pp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
+    "dp, tp, pp, cp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
     "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng, compile, loss"
 )
 
-# The parallel degrees; their product is the world size. tp and pp join this tuple when they land.
-DEGREE_FIELDS: tuple[str, ...] = ("dp", "pp", "tp")
+# The parallel degrees, outermost first as the mesh lays them out; their product is the world size.
+DEGREE_FIELDS: tuple[str, ...] = ("dp", "pp", "cp", "tp")
 
 # A bare word with a file suffix (`plan.toml`, `configs/plan.txt`) is a path, not plan text.
 LOOKS_LIKE_PATH = re.compile(r"[^\s,=]*\.[A-Za-z]\w*")

@@ -198,7 +198,8 @@ def step_context(
         buckets=tuple(buckets),
         # Replicated parameters whose gradient each tp rank holds a summand of, per module.
         partial_gradients=tuple(
-            [m.get_parameter(name) for name in meta.partial_gradient_parameters(m.graph)]
+            {axis: [m.get_parameter(name) for name in meta.partial_gradient_parameters(m.graph, axis)]
+             for axis in ("tp", "cp")}
             for m in modules
         ),
         tied={name: (mine[name], tied_groups[group]) for name, group in step_program.tied_groups.items()},
@@ -232,7 +233,9 @@ def _gradient_buckets(
                 calls.setdefault(a.index, []).append(a.calls[0])
         buckets.append(GradientBuckets(
             assignment, graph_parameters(module), dp, communicator, calls,
-            carry_loss=stages is None, average=not loss.sums, zero=plan.zero, per_microbatch=per_microbatch,
+            # the loss rides in the last bucket, unless its sum over cp must follow the bucket's over dp
+            carry_loss=stages is None and plan.cp == 1, average=not loss.sums, zero=plan.zero,
+            per_microbatch=per_microbatch,
         ))
     return buckets
 

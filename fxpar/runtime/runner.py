@@ -300,7 +300,7 @@ class Runner(WholeState):
         step communicates."""
         check_batch(self._batch_rules, inputs, device=self.device)  # BatchError before any collective
         plan = self.program.plan
-        if plan.sequence_parallel:  # an uneven shard would abort inside gloo
+        if plan.sequence_parallel or plan.cp > 1:  # an uneven shard would abort inside gloo
             for length in self.program.captured.sequence_lengths(inputs):
                 plan.check_sequence(length, what="this step's sequence length")
         batch = inputs[0].shape[0]

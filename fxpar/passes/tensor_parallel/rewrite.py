@@ -188,7 +188,7 @@ class _Walk:
         for parameter, consumers in self.sharded_uses.items():
             tensor_users = [u for u in parameter.users if u.op != "output"]
             if len(set(consumers)) == len(tensor_users):
-                parameter.meta[meta.GRAD_PARTIAL] = True
+                meta.mark_gradient_partial(parameter, AXIS)
                 continue
             first = min(consumers, key=_order(self.graph))
             copy = self.convert(parameter, R, before=first, into_sharded_math=True)

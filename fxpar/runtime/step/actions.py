@@ -87,8 +87,9 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
         if buckets.carry_loss and action.index == len(buckets.states) - 1:
             state.mean = buckets.loss()
     elif purpose is Purpose.PARTIAL_GRADIENTS:
-        parameters = context.partial_gradients[context.module_of_stage[action.stage]]
-        sum_gradients(context, [p.grad for p in parameters], groups[Axis.TP], "tp partial parameter gradients")
+        call = action.calls[0]
+        parameters = context.partial_gradients[context.module_of_stage[action.stage]][call.axis]
+        sum_gradients(context, [p.grad for p in parameters], groups[Axis(call.axis)], call.tag)
     elif purpose is Purpose.TIED_GRADIENT:
         parameter, group = context.tied[action.name]
         if parameter.grad is None:
@@ -96,10 +97,11 @@ def communicate(action: Communicate, context: StepContext, state: StepState) -> 
         sum_gradients(context, [parameter.grad], group, f"tied {action.name} gradient")
     elif purpose is Purpose.PIPELINE_LOSS:
         context.communicator.all_reduce_now(state.loss, groups[Axis.PP], tag="pipeline loss", phase="step")
-    elif purpose is Purpose.LOSS:
-        state.loss /= context.loss.data_parallel_divisor()
-        phase = action.calls[0].phase
-        context.communicator.all_reduce_now(state.loss, groups[Axis.DP], tag="loss", phase=phase)
+    elif purpose is Purpose.LOSS:  # over dp, then (its tokens' sums) over cp
+        call = action.calls[0]
+        if call.axis == "dp":
+            state.loss /= context.loss.data_parallel_divisor()
+        context.communicator.all_reduce_now(state.loss, groups[Axis(call.axis)], tag=call.tag, phase=call.phase)
     else:  # every purpose lowering writes into a step is handled above
         raise BindError(f"a step program's {purpose.value} action has no runtime handler")
 

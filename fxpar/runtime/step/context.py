@@ -13,8 +13,9 @@ which reads nothing of the Runner itself.
                           tensors by flat names (`runtime.flat_reads`)
     module_of_stage       stage index -> its position in `modules`
     buckets               one `GradientBuckets` per module under data parallelism, else none
-    partial_gradients     per module, the replicated parameters whose gradient each tp rank
-                          holds a summand of (summed by a PARTIAL_GRADIENTS action)
+    partial_gradients     per module and axis ("tp", "cp"), the replicated parameters whose
+                          gradient each rank of the axis holds a summand of (summed by a
+                          PARTIAL_GRADIENTS action on that axis)
     tied                  tied parameter name -> (this rank's copy, its owners' group)
     loss                  the `StepLoss`: valid-target counts and each microbatch's share
     communicator          every collective and transfer goes through it (counted, logged)
@@ -73,7 +74,7 @@ class StepContext:
     forwards: tuple[Callable, ...]  # what runs each module's forward (`runtime.flat_reads`)
     module_of_stage: Mapping[int, int]
     buckets: tuple[GradientBuckets, ...]
-    partial_gradients: tuple[list[torch.nn.Parameter], ...]
+    partial_gradients: tuple[dict[str, list[torch.nn.Parameter]], ...]
     tied: Mapping[str, tuple[torch.nn.Parameter, RankGroup]]
     loss: StepLoss
     communicator: Communicator

@@ -75,7 +75,8 @@ class PipelineExecutor:
         self._shapes: dict[tuple, tuple[int, ...]] = {}
 
     def _peer(self, stage: int) -> int:
-        return self.program.mesh.rank_of(dp=self.coord.dp, pp=self.schedule.rank_of(stage), tp=self.coord.tp)
+        return self.program.mesh.rank_of(dp=self.coord.dp, pp=self.schedule.rank_of(stage), tp=self.coord.tp,
+                                         cp=self.coord.cp)
 
     def _module(self, stage: int):
         return self.context.forwards[stage // self.schedule.p]

@@ -1,0 +1,344 @@
+"""Context parallelism: the sequence split over the cp ranks, through the whole model.
+
+Each of the `cp` ranks of a group computes every layer for its slice of the sequence: rank i
+the i-th of `cp` equal, contiguous pieces. Attention, the one op of a transformer that mixes
+tokens, computes the rank's queries against the keys and values of the whole sequence,
+all-gathered over the cp ranks (Llama 3's context parallelism, Dubey et al. 2024 Sec. 3.3.2,
+which chose the all-gather over a ring for its simplicity and for masks other than causal;
+the backward reduce-scatters the keys' and values' gradients to the ranks that own them).
+Everything else a transformer does reads one token at a time.
+
+What the model computes from its inputs alone (positions, the attention mask, rotary angles,
+the labels shifted by one) is computed whole on every cp rank, as one device computes it, and
+each rank takes its slice where such a value meets the activations. These are integers, bools
+and small tables next to the activations, and computing them whole means that Hugging Face's
+mask builders, its packed-sequence check (a cumsum over position ids) and its label shift,
+which all read across the sequence, see the whole sequence and need no rule.
+
+So every value is one of three kinds:
+
+    whole    from the step's inputs, buffers and constants: the same on every cp rank     cp=R
+    weight   from trained parameters (and whole values without a sequence dim)           cp=R
+    tokens   from the activations: cp=S(d) on its sequence dim; a gathered key or value
+             cp=R; a sum over the tokens (the loss) cp=P
+
+An op is a tokens op when it has a tokens input, or a weight input and a sequence dim in its
+output (the embedding lookup, where the activations start). A whole value with a sequence dim
+that meets a tokens op is cut to the rank's slice there by `split_to_shard` (through the views
+that flattened it: `labels.view(-1)` is sliced as labels, then viewed).
+
+    before                                        after (cp=2)
+    %emb = embedding(%wte, %input_ids)            %ids = split_to_shard(%input_ids, 'cp', 2, 1)
+                                                  %emb = embedding(%wte, %ids)
+    %q = view(%lin, [%b, %s, 4, 16])              %s_cp = floordiv(%s, 2)
+                                                  %q = view(%lin, [%b, %s_cp, 4, 16])
+    %y = sdpa(%q, %k, %v, %mask)                  %k_all = gather_to_region(%k, 'cp', 2, 2)
+                                                  %v_all = gather_to_region(%v, 'cp', 2, 2)
+                                                  %rows = split_to_shard(%mask, 'cp', 2, 2)
+                                                  %y = sdpa(%q, %k_all, %v_all, %rows)
+
+Sizes: a view of a tokens value is sized for the rank's slice (`cp_sizes.SymbolicSizes`).
+SDPA's `is_causal` aligns its mask to the top left, wrong for a slice of the queries, so it
+becomes an explicit mask of the queries' global positions against all keys'.
+
+Any other op that reads across the sequence of tokens (attention written as matmuls, a
+cumulative sum or a shift of activations, a pooling) is refused with a PlanError naming the
+node (`passes.sequence_reads`): computed on a slice it would be silently wrong. A tokens value
+summed over the sequence (the loss) is partial over cp and may only be summed or scaled on
+the way out. Each trained parameter's gradient is then a partial sum over cp
+(`fxpar.grad_partial`), which the runtime completes after backward, as it does the loss.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.fx as fx
+
+from fxpar.errors import PlanError
+from fxpar.ir import meta
+from fxpar.ir.placement import P, R, Partial, Shard
+from fxpar.passes.contracts import broken, ensures
+from fxpar.passes.cp_sizes import SymbolicSizes, is_symbolic, sequence_dims
+from fxpar.passes.sequence_reads import EVERY_DIM, dims_read_across, packet, sums_across
+
+aten = torch.ops.aten
+AXIS = "cp"
+WHOLE, WEIGHT, TOKENS = "whole", "weight", "tokens"
+_SDPA = aten.scaled_dot_product_attention
+_MATMULS = {aten.mm, aten.bmm, aten.matmul, aten.baddbmm, aten.addmm, aten.linear, aten.einsum}
+# What a partial sum over the cp ranks may meet on its way to the output: sums and scalings
+# by values every rank holds alike, which commute with the sum the runtime takes.
+_LINEAR_IN_PARTIALS = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.sum, aten.to, aten._to_copy,
+                       aten.clone, aten.view, aten.reshape, aten.squeeze, aten.unsqueeze, aten.alias}
+
+
+def no_whole_value_meets_tokens(gm: fx.GraphModule) -> None:
+    """Ensures: no tokens op reads a whole value that has a sequence dim, except through
+    `split_to_shard` (whose output is the rank's slice)."""
+    kinds = gm.meta["fxpar.cp_kinds"]
+    for node in gm.graph.nodes:
+        if kinds.get(node) != TOKENS or node.target is _SDPA:
+            continue
+        for source in node.all_input_nodes:
+            if kinds.get(source) == WHOLE and _tensor(source) and sequence_dims(source, gm.meta["fxpar.cp_seq"]):
+                raise broken("a whole value with a sequence dim reaches tokens only as the rank's slice", node)
+
+
+@ensures(no_whole_value_meets_tokens)
+def split_sequence(gm: fx.GraphModule, *, cp: int, seq: frozenset) -> fx.GraphModule:
+    """Split the sequence over `cp` ranks (module doc).
+
+    Requires: export's `seq` symbols (`CapturedGraph.export_symbols("seq")`); a loss that is a
+    sum over the step's count of valid targets (`passes.loss_normalisation`).
+    Ensures: every tensor node carries its cp placement; each whole value with a sequence
+    dim reaches tokens ops only as the rank's slice (`split_to_shard`); SDPA reads keys and
+    values gathered over cp; trained parameters are `fxpar.grad_partial` over cp;
+    `gm.meta["fxpar.cp_kinds"]` maps each node to its kind."""
+    if not seq:
+        raise PlanError(
+            "plan cp splits the sequence, and the capture fixed its length (no `seq` symbol "
+            "in the example's shapes). Fix: give example inputs of shape (batch, seq) with "
+            "seq > 1, as `fxpar.compile` captures them, or cp=1",
+            field="cp", value=cp)
+    if not meta.graph_loss(gm).sums:
+        raise PlanError(
+            "plan cp needs the loss as a sum over the step's valid targets (a cross entropy or "
+            "NLL loss, mean or sum), and this model's loss is some other mean: a mean over each "
+            "rank's tokens does not add up to the mean over the sequence. Fix: return "
+            "F.cross_entropy(...) as the loss, or cp=1",
+            field="cp", value=cp)
+    _SequenceSplit(gm, cp=cp, seq=seq).run()
+    return gm
+
+
+class _SequenceSplit:
+    """One walk over the graph in order, giving each node its kind and rewriting tokens ops."""
+
+    def __init__(self, gm: fx.GraphModule, *, cp: int, seq: frozenset):
+        self.gm, self.graph, self.cp, self.seq = gm, gm.graph, cp, seq
+        self.kinds: dict[fx.Node, str] = {}
+        self.sizes = SymbolicSizes(self.graph, cp=cp, seq=seq, placement=lambda n: meta.placement(n, AXIS),
+                                   kind=self.kinds.get)
+        self.slices: dict[fx.Node, fx.Node] = {}  # whole value -> the rank's slice of it
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            self.kinds[node] = kind = self._kind(node)
+            if node.op != "call_function":
+                self._place(node, R)
+                continue
+            if not _holds_tensors(node):
+                continue  # a size (its users size it: `cp_sizes`), or an assertion
+            if kind == TOKENS:
+                self._tokens_op(node)
+            else:
+                self.sizes.use_global(node)
+                self._place(node, R)
+        for name, node in meta.parameter_nodes(self.graph).items():
+            if meta.requires_grad(node) and node.users:
+                meta.mark_gradient_partial(node, AXIS)
+        self.gm.meta["fxpar.cp_kinds"] = self.kinds
+        self.gm.meta["fxpar.cp_seq"] = self.seq
+
+    def _kind(self, node: fx.Node) -> str:
+        if node.op == "get_attr":
+            return WEIGHT if meta.requires_grad(node) else WHOLE
+        inputs = {self.kinds[n] for n in node.all_input_nodes}
+        if node.op != "call_function":
+            return TOKENS if TOKENS in inputs else WHOLE
+        if TOKENS in inputs or (WEIGHT in inputs and _tensor(node) and sequence_dims(node, self.seq)):
+            return TOKENS
+        return WEIGHT if WEIGHT in inputs else WHOLE
+
+    def _tokens_op(self, node: fx.Node) -> None:
+        """A tokens op: attention gathers its keys and values; any other reads whole inputs
+        as the rank's slices, its sizes for the slice, and is checked not to read across the
+        sequence."""
+        if packet(node) is _SDPA:
+            self._attention(node)
+            self._place(node, Shard(node.meta["val"].dim() - 2))
+            return
+        self._check_reads(node)
+        for source in node.all_input_nodes:
+            if self.kinds[source] == WHOLE and _tensor(source) and sequence_dims(source, self.seq):
+                node.replace_input_with(source, self._slice(source, node))
+        self.sizes.use_local(node, self._output_dim(node))
+        self._place(node, self._placement(node))
+
+    def _placement(self, node: fx.Node):
+        """S(d) on the value's sequence dim; P for a sum over the tokens (or what a partial
+        sum makes); R for a tokens value with no sequence dim left that sums nothing."""
+        if not _tensor(node):
+            return None
+        dims = sequence_dims(node, self.seq)
+        if dims:
+            return Shard(dims[0])
+        sources = [meta.placement(s, AXIS) for s in node.all_input_nodes if _tensor(s)]
+        return P if sums_across(node) or any(isinstance(p, Partial) for p in sources) else R
+
+    def _output_dim(self, node: fx.Node) -> int | None:
+        dims = sequence_dims(node, self.seq) if _tensor(node) else ()
+        return dims[0] if dims else None
+
+    # -- the checks -------------------------------------------------------------------------
+
+    def _check_reads(self, node: fx.Node) -> None:
+        """Refuse an op that reads across the sequence of a tokens input (module doc)."""
+        tokens = [s for s in node.all_input_nodes if self.kinds[s] == TOKENS and _tensor(s)]
+        partial_inputs = [s for s in tokens if isinstance(meta.placement(s, AXIS), Partial)]
+        if partial_inputs and (packet(node) not in _LINEAR_IN_PARTIALS or self._mixes_partial(node)):
+            raise self._refusal(node, "uses a sum over the rank's tokens (a partial sum over cp) in "
+                                "a way that does not commute with summing over the ranks")
+        if packet(node) in _MATMULS and len(tokens) > 1:
+            raise self._refusal(node, "multiplies two activations: attention written out as "
+                                "matmuls reads every key for each query")
+        sharded = {meta.placement(s, AXIS).dim for s in tokens[:1] if isinstance(meta.placement(s, AXIS), Shard)}
+        if not sharded:
+            return
+        across = dims_read_across(node)
+        if across is None:
+            raise self._refusal(node, f"is an op ({packet(node)}) that fxpar does not know to "
+                                "read each position of the sequence alone")
+        if (across == EVERY_DIM or sharded & set(across)) and not sums_across(node):
+            raise self._refusal(node, "reads across the sequence dim, of which this rank holds a slice")
+
+    def _mixes_partial(self, node: fx.Node) -> bool:
+        """A sum or difference of a partial value with one that is not partial, or a product
+        of two partial values: neither commutes with summing over the ranks."""
+        kinds = [isinstance(meta.placement(s, AXIS), Partial) if _tensor(s) else False for s in node.all_input_nodes]
+        if packet(node) in (aten.add, aten.sub):
+            return not all(kinds) or any(not isinstance(a, fx.Node) for a in node.args[:2])
+        return packet(node) in (aten.mul, aten.div) and sum(kinds) > 1
+
+    def _refusal(self, node: fx.Node, what: str) -> PlanError:
+        return PlanError(
+            f"plan cp={self.cp}: {meta.describe(node)} {what}. Each cp rank holds a slice of the "
+            "sequence, so this would be silently wrong. Fix: compute attention with "
+            "F.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'), keep "
+            "what reads across the sequence out of the activations' path, or cp=1",
+            field="cp", value=self.cp)
+
+    # -- rewrites ---------------------------------------------------------------------------
+
+    def _attention(self, node: fx.Node) -> None:
+        """SDPA on the rank's queries against the keys and values of every cp rank, with the
+        mask's rows for the rank's queries (a causal flag made an explicit mask)."""
+        q, k, v = node.args[:3]
+        if _argument(node, 4, "dropout_p", 0.0):
+            raise self._refusal(node, "drops attention weights at random (dropout_p > 0), which "
+                                "context parallelism does not draw as one device does")
+        for x in (q, k, v):
+            if self.kinds[x] != TOKENS or meta.placement(x, AXIS) != Shard(x.meta["val"].dim() - 2):
+                raise self._refusal(node, f"attends with {x.name}, which is not split along its "
+                                    "sequence dim (dim -2) as the queries are")
+        dim = q.meta["val"].dim() - 2
+        keys, values = (self._insert(fxpar_op("gather_to_region"), (x, AXIS, self.cp, dim), R, before=node, like=x)
+                        for x in (k, v))
+        mask = _argument(node, 3, "attn_mask", None)
+        if isinstance(mask, fx.Node):
+            mask = self._mask_rows(mask, node)
+        elif _argument(node, 5, "is_causal", False):
+            mask = self._causal_rows(keys, dim, before=node)
+        kwargs = {k: w for k, w in node.kwargs.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
+        node.args, node.kwargs = (q, keys, values, mask), kwargs
+
+    def _mask_rows(self, mask: fx.Node, node: fx.Node) -> fx.Node:
+        """The rows of a whole mask for the rank's queries: its dim -2 split, its keys whole."""
+        if self.kinds[mask] != WHOLE:
+            raise self._refusal(node, f"takes a mask ({mask.name}) computed from the activations")
+        rows = mask.meta["val"].dim() - 2
+        if not is_symbolic(mask.meta["val"].shape[rows], self.seq):
+            return mask  # one row for every query (a padding mask over the keys)
+        return self._insert(fxpar_op("split_to_shard"), (mask, AXIS, self.cp, rows), Shard(rows), before=node,
+                            like=mask)
+
+    def _causal_rows(self, keys: fx.Node, dim: int, *, before: fx.Node) -> fx.Node:
+        """mask[i, j] = position(query i) >= position(key j), for the rank's queries: the
+        causal mask's rows, as positions counted on the keys' own device."""
+        insert = partial(self._insert, before=before, like=None)
+        length = insert(aten.sym_size.int, (keys, dim), None)
+        ones = insert(aten.new_ones.default, (keys, [length]), R, kwargs={"dtype": torch.int64})
+        positions = insert(aten.cumsum.default, (ones, 0), R)
+        mine = insert(fxpar_op("split_to_shard"), (positions, AXIS, self.cp, 0), Shard(0))
+        rows = insert(aten.unsqueeze.default, (mine, 1), Shard(0))
+        columns = insert(aten.unsqueeze.default, (positions, 0), R)
+        return insert(aten.ge.Tensor, (rows, columns), Shard(0))
+
+    def _slice(self, whole: fx.Node, consumer: fx.Node) -> fx.Node:
+        """The rank's slice of `whole` along its one sequence dim; an op that flattened the
+        sequence into another dim (a view, and the casts after it) is replayed on the slice
+        of its input."""
+        if whole in self.slices:
+            return self.slices[whole]
+        dims = sequence_dims(whole, self.seq)
+        shape = whole.meta["val"].shape
+        if len(dims) == 1 and shape[dims[0]].node.expr in self.seq:
+            piece = self._insert(fxpar_op("split_to_shard"), (whole, AXIS, self.cp, dims[0]), Shard(dims[0]),
+                                 before=consumer, like=whole)
+        elif len(dims) == 1 and self._replayable(whole):
+            source = self._slice(whole.args[0], consumer)
+            piece = self._insert(whole.target, (source, *whole.args[1:]), Shard(dims[0]), before=consumer,
+                                 like=whole, kwargs=dict(whole.kwargs), val=whole.meta["val"])
+            self.kinds[piece] = TOKENS
+            self.sizes.use_local(piece, dims[0])
+        else:
+            raise self._refusal(consumer, f"reads {whole.name}, computed from the inputs with the "
+                                f"sequence in dims {list(dims)} of shape {tuple(shape)}, of which fxpar "
+                                "can take a rank's slice only along one dim sized by the sequence")
+        self.slices[whole] = piece
+        return piece
+
+    def _replayable(self, node: fx.Node) -> bool:
+        """An op on one whole value with a sequence dim that reads no position across (a view,
+        a cast): the rank's slice of its output is the op on the slice of its input."""
+        sources = [s for s in node.all_input_nodes if _tensor(s)]
+        return (node.op == "call_function" and len(sources) == 1 and node.args and node.args[0] is sources[0]
+                and self.kinds[sources[0]] == WHOLE and bool(sequence_dims(sources[0], self.seq))
+                and dims_read_across(node) == ())
+
+    def _insert(self, target, args: tuple, placement, *, before: fx.Node, like: fx.Node | None,
+                kwargs: dict | None = None, val=None) -> fx.Node:
+        """`target(*args, **kwargs)` before `before`, its global value `val` (by default its
+        inputs' values through `target`), at cp `placement`, in `before`'s module."""
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args, kwargs or {})
+        value = lambda n: n.meta["val"]  # noqa: E731
+        if val is None and getattr(target, "namespace", None) == "fxpar":
+            val = value(args[0])  # a distributed op moves the global value's pieces; it is the same value
+        node.meta["val"] = val if val is not None else target(*fx.node.map_arg(args, value),
+                                                               **fx.node.map_arg(kwargs or {}, value))
+        node.meta[meta.MODULE_PATH] = meta.module_path(before)
+        node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(like) if like is not None else False
+        self.kinds[node] = TOKENS if like is not None and self.kinds.get(like) == TOKENS else WHOLE
+        if placement is not None:
+            meta.set_placement(node, AXIS, placement)
+        return node
+
+    def _place(self, node: fx.Node, placement) -> None:
+        if placement is not None and _tensor(node):
+            meta.set_placement(node, AXIS, placement)
+
+
+def fxpar_op(name: str):
+    """fxpar's distributed op `name` (`fxpar.ops.distributed`), by its overload."""
+    return getattr(torch.ops.fxpar, name).default
+
+
+def _tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _holds_tensors(node: fx.Node) -> bool:
+    """A tensor, or a tuple of them (a split, a layer norm's output and statistics)."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value))
+
+
+def _argument(node: fx.Node, index: int, name: str, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
