@@ -79,7 +79,7 @@ def no_whole_value_meets_tokens(gm: fx.GraphModule) -> None:
     `split_to_shard` (whose output is the rank's slice)."""
     kinds = gm.meta["fxpar.cp_kinds"]
     for node in gm.graph.nodes:
-        if kinds.get(node) != TOKENS or node.target is _SDPA:
+        if kinds.get(node) != TOKENS or packet(node) is _SDPA or node.target is fxpar_op("split_to_shard"):
             continue
         for source in node.all_input_nodes:
             if kinds.get(source) == WHOLE and _tensor(source) and sequence_dims(source, gm.meta["fxpar.cp_seq"]):
@@ -311,7 +311,9 @@ class _SequenceSplit:
                                                                **fx.node.map_arg(kwargs or {}, value))
         node.meta[meta.MODULE_PATH] = meta.module_path(before)
         node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(like) if like is not None else False
-        self.kinds[node] = TOKENS if like is not None and self.kinds.get(like) == TOKENS else WHOLE
+        # A slice is the rank's own, as tokens are; so is what tokens make.
+        slices = target is fxpar_op("split_to_shard")
+        self.kinds[node] = TOKENS if slices or (like is not None and self.kinds.get(like) == TOKENS) else WHOLE
         if placement is not None:
             meta.set_placement(node, AXIS, placement)
         return node

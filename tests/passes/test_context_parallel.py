@@ -1,0 +1,127 @@
+"""Context parallelism's rewrite, read off the compiled graph, and the input it refuses.
+
+The rank module of `cp=2` reads the whole inputs, takes its slice of the token ids where the
+embedding reads them, sizes its views for the slice, and gathers keys and values over cp for
+attention; each refusal names what was wrong (the field, the node and its module path) and a
+fix, at compile time, before any rank runs. (That training equals one device:
+tests/runtime/test_context_parallel_equivalence.py.)
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.errors import PlanError
+from fxpar.ir import meta
+from fxpar.ir.placement import P, R, Shard
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from small_gpt import small_capture  # noqa: E402
+
+
+def calls(module, name: str) -> list:
+    return [n for n in module.graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def test_rank_module_slices_the_inputs_and_gathers_keys_and_values():
+    program = fxpar.compile(small_capture(), "cp=2")
+    module = program.rank_module(1)
+    (ids,) = [n for n in calls(module, "split_to_shard") if n.args[0].name == "idx"]
+    assert ids.args[1:] == ("cp", 2, 1)  # the token ids' dim 1, where the embedding reads them
+    gathers = calls(module, "gather_to_region")
+    assert len(gathers) == 4 and {g.args[1:] for g in gathers} == {("cp", 2, 2)}  # k and v of 2 layers
+    for attention in calls(module, "scaled_dot_product_attention"):
+        assert attention.args[1] in gathers and attention.args[2] in gathers
+        assert attention.args[3] is not None and not attention.kwargs.get("is_causal")  # the causal rows
+    graph = program.graph_module.graph
+    placed = {n.name: meta.placement(n, "cp") for n in graph.nodes if "val" in n.meta and n.op != "output"}
+    assert placed["linear"] == Shard(1) and placed["idx"] == R and placed["cross_entropy_loss"] == P
+    assert set(meta.partial_gradient_parameters(graph, "cp")) == set(program.captured.parameters)
+
+
+def test_views_are_sized_for_the_ranks_slice():
+    module = fxpar.compile(small_capture(), "cp=2").rank_module(0)
+    (view,) = [n for n in module.graph.nodes if n.name == "view"]  # q.view(B, T, nh, hs)
+    seq = view.args[1][1]
+    assert seq.target.__name__ == "floordiv" and seq.args[1] == 2
+
+
+def test_step_collectives_are_the_gathers_and_the_sums_over_cp():
+    program = fxpar.compile(small_capture(), "cp=2")
+    tags = [c.tag for c in program.collectives(0)]
+    assert tags.count("cp gather_to_region") == 4 and tags.count("cp gather_to_region (backward)") == 4
+    assert "cp partial parameter gradients" in tags and "cp loss" in tags
+
+
+def test_a_sequence_not_divisible_by_cp_is_refused():
+    model, inputs = small_gpt_model(seq=15)
+    with pytest.raises(PlanError, match=r"cp=2 shards the sequence over cp=2 ranks, and the example's "
+                       r"sequence length 15 is not divisible by 2. Fix: use sequences of 14 or 16") as caught:
+        fxpar.compile(model, "cp=2", inputs)
+    assert caught.value.field == "cp"
+
+
+@pytest.mark.parametrize("other", ["tp=2", "pp=2 mb=2", "dp=2 zero=1", "compile=inductor", "checkpoint=full",
+                                   "loss=chunked"])
+def test_what_cp_does_not_compose_with_yet_is_refused_by_field(other):
+    with pytest.raises(PlanError, match=r"plan cp=2 with .*composes with dp and precision=bf16-mixed") as caught:
+        fxpar.Plan.parse(f"cp=2 {other}")
+    assert caught.value.field == other.split("=")[0] if "zero" not in other else "zero"
+
+
+class Pooled(nn.Module):
+    """A classifier over the mean of its tokens: a read across the whole sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 8), nn.Linear(8, 4)
+
+    def forward(self, ids, label):
+        return F.cross_entropy(self.head(self.embed(ids).mean(1)), label)
+
+
+class ScoresByHand(nn.Module):
+    """Attention written out as matmuls, as Hugging Face's eager attention is."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qk, self.head = nn.Embedding(32, 8), nn.Linear(8, 16), nn.Linear(8, 32)
+
+    def forward(self, ids, targets):
+        x = self.embed(ids)
+        q, k = self.qk(x).chunk(2, -1)
+        x = torch.softmax(q @ k.transpose(1, 2), -1) @ x
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_read_across_the_sequence_is_refused_naming_the_node_and_module():
+    ids = torch.randint(0, 32, (4, 8))
+    with pytest.raises(PlanError, match=r"mean.* reads across the sequence dim.* Fix: .*cp=1") as caught:
+        fxpar.compile(Pooled(), "cp=2", (ids, torch.randint(0, 4, (4,))))
+    assert caught.value.field == "cp"
+    with pytest.raises(PlanError, match=r"matmul.* multiplies two activations.*scaled_dot_product_attention"):
+        fxpar.compile(ScoresByHand(), "cp=2", (ids, ids))
+
+
+def test_attention_dropout_is_refused():
+    model, inputs = small_gpt_model(seq=16, dropout=0.1)
+    with pytest.raises(PlanError, match=r"cp=2: this model draws random numbers \(dropout\).*Fix: set the model's "
+                       r"dropout probabilities to 0"):
+        fxpar.compile(model, "cp=2", inputs)
+
+
+def small_gpt_model(*, seq: int, dropout: float = 0.0):
+    """examples/gpt.py at one layer, its dropout modules at `dropout`."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+    from gpt import factory
+
+    model, inputs = factory(n_layer=1, n_head=2, n_embd=16, vocab_size=32, seq=seq, batch=4)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = dropout
+    return model, inputs
