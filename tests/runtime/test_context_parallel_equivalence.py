@@ -16,13 +16,14 @@ gradients are summed over the cp ranks); every collective equal to the compiler'
 prediction; the rank's memory equal to the estimate's, to the byte.
 """
 
+import functools
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hf_equivalence import check_jobs, references  # noqa: E402,F401  (the fixture)
+from test_hf_equivalence import check_jobs, train_single_device  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 DECODERS = ["llama", "qwen2", "mistral"]
@@ -30,6 +31,12 @@ ON_TWO_RANKS = [f"{m} sdpa cp=2" for m in (*DECODERS, "gpt2", "bert")]
 ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in DECODERS for plan in ("dp=2 cp=2", "cp=4")] + [
     "gpt2 sdpa dp=2 cp=2 mb=2",  # microbatches: the count of valid targets over dp only
 ]
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One device's training of each model and attention, trained once for the module."""
+    return functools.cache(train_single_device)
 
 
 def test_cp_on_two_ranks_matches_single_device(torchrun, references):
