@@ -34,6 +34,8 @@ The reductions' actions (buckets, partial gradients, the loss, ZeRO's gathers) a
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import replace
 
 import math
@@ -437,17 +439,16 @@ def tied_stage_owners(program) -> dict[str, tuple[int, ...]]:
 
 
 def tied_groups(program) -> dict[int, dict[str, tuple[int, ...]]]:
-    """Rank -> tied parameter -> the ranks that keep its copies identical (the same dp and tp
-    coordinates, each pipeline rank that holds one of its stages)."""
+    """Rank -> tied parameter -> the ranks that keep its copies identical (the same dp, cp and
+    tp coordinates, each pipeline rank that holds one of its stages)."""
     mesh, schedule = program.mesh, program.schedule
     groups: dict[int, dict[str, tuple[int, ...]]] = {}
     if program.stages is None:
         return groups
     for name, owners in tied_stage_owners(program).items():
         pp_ranks = sorted({schedule.rank_of(s) for s in owners})
-        for dp in range(mesh.dp):
-            for tp in range(mesh.tp):
-                group = tuple(mesh.rank_of(dp=dp, pp=pp, tp=tp) for pp in pp_ranks)
-                for rank in group:
-                    groups.setdefault(rank, {})[name] = group
+        for dp, cp, tp in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+            group = tuple(mesh.rank_of(dp=dp, pp=pp, tp=tp, cp=cp) for pp in pp_ranks)
+            for rank in group:
+                groups.setdefault(rank, {})[name] = group
     return groups

@@ -2,8 +2,9 @@
 
 A module's placeholders carry export's fake values, global in every dim. A pipeline stage under
 sequence parallelism receives only its tp shard of the sequence of each boundary tensor
-(`ir.stages.Boundary.placement`), which its graph gathers before attention; a fake forward fed
-the global value would gather twice the sequence. The batch dim stays global: the estimate
+(`ir.stages.Boundary.placement`), which its graph gathers before attention, and under context
+parallelism its cp slice, whose views its graph sizes for the slice; a fake forward fed the
+global value would gather twice the sequence, or view it at the wrong length. The batch dim stays global: the estimate
 prices the global batch and substitutes a rank's share afterwards.
 """
 
@@ -22,10 +23,11 @@ Pieces = Mapping[str, tuple[int, int]]  # placeholder name -> (dim, parts) a ran
 
 
 def boundary_pieces(program: CompiledProgram) -> Pieces:
-    """The stage inputs a rank receives as a tp shard, by name: (dim, tp)."""
-    tp = program.mesh.sizes.get("tp", 1)
-    return {b.name: (b.placement.tp.dim, tp) for stage in program.stages or () for b in stage.inputs
-            if isinstance(b.placement.tp, Shard) and tp > 1}
+    """The stage inputs a rank receives as a piece of the sequence, by name: (dim, tp) under
+    sequence parallelism, (dim, cp) under context parallelism (the plan has one or the other)."""
+    sizes = program.mesh.sizes
+    return {b.name: (b.placement[axis].dim, sizes[axis]) for stage in program.stages or () for b in stage.inputs
+            for axis in ("tp", "cp") if isinstance(b.placement[axis], Shard) and sizes[axis] > 1}
 
 
 def piece_values(placeholders: list[fx.Node], pieces: Pieces) -> list:

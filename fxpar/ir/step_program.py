@@ -185,7 +185,7 @@ class StepProgram:
         """The global ranks `call` runs on, sorted."""
         if call.peer_stage is not None:
             coord = self.mesh.coord(self.rank)
-            peer = self.mesh.rank_of(dp=coord.dp, pp=self.stage_ranks[call.peer_stage], tp=coord.tp)
+            peer = self.mesh.rank_of(dp=coord.dp, pp=self.stage_ranks[call.peer_stage], tp=coord.tp, cp=coord.cp)
             return tuple(sorted((self.rank, peer)))
         if call.tied is not None:
             return self.tied_groups[call.tied]

@@ -314,6 +314,8 @@ class _SequenceSplit:
         # A slice is the rank's own, as tokens are; so is what tokens make.
         slices = target is fxpar_op("split_to_shard")
         self.kinds[node] = TOKENS if slices or (like is not None and self.kinds.get(like) == TOKENS) else WHOLE
+        if isinstance(args[0], fx.Node) and meta.PLACEMENT in args[0].meta:
+            node.meta[meta.PLACEMENT] = meta.placements(args[0])  # the other axes' layout moves with it
         if placement is not None:
             meta.set_placement(node, AXIS, placement)
         return node

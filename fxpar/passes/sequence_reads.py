@@ -25,6 +25,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxpar.ops.distributed import distributed_op
+
 aten = torch.ops.aten
 EVERY_DIM = "every"
 
@@ -81,6 +83,9 @@ def dims_read_across(node: fx.Node) -> tuple[int, ...] | str | None:
     ndim = source.meta["val"].dim() if source is not None and hasattr(source.meta.get("val"), "dim") else 0
     if op is operator.getitem or op in _ALONG_NOTHING or _whole_slice(node):
         return ()
+    if getattr(node.target, "namespace", None) == "fxpar":  # another axis' collective
+        moved = distributed_op(node)
+        return (node.args[3] % max(ndim, 1),) if moved is not None and moved.takes_dim else ()
     if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
         return ()
     if op in _LOSSES:

@@ -102,7 +102,7 @@ def transfer_box(program: CompiledProgram, boundary, stage: int, *, rank: int | 
         where = f"stage {stage - 1} -> stage {stage}"
     else:
         coord, schedule = mesh.coord(rank), program.schedule
-        a, b = (mesh.rank_of(dp=coord.dp, pp=schedule.rank_of(s), tp=coord.tp) for s in (stage - 1, stage))
+        a, b = (mesh.rank_of(dp=coord.dp, pp=schedule.rank_of(s), tp=coord.tp, cp=coord.cp) for s in (stage - 1, stage))
         where = f"rank {a} -> rank {b}"
     text = payload_text(formula, numel=numel, dtype=boundary.dtype)
     lines = [f"{where}: {shape_text(captured, boundary.shape)}", f"{tags[0]} (forward)"]

@@ -80,11 +80,8 @@ def check_compiled(plan) -> None:
 # What context parallelism composes with so far: dp and bf16-mixed, in eager mode. Each of these
 # is refused rather than run untested: field -> (its value that composes, why not yet).
 _CP_NOT_YET = {
-    "tp": (1, "tensor parallelism's rewrite does not yet see the sequence shards"),
-    "pp": (1, "a pipeline stage boundary does not yet carry sequence shards"),
-    "zero": (0, "ZeRO does not yet sum gradients over the cp ranks before it shards them"),
+    "sequence_parallel": (False, "tensor parallelism's sequence shards do not yet nest inside cp's"),
     "compile": ("eager", "compiled mode does not yet trace the key and value gathers"),
-    "checkpoint": ("none", "recomputation does not yet re-gather keys and values"),
     "loss": ("full", "the chunked loss does not yet take its labels' sequence shards"),
 }
 
