@@ -20,6 +20,8 @@ functions instead of poking at `node.meta` with string literals.
                                                 embedding and head), summed over them
     fxpar.recompute           activation_       the checkpoint region a node belongs to
                               checkpoint        ("h.3", "h.3.attn:core"): recomputed in backward
+    fxpar.cp_kind             context_parallel  "whole", "weight" or "tokens": what a value is
+                                                made from, which decides its cp placement
 
 Graph-wide facts live in `GraphModule.meta` under the same prefix (see `GRAPH_*` below).
 """
@@ -42,6 +44,7 @@ GRAD_PARTIAL = "fxpar.grad_partial"
 STAGE = "fxpar.stage"
 TIED_ACROSS_STAGES = "fxpar.tied_across_stages"
 RECOMPUTE = "fxpar.recompute"
+CP_KIND = "fxpar.cp_kind"
 MASTER_DTYPE = "fxpar.master_dtype"
 
 # GraphModule.meta keys.
@@ -51,6 +54,7 @@ GRAPH_ALIASES = "fxpar.aliases"  # dict: tied alias name -> canonical parameter 
 GRAPH_NON_PERSISTENT = "fxpar.non_persistent"  # buffers kept out of the state dict
 GRAPH_LOSS = "fxpar.loss"  # LossReduction (passes.loss_normalisation): how pieces' losses combine
 GRAPH_BATCH = "fxpar.dp_batch"  # export's batch-size symbols, which the dp axis splits
+GRAPH_SEQ = "fxpar.cp_seq"  # export's sequence-length symbols, which the cp axis splits
 GRAPH_STAGES = "fxpar.stages"  # passes.pipeline: each stage's nodes, before the split
 GRAPH_STAGE = "fxpar.stage"  # which stage a stage's own GraphModule is
 GRAPH_RANK = "fxpar.rank"  # the global rank a rank module was specialised for

@@ -77,12 +77,12 @@ _LINEAR_IN_PARTIALS = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.su
 def no_whole_value_meets_tokens(gm: fx.GraphModule) -> None:
     """Ensures: no tokens op reads a whole value that has a sequence dim, except through
     `split_to_shard` (whose output is the rank's slice)."""
-    kinds = gm.meta["fxpar.cp_kinds"]
     for node in gm.graph.nodes:
-        if kinds.get(node) != TOKENS or packet(node) is _SDPA or node.target is fxpar_op("split_to_shard"):
+        if node.meta.get(meta.CP_KIND) != TOKENS or packet(node) is _SDPA or node.target is fxpar_op("split_to_shard"):
             continue
         for source in node.all_input_nodes:
-            if kinds.get(source) == WHOLE and _tensor(source) and sequence_dims(source, gm.meta["fxpar.cp_seq"]):
+            if source.meta.get(meta.CP_KIND) == WHOLE and _tensor(source) \
+                    and sequence_dims(source, gm.meta[meta.GRAPH_SEQ]):
                 raise broken("a whole value with a sequence dim reaches tokens only as the rank's slice", node)
 
 
@@ -94,8 +94,8 @@ def split_sequence(gm: fx.GraphModule, *, cp: int, seq: frozenset) -> fx.GraphMo
     sum over the step's count of valid targets (`passes.loss_normalisation`).
     Ensures: every tensor node carries its cp placement; each whole value with a sequence
     dim reaches tokens ops only as the rank's slice (`split_to_shard`); SDPA reads keys and
-    values gathered over cp; trained parameters are `fxpar.grad_partial` over cp;
-    `gm.meta["fxpar.cp_kinds"]` maps each node to its kind."""
+    values gathered over cp; trained parameters are `fxpar.grad_partial` over cp; each node
+    holds its kind (`fxpar.cp_kind`) and `gm.meta["fxpar.cp_seq"]` the sequence's symbols."""
     if not seq:
         raise PlanError(
             "plan cp splits the sequence, and the capture fixed its length (no `seq` symbol "
@@ -139,8 +139,9 @@ class _SequenceSplit:
         for name, node in meta.parameter_nodes(self.graph).items():
             if meta.requires_grad(node) and node.users:
                 meta.mark_gradient_partial(node, AXIS)
-        self.gm.meta["fxpar.cp_kinds"] = self.kinds
-        self.gm.meta["fxpar.cp_seq"] = self.seq
+        for node, kind in self.kinds.items():
+            node.meta[meta.CP_KIND] = kind
+        self.gm.meta[meta.GRAPH_SEQ] = self.seq
 
     def _kind(self, node: fx.Node) -> str:
         if node.op == "get_attr":

@@ -77,28 +77,17 @@ def check_compiled(plan) -> None:
         )
 
 
-# What context parallelism composes with so far: dp and bf16-mixed, in eager mode. Each of these
-# is refused rather than run untested: field -> (its value that composes, why not yet).
-_CP_NOT_YET = {
-    "sequence_parallel": (False, "tensor parallelism's sequence shards do not yet nest inside cp's"),
-    "compile": ("eager", "compiled mode does not yet trace the key and value gathers"),
-    "loss": ("full", "the chunked loss does not yet take its labels' sequence shards"),
-}
-
-
 def check_context_parallel(plan) -> None:
-    """Context parallelism (`cp`) with what it does not compose with yet, refused by field."""
-    if plan.cp == 1:
-        return
-    for name, (composes, why) in _CP_NOT_YET.items():
-        if getattr(plan, name) != composes:
-            raise PlanError(
-                f"plan cp={plan.cp} with {name}={text_of(getattr(plan, name))}: {why}; cp composes "
-                f"with dp and precision=bf16-mixed in eager mode. Fix: {name}={text_of(composes)}, "
-                f"or cp=1 (spend the ranks on dp, tp or pp)",
-                field=name,
-                value=getattr(plan, name),
-            )
+    """Context parallelism (`cp`) with tensor parallelism's own sequence shards, refused."""
+    if plan.cp > 1 and plan.sequence_parallel:
+        raise PlanError(
+            f"plan cp={plan.cp} with sp=true: both split the sequence, cp over its ranks for the "
+            "whole model and sp over the tp ranks around the norms, and fxpar does not yet nest "
+            "tp's sequence shards inside cp's. Fix: sp=false (cp already splits the norms' "
+            "activations cp ways), or cp=1",
+            field="sequence_parallel",
+            value=True,
+        )
 
 
 def check_pipeline(plan) -> None:

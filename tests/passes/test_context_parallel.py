@@ -66,12 +66,10 @@ def test_a_sequence_not_divisible_by_cp_is_refused():
     assert caught.value.field == "cp"
 
 
-@pytest.mark.parametrize("other", ["tp=2", "pp=2 mb=2", "dp=2 zero=1", "compile=inductor", "checkpoint=full",
-                                   "loss=chunked"])
-def test_what_cp_does_not_compose_with_yet_is_refused_by_field(other):
-    with pytest.raises(PlanError, match=r"plan cp=2 with .*composes with dp and precision=bf16-mixed") as caught:
-        fxpar.Plan.parse(f"cp=2 {other}")
-    assert caught.value.field == other.split("=")[0] if "zero" not in other else "zero"
+def test_sequence_parallelism_inside_cp_is_refused():
+    with pytest.raises(PlanError, match=r"plan cp=2 with sp=true: both split the sequence.*Fix: sp=false") as caught:
+        fxpar.Plan.parse("cp=2 tp=2 sp=true")
+    assert caught.value.field == "sequence_parallel"
 
 
 class Pooled(nn.Module):

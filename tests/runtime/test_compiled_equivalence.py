@@ -1,8 +1,8 @@
 """Tier 3: `compile=inductor` trains as one device does, with the step program's collectives.
 
 Each rank's forward and backward run as Inductor's C++ kernels on this CPU
-(`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under four
-plans (dp with ZeRO-2, ZeRO-3 with full checkpointing and tp with sp in fp32, a bf16-mixed
+(`runtime.compiled_forward`). One launch trains the tiny GPT for 5 AdamW steps under five
+plans (dp with ZeRO-2, ZeRO-3 with full checkpointing, tp with sp and cp in fp32, a bf16-mixed
 zero-bubble pipeline, compiled between its deferred linears: `runtime.compiled_segments`),
 each compiled twice (the resized first step, then the training batch), and compares
 with eager single-device training as the eager plans' tests do (test_data_parallel_equivalence):
@@ -45,7 +45,8 @@ from test_tensor_parallel_equivalence import assert_collectives_as_predicted  # 
 pytestmark = pytest.mark.multirank
 
 FP32 = ["dp=2 zero=2 mb=2 compile=inductor", "dp=2 zero=3 mb=2 checkpoint=full compile=inductor",
-        "tp=2 sp=true checkpoint=selective compile=inductor"]
+        "tp=2 sp=true checkpoint=selective compile=inductor",
+        "cp=2 compile=inductor"]  # the key and value gathers traced as start and wait
 BF16 = "pp=2 mb=2 schedule=zb-h1 precision=bf16-mixed compile=inductor"  # (each plan compiles for minutes on CI's cold cache)
 
 

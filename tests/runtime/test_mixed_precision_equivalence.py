@@ -77,6 +77,7 @@ TWO_RANKS = [
     f"pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}", f"dp=2 zero=3 {BF16} reduce_dtype=bf16",
     f"dp=2 checkpoint=full {BF16}", f"tp=2 checkpoint=selective {BF16}",
     f"dp=2 zero=2 mb=2 {BF16} zero_reduce=microbatch",  # each microbatch's bf16 bucket summed in fp32
+    f"cp=2 {BF16}",  # bf16 keys and values gathered, their bf16 gradients reduce-scattered
 ]
 FOUR_RANKS = [f"dp=2 tp=2 sp=true zero=1 mb=2 {BF16}", f"dp=2 pp=2 zero=2 mb=4 {BF16} reduce_dtype=bf16",
               f"dp=2 pp=2 mb=4 schedule=interleaved virtual_stages=2 {BF16}"]
