@@ -29,7 +29,8 @@ pytestmark = pytest.mark.multirank
 MAX_NORM = 0.4
 RELATIVE = 1e-5
 PLANS = ("dp=4", "dp=2 tp=2", "tp=2 pp=2 mb=2", "dp=2 pp=2 mb=2 zero=1", "dp=2 tp=2 zero=2",
-         "dp=4 zero=3", "dp=2 tp=2 zero=3 mb=2")
+         "dp=4 zero=3", "dp=2 tp=2 zero=3 mb=2",
+         "dp=2 cp=2", "dp=2 cp=2 zero=2")  # a cp rank's gradients are copies of its peer's: counted once
 
 
 def test_clipping_by_the_global_norm_matches_single_device(torchrun):

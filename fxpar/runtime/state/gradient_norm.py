@@ -65,7 +65,7 @@ def _parameter_gradients(state: RankState) -> tuple[list[torch.Tensor], list[tor
             if name not in trained or parameter.grad is None:
                 continue
             held.append(parameter.grad)
-            if _first_copy(state, module, name, ("dp", "tp"), writers):
+            if _first_copy(state, module, name, ("dp", "cp", "tp"), writers):
                 counted.append(parameter.grad)
     return counted, held
 
@@ -83,7 +83,7 @@ def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch
                 continue
             held.append(shard)
             for name, _, _, start, stop in buckets.shard_spans(index):
-                if _first_copy(state, module, name, ("tp",), writers):
+                if _first_copy(state, module, name, ("cp", "tp"), writers):
                     counted.append(shard[start:stop])
     return counted, held
 
