@@ -126,11 +126,12 @@ def waits_where_issued(call: Call, plan) -> bool:
     """Whether the compute after `call` waits for it where it is issued, so no compute hides
     it: a tensor-parallel op's call, whose result the next op reads (Megatron's f and g,
     sequence parallelism's gathers and reduce-scatters: Narayanan et al. 2021 Sec. 3.3; the
-    eager runtime runs each as a call and its wait), and the step agreement on the tp group.
+    eager runtime runs each as a call and its wait), context parallelism's key and value
+    gathers, which attention reads next, and the step agreements on those groups.
     Under `compile=inductor` a backward one is waited for after the work that does not need
     it (`runtime.collective_schedule`: f's input gradient is all-reduced while the weight
     gradients are computed), so it may hide as the backward's other calls do."""
-    return call.axis == "tp" and not (plan.compile == "inductor" and call.phase == "backward")
+    return call.axis in ("tp", "cp") and not (plan.compile == "inductor" and call.phase == "backward")
 
 
 def backward_windows(step: StepProgram) -> tuple[list[int], int]:

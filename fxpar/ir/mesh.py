@@ -151,6 +151,12 @@ class Mesh:
             if self.coord(rank)[axis] == 0
         )
 
+    def position(self, rank: int) -> str:
+        """Where `rank` sits, for messages and pictures: "dp 1, pp 0, tp 1" (and cp where the
+        mesh has it)."""
+        coord = self.coord(rank)
+        return ", ".join(f"{axis.value} {coord[axis]}" for axis in self._shown_axes())
+
     def describe(self, *, max_ranks: int = 64) -> str:
         """A text table of rank -> (dp, pp, tp), and cp where the mesh has it, cut after
         `max_ranks` rows; for docs and logs."""

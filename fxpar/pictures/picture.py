@@ -294,8 +294,7 @@ class _Builder:
     def _title(self) -> str:
         view = "global view"
         if self.rank is not None:
-            c = self.mesh.coord(self.rank)
-            view = f"rank {self.rank} (dp {c.dp}, pp {c.pp}, tp {c.tp})"
+            view = f"rank {self.rank} ({self.mesh.position(self.rank)})"
         return f"plan '{self.program.plan}' on {self.mesh}: {view}, detail={self.detail}"
 
     def _stage_labels(self) -> dict[int, str]:

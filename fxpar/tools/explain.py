@@ -17,7 +17,6 @@ from fxpar.tools.diff import collectives_by_purpose
 def explain(program: CompiledProgram, *, rank: int = 0, hardware: str = "h100") -> str:
     """The plan, its stages and schedule, `rank`'s buckets and collectives, and the estimate."""
     mesh, captured = program.mesh, program.captured
-    coord = mesh.coord(rank)
     inputs = ", ".join(f"{n} {tuple(s)}" for n, s in zip(captured.input_names, captured.example_shapes))
     lines = [
         f"plan '{program.plan}' on {mesh}: {program.world_size} ranks",
@@ -31,7 +30,7 @@ def explain(program: CompiledProgram, *, rank: int = 0, hardware: str = "h100") 
         lines += [f"  {line}" for line in program.describe_stages().splitlines()]
         lines += ["", f"schedule ({program.plan.schedule}, {program.plan.microbatches} microbatches):"]
         lines += [f"  {line}" for line in str(program.schedule).splitlines()]
-    lines += ["", f"gradient buckets of rank {rank} (dp {coord.dp}, pp {coord.pp}, tp {coord.tp}), in launch order:"]
+    lines += ["", f"gradient buckets of rank {rank} ({mesh.position(rank)}), in launch order:"]
     lines += _buckets(program, rank)
     if program.plan.zero in (2, 3) and program.plan.dp > 1:  # the one decision ZeRO leaves the cost model
         lines += ["", f"ZeRO-{program.plan.zero} {program.zero_reduce}"]
