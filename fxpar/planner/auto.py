@@ -42,13 +42,16 @@ def search_plans(
 ) -> PlanSearch:
     """Search every plan of `world_size` ranks for `captured` (module doc, `planner.search`)."""
     device = hardware_profile(hardware, measured=measured)
+    seq = captured.symbols.get("seq")
     space = SearchSpace(world_size=world_size, devices_per_node=devices_per_node or device.devices_per_node,
-                        batch=captured.example_batch, fixed=Plan.fields_given(fixed) if fixed else {})
+                        batch=captured.example_batch, fixed=Plan.fields_given(fixed) if fixed else {},
+                        sequence=captured.example_sizes[seq] if seq is not None else None)
     parameters = captured.parameter_count()
 
     def bound(plan: Plan) -> float:
         """Bytes the worst rank holds at least: its weights and optimizer state, for at least
-        an even share of the parameters (tp and pp split no parameter more finely)."""
+        an even share of the parameters (tp and pp split no parameter more finely; cp
+        replicates them)."""
         state = model_state_bytes(parameters / (plan.tp * plan.pp), precision=plan.precision,
                                   optimizer=optimizer, zero=plan.zero, dp=plan.dp,
                                   reduce_dtype=plan.reduce_dtype)

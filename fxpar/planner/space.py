@@ -2,16 +2,17 @@
 
 A candidate is a set of plan fields. The space crosses
 
-    layout          every dp x tp x pp that multiplies to the world size, tp within a node
-                    (its all-reduces sit on every layer's critical path: Megatron's rule,
-                    Narayanan et al. 2021 Sec. 3.3), pp at most the model's blocks
+    layout          every dp x tp x pp x cp that multiplies to the world size, tp x cp within
+                    a node (their collectives sit on every layer's critical path: Megatron's
+                    rule, Narayanan et al. 2021 Sec. 3.3, and cp's key and value gathers),
+                    cp only where the example's sequence splits into cp equal slices
     ZeRO            0-3 with dp > 1 (with dp = 1 there is nothing to shard over: a stage
                     the caller fixes leaves the dp = 1 layouts out)
     microbatches    without a pipeline 1, 2, 4 (fewer activations per pass, more passes); with
                     one, pp, 2 pp and 4 pp (GPipe Sec. 2.3: the bubble shrinks as mb grows)
     schedule        with a pipeline: 1F1B, GPipe, interleaved 1F1B (two chunks per rank),
                     zero-bubble ZB-H1
-    sp              with tp > 1, sequence parallelism off and on
+    sp              with tp > 1 and cp = 1, sequence parallelism off and on
     checkpoint      none, selective (attention's core), full (every block)
 
 and keeps the fields the caller fixes (`precision`, `tp_rules`, or a degree: `fixed`) in every
@@ -50,35 +51,42 @@ class SearchSpace:
     devices_per_node: int  # tp stays within one node
     batch: int  # the global batch, in sequences
     fixed: Mapping[str, object] = field(default_factory=dict)  # plan fields every candidate keeps
+    sequence: int | None = None  # the example's sequence length; None: cp stays 1
 
     def __post_init__(self) -> None:
         Plan(**self.fixed)  # an invalid fixed field is the caller's PlanError, named as such
 
-    def layouts(self) -> list[tuple[int, int, int]]:
-        """Every (dp, tp, pp) whose product is the world size, tp within a node, and each
-        matching the degrees the caller fixed."""
+    def layouts(self) -> list[tuple[int, int, int, int]]:
+        """Every (dp, tp, pp, cp) whose product is the world size, tp x cp within a node, cp
+        dividing the sequence, and each matching the degrees the caller fixed."""
         found = []
         for tp in divisors(self.world_size):
-            for pp in divisors(self.world_size // tp):
-                dp = self.world_size // (tp * pp)
-                degrees = {"dp": dp, "tp": tp, "pp": pp}
-                if tp <= self.devices_per_node and all(self.fixed.get(k, v) == v for k, v in degrees.items()):
-                    found.append((dp, tp, pp))
+            for cp in divisors(self.world_size // tp):
+                for pp in divisors(self.world_size // (tp * cp)):
+                    dp = self.world_size // (tp * cp * pp)
+                    degrees = {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
+                    if tp * cp <= self.devices_per_node and self._splits(cp) \
+                            and all(self.fixed.get(k, v) == v for k, v in degrees.items()):
+                        found.append((dp, tp, pp, cp))
         return found
+
+    def _splits(self, cp: int) -> bool:
+        """Whether the sequence splits into `cp` slices (cp = 1 always)."""
+        return cp == 1 or (self.sequence is not None and self.sequence % cp == 0)
 
     def candidates(self) -> Iterator[dict[str, object]]:
         """The plan fields of every candidate, layouts in `layouts` order."""
-        for dp, tp, pp in self.layouts():
+        for dp, tp, pp, cp in self.layouts():
             options = {
                 "zero": (0, 1, 2, 3) if dp > 1 else (0,),
                 "microbatches": tuple(pp * k for k in STEPS_PER_STAGE) if pp > 1 else MICROBATCHES,
                 "schedule": SCHEDULES if pp > 1 else ("1f1b",),
-                "sequence_parallel": (False, True) if tp > 1 else (False,),
+                "sequence_parallel": (False, True) if tp > 1 and cp == 1 else (False,),
                 "checkpoint": CHECKPOINTS,
             }
             options = {k: (self.fixed[k],) if k in self.fixed else v for k, v in options.items()}
             for values in itertools.product(*options.values()):
-                fields = {**self.fixed, "dp": dp, "tp": tp, "pp": pp, **dict(zip(options, values))}
+                fields = {**self.fixed, "dp": dp, "tp": tp, "pp": pp, "cp": cp, **dict(zip(options, values))}
                 if self.batch % (dp * fields["microbatches"]) or (fields["zero"] and dp == 1):
                     continue  # the batch does not split; ZeRO with nothing to shard over
                 if fields["schedule"] == "interleaved":

@@ -13,9 +13,18 @@ from fxpar.planner.space import SearchSpace, divisors, memory_trade
 def test_layouts_multiply_to_the_world_and_keep_tp_within_a_node():
     space = SearchSpace(world_size=32, devices_per_node=8, batch=64)
     layouts = space.layouts()
-    assert all(dp * tp * pp == 32 for dp, tp, pp in layouts)
-    assert max(tp for _, tp, _ in layouts) == 8  # tp=16 and 32 would span nodes
-    assert len(layouts) == len({(dp, tp, pp) for dp, tp, pp in layouts}) == 18  # 21 factorizations, 3 with tp > 8
+    assert all(dp * tp * pp * cp == 32 and cp == 1 for dp, tp, pp, cp in layouts)  # no sequence: no cp
+    assert max(tp for _, tp, _, _ in layouts) == 8  # tp=16 and 32 would span nodes
+    assert len(layouts) == len(set(layouts)) == 18  # 21 factorizations, 3 with tp > 8
+
+
+def test_cp_splits_the_sequence_within_a_node_beside_tp():
+    space = SearchSpace(world_size=8, devices_per_node=4, batch=8, sequence=12)
+    layouts = space.layouts()
+    assert {cp for *_, cp in layouts} == {1, 2, 4}  # 8 does not divide the 12 tokens
+    assert all(tp * cp <= 4 for _, tp, _, cp in layouts)  # both on every layer's critical path
+    assert (2, 2, 1, 2) in layouts and (1, 2, 1, 4) not in layouts
+    assert all(not c["sequence_parallel"] for c in space.candidates() if c["cp"] > 1)
 
 
 def test_every_candidate_splits_the_batch_and_keeps_the_fixed_fields():
