@@ -35,10 +35,8 @@ The reductions' actions (buckets, partial gradients, the loss, ZeRO's gathers) a
 from __future__ import annotations
 
 import itertools
-
-from dataclasses import replace
-
 import math
+from dataclasses import replace
 
 import sympy
 import torch
@@ -51,6 +49,7 @@ from fxpar.compiler.reduction_lowering import (
 from fxpar.ir import meta
 from fxpar.ir.mesh import Axis, Mesh
 from fxpar.ir.placement import local_numel, local_shape
+from fxpar.ir.recompute_regions import segments
 from fxpar.ir.stages import Boundary
 from fxpar.ir.step_program import StepAction, Call, Communicate, Compute, Exchange, Purpose, Receive
 from fxpar.ops.distributed import BY_NAME, COMMUNICATING, axis_of, distributed_op
@@ -70,10 +69,13 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[t
     """
     forward: list[Call] = []
     backward: list[Call] = []
+    spans: dict[fx.Node, tuple[int, int]] = {}  # a node -> its backward calls' (start, stop) in `backward`
+    recomputed: dict[fx.Node, list[Call]] = {}  # a recomputed node -> its forward calls
     for node in gm.graph.nodes:
         op = distributed_op(node)
         if op is None:
             continue
+        start = len(backward)
         axis = axis_of(node)
         if mesh.size(Axis(axis)) == 1:
             continue
@@ -94,8 +96,28 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[t
             reduce = "none" if primitive == "all_gather" else op.reduce
             calls.append(Call(kind=primitive, numel=numel, dtype=dtype, axis=axis, op=reduce,
                               tag=op.tag(axis, phase), phase=phase, where=meta.module_path(node)))
+            if phase == "forward" and meta.recompute_region(node) is not None:
+                recomputed.setdefault(node, []).append(calls[-1])
+        spans[node] = (start, len(backward))
     return (prefetched(forward, GATHER_TAG, prefetch),
-            prefetched(backward[::-1], REGATHER_TAG, prefetch))
+            prefetched(_with_recomputation(backward, spans, recomputed, gm), REGATHER_TAG, prefetch))
+
+
+def _with_recomputation(backward: list[Call], spans: dict, recomputed: dict, gm: fx.GraphModule) -> list[Call]:
+    """`backward` in autograd's order (reversed), with each recomputed region's forward
+    calls (context parallelism's gathers of keys and values: `recompute_regions`) where
+    backward recomputes the region: when autograd first reaches it, before the first
+    backward call of any of its nodes. `spans`: each node's backward calls, (start, stop)
+    in graph order."""
+    order, total, inserts = backward[::-1], len(backward), []
+    for run in segments(gm.graph.nodes, meta.recompute_region):
+        calls = [c for node in run for c in recomputed.get(node, ())]
+        reached = [total - stop for node in run if node in spans for start, stop in [spans[node]] if stop > start]
+        if calls:
+            inserts.append((min(reached, default=total), calls))
+    for at, calls in sorted(inserts, key=lambda entry: -entry[0]):
+        order[at:at] = calls
+    return order
 
 
 GATHER_TAG = BY_NAME["gather_parameters"].tag("dp", "forward")

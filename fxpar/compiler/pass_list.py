@@ -167,7 +167,9 @@ def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]
             field="checkpoint",
             value=plan.checkpoint,
         )
-    return (partial(mark_recomputation, mode=plan.checkpoint, blocks=blocks),)
+    # eager mode recomputes cp's key and value gathers; a compiled graph's partitioner keeps them
+    regather = plan.cp > 1 and plan.compile == "eager"
+    return (partial(mark_recomputation, mode=plan.checkpoint, blocks=blocks, regather=regather),)
 
 
 def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:

@@ -24,10 +24,15 @@ the marks, by the runtime that recomputes (`runtime.step.recompute`):
                           outputs are never recomputed.
 
 A distributed op (`torch.ops.fxpar.*`) whose forward is a collective (tensor parallelism's g,
-sequence parallelism's all-gather and reduce-scatter) is never in a region: a collective
-must run exactly as the rank's step program lists it, so recomputation never repeats one.
-Its output is kept like a region's input, and a block that holds such ops recomputes as
-several calls, one per stretch between them. An op whose forward is local and whose
+sequence parallelism's all-gather and reduce-scatter) is in no region: its output is kept
+like a region's input, and a block that holds such ops recomputes as several calls, one per
+stretch between them. One exception, by design: context parallelism's gathers of keys and
+values (`regathered`), which would otherwise keep the whole sequence's keys and values
+where the rank's own slice suffices. They join the region of the attention that reads them
+(its core under selective, its block under full), so backward gathers them again before it
+recomputes the attention, and the step program lists that gather where backward makes it
+(`compiler.lowering.graph_calls`). Only in eager mode: a compiled graph's recomputation is
+Inductor's partitioner's, which keeps what it gathered (`regather=False`). An op whose forward is local and whose
 collective is in its backward (f, `copy_to_region`: identity forward, all-reduce backward;
 `split_to_shard`) may be recomputed: recomputing its forward communicates nothing, and
 autograd runs its backward once, from the forward's own graph, as without checkpointing.
@@ -114,8 +119,9 @@ def block_of(path: str, lists: Iterable[str]) -> str | None:
     return None
 
 
-def region_labels(graph: fx.Graph, mode: str, blocks: tuple[str, ...]) -> dict[fx.Node, str]:
-    """Each recomputed node of `graph` under checkpoint=`mode`, with its region's label."""
+def region_labels(graph: fx.Graph, mode: str, blocks: tuple[str, ...], *, regather: bool = False) -> dict[fx.Node, str]:
+    """Each recomputed node of `graph` under checkpoint=`mode`, with its region's label; with
+    `regather`, context parallelism's key and value gathers join their attention's region."""
     if mode == FULL:
         labels = {
             node: block for node in graph.nodes
@@ -123,10 +129,21 @@ def region_labels(graph: fx.Graph, mode: str, blocks: tuple[str, ...]) -> dict[f
         }
     elif mode == SELECTIVE:
         labels = attention_cores(graph)
+        if regather:
+            labels |= {g: labels[a] for a in list(labels) if a.target in _SDPA for g in a.args[1:3]
+                       if isinstance(g, fx.Node) and regathered(g)}
     else:
         return {}
     return {node: label for node, label in labels.items()
-            if not communicates_in_forward(node) and not _gathers_parameters(node)}
+            if (not communicates_in_forward(node) or (regather and regathered(node))) and not _gathers_parameters(node)}
+
+
+def regathered(node: fx.Node) -> bool:
+    """Context parallelism's gather of a key or value for attention, and nothing else: a
+    gather over cp whose only user is SDPA (module doc)."""
+    op = distributed_op(node)
+    return (op is not None and op.name == "gather_to_region" and node.args[1] == "cp"
+            and len(node.users) == 1 and next(iter(node.users)).target in _SDPA)
 
 
 def _gathers_parameters(node: fx.Node) -> bool:

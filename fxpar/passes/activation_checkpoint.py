@@ -29,7 +29,8 @@ Contract.
 Requires: `fxpar.module_path` on the model's nodes (trace.capture).
 Ensures: exactly the nodes `recompute_regions.region_labels(graph, mode, blocks)` returns
 carry `fxpar.recompute`, with that label; no distributed op whose forward is a collective
-of the step program is marked (checked); nothing else in the graph changes.
+of the step program is marked, but context parallelism's key and value gathers under
+`regather` (checked); nothing else in the graph changes.
 """
 
 from __future__ import annotations
@@ -37,21 +38,23 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxpar.ir import meta
-from fxpar.ir.recompute_regions import communicates_in_forward, region_labels
+from fxpar.ir.recompute_regions import communicates_in_forward, regathered, region_labels
 from fxpar.passes.contracts import broken, ensures
 
 
 def no_collective_recomputed(gm: fx.GraphModule) -> None:
-    """Ensures: no distributed op whose forward communicates carries a recompute mark."""
+    """Ensures: no distributed op whose forward communicates carries a recompute mark, but
+    context parallelism's key and value gathers (`recompute_regions.regathered`)."""
     for node in gm.graph.nodes:
-        if meta.recompute_region(node) is not None and communicates_in_forward(node):
+        if meta.recompute_region(node) is not None and communicates_in_forward(node) and not regathered(node):
             raise broken("a collective is never recomputed", node)
 
 
 @ensures(no_collective_recomputed)
-def mark_recomputation(gm: fx.GraphModule, *, mode: str, blocks: tuple[str, ...]) -> fx.GraphModule:
-    """Mark `gm`'s recomputed nodes in place (contract in the module doc); returns it."""
-    labels = region_labels(gm.graph, mode, blocks)
+def mark_recomputation(gm: fx.GraphModule, *, mode: str, blocks: tuple[str, ...], regather: bool = False) -> fx.GraphModule:
+    """Mark `gm`'s recomputed nodes in place (contract in the module doc); returns it.
+    `regather`: context parallelism's gathers of keys and values are recomputed too."""
+    labels = region_labels(gm.graph, mode, blocks, regather=regather)
     for node in gm.graph.nodes:
         node.meta.pop(meta.RECOMPUTE, None)
         if node in labels:

@@ -51,6 +51,7 @@ the way out. Each trained parameter's gradient is then a partial sum over cp
 
 from __future__ import annotations
 
+import operator
 from functools import partial
 
 import torch
@@ -241,7 +242,7 @@ class _SequenceSplit:
         if isinstance(mask, fx.Node):
             mask = self._mask_rows(mask, node)
         elif _argument(node, 5, "is_causal", False):
-            mask = self._causal_rows(keys, dim, before=node)
+            mask = self._causal_rows(q, dim, before=node)
         kwargs = {k: w for k, w in node.kwargs.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
         node.args, node.kwargs = (q, keys, values, mask), kwargs
 
@@ -255,12 +256,15 @@ class _SequenceSplit:
         return self._insert(fxpar_op("split_to_shard"), (mask, AXIS, self.cp, rows), Shard(rows), before=node,
                             like=mask)
 
-    def _causal_rows(self, keys: fx.Node, dim: int, *, before: fx.Node) -> fx.Node:
+    def _causal_rows(self, queries: fx.Node, dim: int, *, before: fx.Node) -> fx.Node:
         """mask[i, j] = position(query i) >= position(key j), for the rank's queries: the
-        causal mask's rows, as positions counted on the keys' own device."""
+        causal mask's rows, as positions counted on the queries' own device. (Read off the
+        queries, not the gathered keys: a gather recomputed in backward must have no reader
+        outside attention's region.)"""
         insert = partial(self._insert, before=before, like=None)
-        length = insert(aten.sym_size.int, (keys, dim), None)
-        ones = insert(aten.new_ones.default, (keys, [length]), R, kwargs={"dtype": torch.int64})
+        piece = insert(aten.sym_size.int, (queries, dim), None)  # the slice's length, at run time
+        length = insert(operator.mul, (piece, self.cp), None, val=queries.meta["val"].shape[dim])
+        ones = insert(aten.new_ones.default, (queries, [length]), R, kwargs={"dtype": torch.int64})
         positions = insert(aten.cumsum.default, (ones, 0), R)
         mine = insert(fxpar_op("split_to_shard"), (positions, AXIS, self.cp, 0), Shard(0))
         rows = insert(aten.unsqueeze.default, (mine, 1), Shard(0))

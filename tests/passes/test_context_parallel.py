@@ -123,3 +123,22 @@ def small_gpt_model(*, seq: int, dropout: float = 0.0):
         if isinstance(module, nn.Dropout):
             module.p = dropout
     return model, inputs
+
+
+def test_with_attention_recomputed_each_cp_rank_keeps_a_cp_th_of_the_activations():
+    """Attention keeps the keys and values it gathered; recomputing its core gathers them again
+    in backward instead (`recompute_regions.regathered`), and then a rank's saved activations
+    are 1/cp of one device's. (The equivalence tests hold the rank's measured bytes equal to
+    the estimate's, and its collectives, the regathers among them, equal to the prediction.)"""
+    from hf_models import builder
+
+    model, inputs = builder("llama")("sdpa")
+    captured = fxpar.capture(model, inputs)
+    saved = {plan: fxpar.compile(captured, plan).estimate("h100").memory["activations"]
+             for plan in ("checkpoint=selective", "cp=2 checkpoint=selective", "dp=1", "cp=2")}
+    assert saved["cp=2 checkpoint=selective"] / saved["checkpoint=selective"] == pytest.approx(0.5, rel=0.05)
+    assert saved["cp=2"] / saved["dp=1"] > 0.52  # the whole sequence's keys and values, kept
+    program = fxpar.compile(captured, "cp=2 checkpoint=selective")
+    backward = [c.tag for c in program.collectives(0) if c.phase != "step"][1 + 4:]  # after the forward's
+    assert backward[:4] == ["cp gather_to_region", "cp gather_to_region", "cp gather_to_region (backward)",
+                            "cp gather_to_region (backward)"]  # the last layer: gathered again, then reduced
