@@ -11,8 +11,8 @@ the shift is computed on the whole sequence, as one device computes it.
 
 Each composed with what the plan offers: dp (with microbatches), tp (the gathered keys and
 values are each rank's heads), pp (a stage receives its slice of the boundary), ZeRO 1-3
-(gradients summed over cp before the dp buckets shard them), activation checkpointing and the
-chunked loss. (bf16-mixed: test_mixed_precision_equivalence; compiled mode:
+(gradients summed over cp before the dp buckets shard them), activation checkpointing (keys
+and values gathered again in backward) and the chunked loss. (bf16-mixed: test_mixed_precision_equivalence; compiled mode:
 test_compiled_equivalence.)
 
 The same checks as test_hf_equivalence (`assert_equivalent`): after 3 AdamW steps, the loss
@@ -34,11 +34,14 @@ from test_hf_equivalence import check_jobs, train_single_device  # noqa: E402
 pytestmark = pytest.mark.multirank
 DECODERS = ["llama", "qwen2", "mistral"]
 ON_TWO_RANKS = [f"{m} sdpa cp=2" for m in (*DECODERS, "gpt2", "bert")] + [
-    # recomputation re-runs a block (or attention's core) on the rank's slice, the gathered
-    # keys and values kept; the chunked loss takes its labels' slice.
+    # recomputation re-runs a block (or attention's core) on the rank's slice and gathers the
+    # keys and values again (`recompute_regions.regathered`); the chunked loss takes its
+    # labels' slice.
     "llama sdpa cp=2 checkpoint=full", "qwen2 sdpa cp=2 checkpoint=selective", "mistral sdpa cp=2 loss=chunked",
 ]
-ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in DECODERS for plan in ("dp=2 cp=2", "cp=2 tp=2", "cp=4", "cp=2 pp=2 mb=2")]
+ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in DECODERS for plan in ("dp=2 cp=2", "cp=2 tp=2", "cp=4", "cp=2 pp=2 mb=2")] + [
+    "llama sdpa cp=2 tp=2 checkpoint=full",  # keys and values gathered again inside a block with tp's f
+]
 ZERO_ON_FOUR_RANKS = [
     "gpt2 sdpa dp=2 cp=2 mb=2",  # microbatches: the count of valid targets over dp only
     # ZeRO shards over dp; each gradient is summed over cp before its bucket is reduce-scattered
