@@ -69,6 +69,11 @@ AXIS = "cp"
 WHOLE, WEIGHT, TOKENS = "whole", "weight", "tokens"
 _SDPA = aten.scaled_dot_product_attention
 _MATMULS = {aten.mm, aten.bmm, aten.matmul, aten.baddbmm, aten.addmm, aten.linear, aten.einsum}
+_ATTENTION_FIX = ("compute attention with F.scaled_dot_product_attention (Hugging Face: "
+                  "attn_implementation='sdpa'), or cp=1")
+# A mixture of experts sorts the tokens by expert: per token in effect, but not op by op.
+_READS_ACROSS_FIX = ("keep what reads across the sequence out of the activations' path, or cp=1 (a "
+                     "mixture of experts' token sort is one such read: cp does not split MoE models yet)")
 # What a partial sum over the cp ranks may meet on its way to the output: sums and scalings
 # by values every rank holds alike, which commute with the sum the runtime takes.
 _LINEAR_IN_PARTIALS = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.sum, aten.to, aten._to_copy,
@@ -137,12 +142,31 @@ class _SequenceSplit:
             else:
                 self.sizes.use_global(node)
                 self._place(node, R)
+        self._check_loss_is_split()
         for name, node in meta.parameter_nodes(self.graph).items():
             if meta.requires_grad(node) and node.users:
                 meta.mark_gradient_partial(node, AXIS)
         for node, kind in self.kinds.items():
             node.meta[meta.CP_KIND] = kind
         self.gm.meta[meta.GRAPH_SEQ] = self.seq
+
+    def _check_loss_is_split(self) -> None:
+        """The loss must be a sum over the split activations (cp=P): one computed whole on
+        every rank would be counted cp times. It is whole when the capture fixed the
+        sequence's length inside the model (a Python loop over the positions, as in Mamba's
+        scan, reads it as a number): then the activations have no dim sized by the symbol."""
+        (loss, *_) = torch.utils._pytree.tree_leaves(self.graph.output_node().args[0])
+        if isinstance(loss, fx.Node) and isinstance(meta.placement(loss, AXIS), Partial):
+            return
+        fixed = [f"{n.name} {tuple(n.meta['val'].shape)}" for n in self.graph.nodes
+                 if n.op == "placeholder" and _tensor(n) and n.meta["val"].dim() > 1 and not sequence_dims(n, self.seq)]
+        raise PlanError(
+            f"plan cp={self.cp}: the loss is not computed from activations split along the "
+            "sequence: no activation of this model has a dim sized by the sequence's length"
+            + (f" (the capture fixed it in {', '.join(fixed)})" if fixed else "")
+            + ". A model that reads the length as a number (a Python loop over the positions, "
+            "as in a recurrent scan) cannot be split along it. Fix: cp=1 for this model",
+            field="cp", value=self.cp)
 
     def _kind(self, node: fx.Node) -> str:
         if node.op == "get_attr":
@@ -195,7 +219,7 @@ class _SequenceSplit:
                                 "a way that does not commute with summing over the ranks")
         if packet(node) in _MATMULS and len(tokens) > 1:
             raise self._refusal(node, "multiplies two activations: attention written out as "
-                                "matmuls reads every key for each query")
+                                "matmuls reads every key for each query", _ATTENTION_FIX)
         sharded = {meta.placement(s, AXIS).dim for s in tokens[:1] if isinstance(meta.placement(s, AXIS), Shard)}
         if not sharded:
             return
@@ -214,12 +238,10 @@ class _SequenceSplit:
             return not all(kinds) or any(not isinstance(a, fx.Node) for a in node.args[:2])
         return packet(node) in (aten.mul, aten.div) and sum(kinds) > 1
 
-    def _refusal(self, node: fx.Node, what: str) -> PlanError:
+    def _refusal(self, node: fx.Node, what: str, fix: str = _READS_ACROSS_FIX) -> PlanError:
         return PlanError(
             f"plan cp={self.cp}: {meta.describe(node)} {what}. Each cp rank holds a slice of the "
-            "sequence, so this would be silently wrong. Fix: compute attention with "
-            "F.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa'), keep "
-            "what reads across the sequence out of the activations' path, or cp=1",
+            f"sequence, so this would be silently wrong. Fix: {fix}",
             field="cp", value=self.cp)
 
     # -- rewrites ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ _ALONG_NOTHING = {
     aten.empty_like, aten.full_like, aten.scalar_tensor, aten.expand_as, aten.view_as,
     aten.type_as, aten.copy, aten.masked_fill, aten.where, aten.fill, aten.repeat_interleave,
     aten.dropout, aten.native_dropout,  # elementwise; whether they draw is `pass_list`'s refusal
+    aten.view_as_complex, aten.view_as_real,  # the last dim's (real, imaginary) pairs: rotary's
 }
 # (op, index of its dim argument, default when absent)
 _ALONG_ONE_DIM = {
@@ -48,7 +49,7 @@ _ALONG_ONE_DIM = {
     aten.cumprod: 1, aten.slice: 1, aten.select: 1, aten.narrow: 1, aten.index_select: 1,
     aten.gather: 1, aten.scatter: 1, aten.diff: 1, aten.cat: 1, aten.stack: 1, aten.split: 2,
     aten.split_with_sizes: 2, aten.chunk: 2, aten.unbind: 1, aten.argmax: 1, aten.argmin: 1,
-    aten.unfold: 1,
+    aten.unfold: 1, aten.topk: 2, aten.sort: 1, aten.argsort: 1,
 }
 _ALONG_DIM_LIST = {
     aten.sum: 1, aten.mean: 1, aten.amax: 1, aten.amin: 1, aten.var: 1, aten.std: 1,
@@ -59,7 +60,7 @@ _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rm
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 _SUM = 2  # torch's reduction enum: 0 none, 1 mean, 2 sum
 _DEFAULT_DIM = {aten.cat: 0, aten.stack: 0, aten.split: 0, aten.split_with_sizes: 0, aten.chunk: 0,
-                aten.unbind: 0, aten.cumsum: None}
+                aten.unbind: 0, aten.cumsum: None, aten.topk: -1, aten.sort: -1, aten.argsort: -1}
 
 
 def packet(node: fx.Node):

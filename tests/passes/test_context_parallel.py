@@ -142,3 +142,16 @@ def test_with_attention_recomputed_each_cp_rank_keeps_a_cp_th_of_the_activations
     backward = [c.tag for c in program.collectives(0) if c.phase != "step"][1 + 4:]  # after the forward's
     assert backward[:4] == ["cp gather_to_region", "cp gather_to_region", "cp gather_to_region (backward)",
                             "cp gather_to_region (backward)"]  # the last layer: gathered again, then reduced
+
+
+def test_a_model_that_fixes_the_sequence_length_inside_is_refused():
+    """Mamba's scan loops over the positions in Python: the capture fixes the length of its
+    token ids (labels keep theirs), so no activation is split. Without the refusal each rank
+    computed the whole sequence's loss and cp summed it twice (found by tests/hf_survey.py)."""
+    from hf_models import builder
+
+    model, inputs = builder("mamba")("eager")
+    with pytest.raises(PlanError, match=r"the loss is not computed from activations split along the sequence.*"
+                       r"fixed it in input_ids \(s\d+, 16\).*Fix: cp=1") as caught:
+        fxpar.compile(model, "cp=2", inputs)
+    assert caught.value.field == "cp"
