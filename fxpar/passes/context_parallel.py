@@ -62,7 +62,7 @@ from fxpar.ir import meta
 from fxpar.ir.placement import P, R, Partial, Shard
 from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.cp_sizes import SymbolicSizes, is_symbolic, sequence_dims
-from fxpar.passes.sequence_reads import EVERY_DIM, dims_read_across, packet, sums_across
+from fxpar.passes.sequence_reads import EVERY_DIM, dims_read_across, first_tensor, packet, sums_across
 
 aten = torch.ops.aten
 AXIS = "cp"
@@ -143,7 +143,7 @@ class _SequenceSplit:
                 self.sizes.use_global(node)
                 self._place(node, R)
         self._check_loss_is_split()
-        for name, node in meta.parameter_nodes(self.graph).items():
+        for node in meta.parameter_nodes(self.graph).values():
             if meta.requires_grad(node) and node.users:
                 meta.mark_gradient_partial(node, AXIS)
         for node, kind in self.kinds.items():
@@ -220,9 +220,10 @@ class _SequenceSplit:
         if packet(node) in _MATMULS and len(tokens) > 1:
             raise self._refusal(node, "multiplies two activations: attention written out as "
                                 "matmuls reads every key for each query", _ATTENTION_FIX)
-        sharded = {meta.placement(s, AXIS).dim for s in tokens[:1] if isinstance(meta.placement(s, AXIS), Shard)}
-        if not sharded:
+        first = first_tensor(node)  # the input whose dims `dims_read_across` names
+        if first is None or self.kinds[first] != TOKENS or not isinstance(meta.placement(first, AXIS), Shard):
             return
+        sharded = {meta.placement(first, AXIS).dim}
         across = dims_read_across(node)
         if across is None:
             raise self._refusal(node, f"is an op ({packet(node)}) that fxpar does not know to "
@@ -233,10 +234,10 @@ class _SequenceSplit:
     def _mixes_partial(self, node: fx.Node) -> bool:
         """A sum or difference of a partial value with one that is not partial, or a product
         of two partial values: neither commutes with summing over the ranks."""
-        kinds = [isinstance(meta.placement(s, AXIS), Partial) if _tensor(s) else False for s in node.all_input_nodes]
+        partial = [_tensor(s) and isinstance(meta.placement(s, AXIS), Partial) for s in node.all_input_nodes]
         if packet(node) in (aten.add, aten.sub):
-            return not all(kinds) or any(not isinstance(a, fx.Node) for a in node.args[:2])
-        return packet(node) in (aten.mul, aten.div) and sum(kinds) > 1
+            return not all(partial) or any(not isinstance(a, fx.Node) for a in node.args[:2])
+        return packet(node) in (aten.mul, aten.div) and sum(partial) > 1
 
     def _refusal(self, node: fx.Node, what: str, fix: str = _READS_ACROSS_FIX) -> PlanError:
         return PlanError(
