@@ -9,9 +9,11 @@ resolves the axes to one rank's groups. Without a pipeline there is one row:
                                         (`step_start_actions`); where they can, dp's
                                         agreement and count ride in the first bucket
                                         (`ride_agreements`), with no call of their own
-    F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g)
+    F0 B0 F1 B1 ...                     each microbatch; its graph's calls (tp f and g, cp's
+                                        key and value gathers, gathered again where
+                                        backward recomputes attention)
     GRADIENT_BUCKET 0, 1, ...           in launch order (the last carries the loss)
-    PARTIAL_GRADIENTS                   replicated parameters' partial tp gradients
+    PARTIAL_GRADIENTS                   replicated parameters' partial tp (and cp) gradients
 
 Under bf16-mixed the buckets are reduced in their `Bucket.reduced_dtype` and the loss, which
 must reach the user in fp32, is all-reduced alone (`data_parallel.carries_loss`).
@@ -112,7 +114,7 @@ def _with_recomputation(backward: list[Call], spans: dict, recomputed: dict, gm:
     order, total, inserts = backward[::-1], len(backward), []
     for run in segments(gm.graph.nodes, meta.recompute_region):
         calls = [c for node in run for c in recomputed.get(node, ())]
-        reached = [total - stop for node in run if node in spans for start, stop in [spans[node]] if stop > start]
+        reached = [total - spans[n][1] for n in run if n in spans and spans[n][1] > spans[n][0]]
         if calls:
             inserts.append((min(reached, default=total), calls))
     for at, calls in sorted(inserts, key=lambda entry: -entry[0]):

@@ -58,10 +58,10 @@ class Purpose(enum.Enum):
     STEP_AGREEMENT = "the ranks' step numbers, compared before the step's first data moves"
     GRADIENT_BUCKET = "a gradient bucket's reduction"
     UPDATED_PARAMETERS = "a bucket's updated parameters gathered (ZeRO-1/2)"
-    PARTIAL_GRADIENTS = "replicated parameters' partial tp gradients summed"
+    PARTIAL_GRADIENTS = "replicated parameters' partial tp or cp gradients summed"
     TIED_GRADIENT = "a parameter's gradient summed over the stages that share it"
     PIPELINE_LOSS = "the loss summed over the pipeline"
-    LOSS = "the loss summed over data-parallel ranks"
+    LOSS = "the loss summed over data-parallel (or context-parallel) ranks"
     # Gathering the full state (`Program.state_program`), outside a step:
     GRADIENT_SHARDS = "a bucket's reduced gradient shards gathered whole (ZeRO)"
     DP_SHARDS = "a ZeRO-3 parameter's (or its gradient's) data-parallel shards gathered whole"
