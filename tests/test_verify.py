@@ -63,6 +63,17 @@ def test_a_plan_whose_count_rides_in_a_bucket_equals_one_device():
     assert report.loss_parallel == pytest.approx(report.loss_reference, rel=1e-6)
 
 
+def test_context_parallel_equals_one_device_value_by_value():
+    """cp's pieces of a value are joined along its sequence dim (inside tp's); the logits
+    flattened to [batch * seq, vocab] are held by each rank as its slice of every row, in no
+    order a concatenation gives, and are left out, counted (their loss and gradients are not)."""
+    report = fxpar.verify(build_model(), "cp=2 tp=2", BATCH, timeout=20)
+    assert report.equal, str(report)
+    assert report.left_out == {"values whose sequence cp flattens into another dim": 1}
+    assert report.compared["gradient"] > 40
+    assert report.compared["parameter gradient"] == len(dict(build_model().named_parameters()))
+
+
 def test_a_wrong_redistribution_rule_is_named_at_the_first_node_reading_the_bad_value(monkeypatch):
     """The tp pass asks the table how to make a row-parallel linear's output (Partial, each
     rank's summand) whole; for the third it asks (h.0's MLP projection), a wrong row gives f

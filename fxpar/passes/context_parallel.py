@@ -295,36 +295,46 @@ class _SequenceSplit:
         return insert(aten.ge.Tensor, (rows, columns), Shard(0))
 
     def _slice(self, whole: fx.Node, consumer: fx.Node) -> fx.Node:
-        """The rank's slice of `whole` along its one sequence dim; an op that flattened the
-        sequence into another dim (a view, and the casts after it) is replayed on the slice
-        of its input."""
+        """The rank's slice of `whole`: cut along its one dim sized by the sequence, or, where
+        the sequence is flattened into another dim (`labels.view(-1)`, and what tensor
+        parallelism's loss computes from it), the ops that made it replayed on the slices of
+        their inputs (`_replayable`)."""
         if whole in self.slices:
             return self.slices[whole]
-        dims = sequence_dims(whole, self.seq)
-        shape = whole.meta["val"].shape
-        if len(dims) == 1 and shape[dims[0]].node.expr in self.seq:
+        dims = sequence_dims(whole, self.seq) if _tensor(whole) else ()
+        if len(dims) == 1 and whole.meta["val"].shape[dims[0]].node.expr in self.seq:
             piece = self._insert(fxpar_op("split_to_shard"), (whole, AXIS, self.cp, dims[0]), Shard(dims[0]),
                                  before=consumer, like=whole)
-        elif len(dims) == 1 and self._replayable(whole):
-            source = self._slice(whole.args[0], consumer)
-            piece = self._insert(whole.target, (source, *whole.args[1:]), Shard(dims[0]), before=consumer,
-                                 like=whole, kwargs=dict(whole.kwargs), val=whole.meta["val"])
-            self.kinds[piece] = TOKENS
-            self.sizes.use_local(piece, dims[0])
+        elif self._replayable(whole):
+            piece = self._replay(whole, consumer)
         else:
+            shape = tuple(whole.meta["val"].shape) if _tensor(whole) else "a tuple"
             raise self._refusal(consumer, f"reads {whole.name}, computed from the inputs with the "
-                                f"sequence in dims {list(dims)} of shape {tuple(shape)}, of which fxpar "
+                                f"sequence in dims {list(dims)} of shape {shape}, of which fxpar "
                                 "can take a rank's slice only along one dim sized by the sequence")
         self.slices[whole] = piece
         return piece
 
     def _replayable(self, node: fx.Node) -> bool:
-        """An op on one whole value with a sequence dim that reads no position across (a view,
-        a cast): the rank's slice of its output is the op on the slice of its input."""
-        sources = [s for s in node.all_input_nodes if _tensor(s)]
-        return (node.op == "call_function" and len(sources) == 1 and node.args and node.args[0] is sources[0]
-                and self.kinds[sources[0]] == WHOLE and bool(sequence_dims(sources[0], self.seq))
-                and dims_read_across(node) == ())
+        """An op of whole values that reads no position across (a view, a cast, a comparison,
+        tensor parallelism's local indices): the rank's slice of its output is the op on the
+        slices of its inputs."""
+        return (node.op == "call_function" and dims_read_across(node) == ()
+                and all(self.kinds[s] == WHOLE for s in node.all_input_nodes if _holds_tensors(s)))
+
+    def _replay(self, node: fx.Node, consumer: fx.Node) -> fx.Node:
+        """`node`'s op on the slices of its inputs that hold the sequence, sized for the slice."""
+        def sliced(source: fx.Node):
+            holds = _holds_tensors(source) and (not _tensor(source) or sequence_dims(source, self.seq))
+            return self._slice(source, consumer) if holds else source
+
+        args, kwargs = fx.node.map_arg((node.args, dict(node.kwargs)), sliced)
+        dims = sequence_dims(node, self.seq) if _tensor(node) else ()
+        piece = self._insert(node.target, args, Shard(dims[0]) if dims else None, before=consumer, like=node,
+                             kwargs=kwargs, val=node.meta["val"])
+        self.kinds[piece] = TOKENS
+        self.sizes.use_local(piece, dims[0] if dims else None)
+        return piece
 
     def _insert(self, target, args: tuple, placement, *, before: fx.Node, like: fx.Node | None,
                 kwargs: dict | None = None, val=None) -> fx.Node:
@@ -342,8 +352,8 @@ class _SequenceSplit:
         # A slice is the rank's own, as tokens are; so is what tokens make.
         slices = target is fxpar_op("split_to_shard")
         self.kinds[node] = TOKENS if slices or (like is not None and self.kinds.get(like) == TOKENS) else WHOLE
-        if isinstance(args[0], fx.Node) and meta.PLACEMENT in args[0].meta:
-            node.meta[meta.PLACEMENT] = meta.placements(args[0])  # the other axes' layout moves with it
+        if like is not None and meta.PLACEMENT in like.meta:
+            node.meta[meta.PLACEMENT] = meta.placements(like)  # the other axes' layout: the value's own
         if placement is not None:
             meta.set_placement(node, AXIS, placement)
         return node

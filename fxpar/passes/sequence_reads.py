@@ -42,12 +42,13 @@ _ALONG_NOTHING = {
     aten.type_as, aten.copy, aten.masked_fill, aten.where, aten.fill, aten.repeat_interleave,
     aten.dropout, aten.native_dropout,  # elementwise; whether they draw is `pass_list`'s refusal
     aten.view_as_complex, aten.view_as_real,  # the last dim's (real, imaginary) pairs: rotary's
+    aten.stack,  # side by side along a new dim: element i of the output is input i's
 }
 # (op, index of its dim argument, default when absent)
 _ALONG_ONE_DIM = {
     aten.softmax: 1, aten._softmax: 1, aten.log_softmax: 1, aten._log_softmax: 1, aten.cumsum: 1,
     aten.cumprod: 1, aten.slice: 1, aten.select: 1, aten.narrow: 1, aten.index_select: 1,
-    aten.gather: 1, aten.scatter: 1, aten.diff: 1, aten.cat: 1, aten.stack: 1, aten.split: 2,
+    aten.gather: 1, aten.scatter: 1, aten.diff: 1, aten.cat: 1, aten.split: 2,
     aten.split_with_sizes: 2, aten.chunk: 2, aten.unbind: 1, aten.argmax: 1, aten.argmin: 1,
     aten.unfold: 1, aten.topk: 2, aten.sort: 1, aten.argsort: 1,
 }
@@ -59,7 +60,7 @@ _ALONG_DIM_LIST = {
 _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 _SUM = 2  # torch's reduction enum: 0 none, 1 mean, 2 sum
-_DEFAULT_DIM = {aten.cat: 0, aten.stack: 0, aten.split: 0, aten.split_with_sizes: 0, aten.chunk: 0,
+_DEFAULT_DIM = {aten.cat: 0, aten.split: 0, aten.split_with_sizes: 0, aten.chunk: 0,
                 aten.unbind: 0, aten.cumsum: None, aten.topk: -1, aten.sort: -1, aten.argsort: -1}
 
 

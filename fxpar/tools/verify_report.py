@@ -137,6 +137,8 @@ class VerifyReport:
     loss_reference: float
     loss_parallel: float
     compared: dict[str, int] = field(default_factory=dict)  # what -> how many values matched or not
+    # what -> how many values were not compared, and why (a value cp splits in no one-device order)
+    left_out: dict[str, int] = field(default_factory=dict)
     first: Difference | None = None
     rtol: float = RTOL
     atol: float = ATOL
@@ -148,6 +150,8 @@ class VerifyReport:
 
     def __str__(self) -> str:
         counts = ", ".join(f"{n} {what}s" for what, n in self.compared.items())
+        if self.left_out:
+            counts += " (left out: " + ", ".join(f"{n} {why}" for why, n in self.left_out.items()) + ")"
         loss = f"loss {self.loss_parallel:.6f} against {self.loss_reference:.6f} on one device"
         if self.first is None:
             return (f"fxpar verify: plan '{self.plan}' equals one device: {counts} within rel "

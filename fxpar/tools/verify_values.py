@@ -14,6 +14,8 @@ pieces back into the one-device value with the node's placements, the same facts
 
     tp   Shard(d): the tp ranks' pieces joined (`global_tensor`); Partial: summed;
          Replicate: rank 0's piece, the others compared with it (`spread`)
+    cp   the same over the cp ranks, each piece whole over tp first: a slice of the
+         sequence joined, a sum over the tokens summed, a whole value compared
     dp   the dp ranks' microbatches in batch order, rank by rank (`Runner.local_batch` splits
          the batch by rank, then by microbatch): joined along the batch dim for Shard(d),
          summed for Partial, compared for Replicate; a ZeRO-3 parameter's FlatShard pieces
@@ -22,7 +24,7 @@ pieces back into the one-device value with the node's placements, the same facts
 A pipeline stage's values are on the pipeline rank that holds the stage (a parameter read by
 several stages is taken from the first). A gradient's placement is the dual of its value's:
 a Shard's gradient is sharded alike, a Partial's is replicated, and a value replicated over dp
-gets a summand from each piece (`gradient_placements`).
+(or cp) gets a summand from each piece (`gradient_placements`).
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ def gradient_placements(placements: Placements) -> Placements:
     def dual(axis: str, placement: Placement) -> Placement:
         if isinstance(placement, Partial):
             return Replicate()
-        if isinstance(placement, Replicate) and axis == "dp":
-            return Partial()  # each piece of the batch adds its share
+        if isinstance(placement, Replicate) and axis in ("dp", "cp"):
+            return Partial()  # each piece of the batch (or of the sequence) adds its share
         return placement
     return Placements(**{axis: dual(axis, placements[axis]) for axis in AXES})
 
@@ -115,11 +117,18 @@ def whole_value(
     spread = 0.0
     batch_pieces = []
     for dp in range(mesh.dp):
-        holders = [by_rank[mesh.rank_of(dp=dp, pp=pp, tp=tp)] for tp in range(mesh.tp)]
-        if any(len(h.values) != microbatches for h in holders):
-            raise ValueError(f"ranks recorded {[len(h.values) for h in holders]} microbatches, not {microbatches}")
+        holders = [[by_rank[mesh.rank_of(dp=dp, pp=pp, tp=tp, cp=cp)] for tp in range(mesh.tp)]
+                   for cp in range(mesh.cp)]
+        if any(len(h.values) != microbatches for row in holders for h in row):
+            raise ValueError(f"ranks recorded {[len(h.values) for row in holders for h in row]} "
+                             f"microbatches, not {microbatches}")
         for k in range(microbatches):
-            value, s = _combine([h.values[k] for h in holders], placements.tp)
+            sequence_pieces = []  # one per cp rank, each whole over tp
+            for row in holders:
+                value, s = _combine([h.values[k] for h in row], placements.tp)
+                sequence_pieces.append(value)
+                spread = max(spread, s)
+            value, s = _combine(sequence_pieces, placements.cp)
             batch_pieces.append(value)
             spread = max(spread, s)
     value, s = _combine(batch_pieces, placements.dp)

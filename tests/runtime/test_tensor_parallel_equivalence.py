@@ -81,4 +81,6 @@ def test_tp2_matches_single_device(torchrun, model):
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])  # GPT-2's fused c_attn: tests/runtime/test_hf_equivalence.py
 def test_tp4_and_dp2_tp2_match_single_device(torchrun, model):
-    train_and_compare(torchrun, 4, ["tp=4", "dp=2 tp=2 mb=2", "dp=2 tp=2 sp=true"], model)
+    # cp=2 tp=2: the vocabulary-parallel loss reads its labels' cp slice, replayed through
+    # tp's local indices (`passes.context_parallel`, `_replay`)
+    train_and_compare(torchrun, 4, ["tp=4", "dp=2 tp=2 mb=2", "dp=2 tp=2 sp=true", "cp=2 tp=2"], model)
