@@ -127,7 +127,7 @@ class _SequenceSplit:
         self.kinds: dict[fx.Node, str] = {}
         self.sizes = SymbolicSizes(self.graph, cp=cp, seq=seq, placement=lambda n: meta.placement(n, AXIS),
                                    kind=self.kinds.get)
-        self.slices: dict[fx.Node, fx.Node] = {}  # whole value -> the rank's slice of it
+        self.slices: dict[object, fx.Node] = {}  # whole value (an input: and its reader) -> its slice
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -299,8 +299,12 @@ class _SequenceSplit:
         the sequence is flattened into another dim (`labels.view(-1)`, and what tensor
         parallelism's loss computes from it), the ops that made it replayed on the slices of
         their inputs (`_replayable`)."""
-        if whole in self.slices:
-            return self.slices[whole]
+        # A step input's slice is taken where each consumer reads it: one shared slice would be
+        # an op living from the first consumer to the last (the token ids and the labels, when
+        # they are one tensor), which no pipeline cut between blocks could leave out.
+        key = (whole, consumer) if whole.op == "placeholder" else whole
+        if key in self.slices:
+            return self.slices[key]
         dims = sequence_dims(whole, self.seq) if _tensor(whole) else ()
         if len(dims) == 1 and whole.meta["val"].shape[dims[0]].node.expr in self.seq:
             piece = self._insert(fxpar_op("split_to_shard"), (whole, AXIS, self.cp, dims[0]), Shard(dims[0]),
@@ -312,7 +316,7 @@ class _SequenceSplit:
             raise self._refusal(consumer, f"reads {whole.name}, computed from the inputs with the "
                                 f"sequence in dims {list(dims)} of shape {shape}, of which fxpar "
                                 "can take a rank's slice only along one dim sized by the sequence")
-        self.slices[whole] = piece
+        self.slices[key] = piece
         return piece
 
     def _replayable(self, node: fx.Node) -> bool:

@@ -155,3 +155,19 @@ def test_a_model_that_fixes_the_sequence_length_inside_is_refused():
                        r"fixed it in input_ids \(s\d+, 16\).*Fix: cp=1") as caught:
         fxpar.compile(model, "cp=2", inputs)
     assert caught.value.field == "cp"
+
+
+def test_a_pipeline_cuts_between_blocks_when_one_tensor_is_both_the_ids_and_the_labels():
+    """One tensor given as the token ids and the labels is one input: a slice of it shared by
+    the embedding and the loss lived across every block, and no cut between blocks was clean
+    ("3 clean cut points, too few for 8 stages"). Each reader takes its own slice."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=4, n_embd=32, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (8, 16), device="meta")
+    program = fxpar.compile(model, "cp=2 tp=2 pp=8 mb=8", (tokens, tokens), check=False)
+    assert len(program.stages) == 8
+    slices = [n for n in program.graph_module.graph.nodes if "split_to_shard" in str(n.target)]
+    assert len({n.args[0] for n in slices if n.args[0].op == "placeholder"}) == 1 < len(slices)
