@@ -2,7 +2,8 @@
 
 The whole-step FLOPs come from the captured graph (`estimate.graph_compute`). What one rank
 does comes from the graphs it runs: the tensor-parallel graph, or its pipeline stages. An op
-whose output is sharded or partial over the tp group does 1/tp of the op's work on each rank;
+whose output is sharded or partial over the tp group does 1/tp of the op's work on each rank
+(over the cp group, on its slice of the sequence, 1/cp);
 a replicated op (a norm without sequence parallelism, the residual adds) is done whole by
 every rank. A stage counts only the ops it computes (`meta.STAGE`), not the shape
 arithmetic every stage recomputes.
@@ -84,7 +85,7 @@ def _shares(program: CompiledProgram) -> list[Share]:
 def _share(program: CompiledProgram, stage: int | None, gm: fx.GraphModule, mine) -> Share:
     """The Share of one graph: the whole program's, or pipeline stage `stage`'s (`mine` tells
     the ops it computes from the shape arithmetic every stage repeats)."""
-    tp = program.plan.tp
+    tp, cp = program.plan.tp, program.plan.cp
     nodes = [n for n in gm.graph.nodes if n.op != "call_function" or mine(n)]
     matmul = attention = weight = sympy.Integer(0)
     moved = dict.fromkeys(BYTE_KINDS, sympy.Integer(0))
@@ -99,11 +100,12 @@ def _share(program: CompiledProgram, stage: int | None, gm: fx.GraphModule, mine
         cost = cost_of(node, program.captured.shape)
         if cost is None:
             continue
-        placement = meta.placement(node, "tp")
-        split = tp if isinstance(placement, (Shard, Partial)) else 1
+        placement, sequence = meta.placement(node, "tp"), meta.placement(node, "cp")
+        split = (tp if isinstance(placement, (Shard, Partial)) else 1) * (
+            cp if isinstance(sequence, (Shard, Partial)) else 1)
         matmul += cost.matmul_flops / split
         attention += cost.attention_flops / split
-        shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node)
+        shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node, sequence, cp)
         if shape is not None:
             _count(dense, shape)
             for gradient in dense_gradients(node, shape, needs_grad.__contains__):
@@ -141,17 +143,20 @@ def _received(program: CompiledProgram, gm: fx.GraphModule) -> frozenset[str]:
                      and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
 
 
-def _local_shape(shape: tuple, placement, tp: int, node: fx.Node) -> tuple:
+def _local_shape(shape: tuple, placement, tp: int, node: fx.Node, sequence=R, cp: int = 1) -> tuple:
     """A dense matmul's (m, k, n) on one tp rank: split along n where its output is sharded in
     its last dim (column-parallel), along m where in another (the sequence, under sp), along k
-    where its output is partial (row-parallel: each rank reduces over its part of k)."""
+    where its output is partial (row-parallel: each rank reduces over its part of k); and
+    along m where cp splits its rows (a rank's slice of the sequence)."""
     m, k, n = shape
+    if isinstance(sequence, Shard):
+        m = m / cp
     if isinstance(placement, Partial):
         return m, k / tp, n
     if isinstance(placement, Shard):
         last = placement.dim in (-1, node.meta["val"].dim() - 1)
         return (m, k, n / tp) if last else (m / tp, k, n)
-    return shape
+    return m, k, n
 
 
 def _count(shapes: dict[tuple, int], shape: tuple | None) -> None:
