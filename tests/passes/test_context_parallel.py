@@ -171,3 +171,14 @@ def test_a_pipeline_cuts_between_blocks_when_one_tensor_is_both_the_ids_and_the_
     assert len(program.stages) == 8
     slices = [n for n in program.graph_module.graph.nodes if "split_to_shard" in str(n.target)]
     assert len({n.args[0] for n in slices if n.args[0].op == "placeholder"}) == 1 < len(slices)
+
+
+def test_the_cost_model_charges_a_cp_rank_its_slice_of_the_work():
+    """Each op cp splits is 1/cp of the op's work on a rank (`cost.layout`): the matmuls and
+    attention of cp=2 are half of one device's, exactly (the whole values cp computes on every
+    rank, positions and masks, are no matmuls)."""
+    from fxpar.cost.layout import shares
+
+    one, halves = (shares(fxpar.compile(small_capture(), plan))[0] for plan in ("dp=1", "cp=2"))
+    assert halves.matmul_flops == one.matmul_flops / 2
+    assert halves.attention_flops == one.attention_flops / 2
