@@ -168,8 +168,8 @@ def _recomputation(plan: Plan, captured: CapturedGraph) -> tuple[GraphPass, ...]
             value=plan.checkpoint,
         )
     # eager mode recomputes cp's key and value gathers; a compiled graph's partitioner keeps them
-    regather = plan.cp > 1 and plan.compile == "eager"
-    return (partial(mark_recomputation, mode=plan.checkpoint, blocks=blocks, regather=regather),)
+    regather = {"regather": True} if plan.cp > 1 and plan.compile == "eager" else {}
+    return (partial(mark_recomputation, mode=plan.checkpoint, blocks=blocks, **regather),)
 
 
 def _rank_microbatch(plan: Plan, captured: CapturedGraph, mesh: Mesh) -> int:
