@@ -41,6 +41,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -280,6 +281,22 @@ def _sequence_flattened(program: Program) -> set[str]:
     return flattened
 
 
+def _held(ranks: list[dict], name: str, gradient: bool) -> dict[int, Pieces] | None:
+    """Each rank's recorded pieces of node `name` (its gradients' with `gradient`), by rank;
+    None where no rank recorded it, or a gradient is missing for a microbatch."""
+    by_rank = {}
+    for rank, result in enumerate(ranks):
+        if name not in result["pieces"]:
+            continue
+        placements, values, grads = result["pieces"][name]
+        if gradient:
+            if len(grads) != len(values):
+                return None
+            values = [grads[k] for k in range(len(values))]
+        by_rank[rank] = Pieces(placements, tuple(values))
+    return by_rank or None
+
+
 def _compare(program: Program, reference: Program, expected: dict, ranks: list[dict], names: set[str], *,
              rtol: float, atol: float) -> VerifyReport:
     mesh: Mesh = program.mesh
@@ -287,18 +304,7 @@ def _compare(program: Program, reference: Program, expected: dict, ranks: list[d
     report = VerifyReport(plan=str(program.plan), loss_reference=expected["loss"],
                           loss_parallel=ranks[0]["loss"], rtol=rtol, atol=atol)
 
-    def held(name: str, gradient: bool) -> dict[int, Pieces] | None:
-        by_rank = {}
-        for rank, result in enumerate(ranks):
-            if name not in result["pieces"]:
-                continue
-            placements, values, grads = result["pieces"][name]
-            if gradient:
-                if len(grads) != len(values):
-                    return None
-                values = [grads[k] for k in range(len(values))]
-            by_rank[rank] = Pieces(placements, tuple(values))
-        return by_rank or None
+    held = partial(_held, ranks)
 
     def check(what: str, node, want: torch.Tensor, got: torch.Tensor, spread: float) -> bool:
         report.compared[what] = report.compared.get(what, 0) + 1
