@@ -129,7 +129,7 @@ def _plan(program: CompiledProgram) -> str:
     captured = program.captured
     facts = [
         ("plan", str(program.plan)),
-        ("mesh", f"{program.mesh}, {program.world_size} ranks (rank = (dp_i * pp + pp_i) * tp + tp_i)"),
+        ("mesh", f"{program.mesh}, {program.world_size} ranks (rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i)"),
         ("parameters", f"{captured.parameter_count():,}"),
         ("inputs", ", ".join(f"{n} {tuple(s)}" for n, s in zip(captured.input_names, captured.example_shapes))),
     ]
