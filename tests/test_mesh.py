@@ -4,16 +4,33 @@ from __future__ import annotations
 
 import pytest
 
-from fxpar.ir.mesh import Axis, Coord, Mesh
+from fxpar.ir.mesh import LAYOUT, Axis, Coord, Mesh
 from fxpar.plan.plan import Plan
 
-MESHES = [Mesh(dp=8), Mesh(dp=2, tp=4), Mesh(dp=2, pp=2, tp=2), Mesh(pp=3, tp=2), Mesh()]
+MESHES = [Mesh(dp=8), Mesh(dp=2, tp=4), Mesh(dp=2, pp=2, tp=2), Mesh(pp=3, tp=2), Mesh(),
+          Mesh(dp=4, pp=2, ep=2)]
 
 
 def test_axes_are_outermost_first_with_str_values() -> None:
-    assert list(Axis) == [Axis.DP, Axis.PP, Axis.CP, Axis.TP]
-    assert [axis.value for axis in Axis] == ["dp", "pp", "cp", "tp"]
+    assert LAYOUT == (Axis.DP, Axis.PP, Axis.CP, Axis.TP)
+    assert [axis.value for axis in Axis] == ["dp", "pp", "cp", "tp", "ep", "edp"]
     assert Axis("tp") is Axis.TP
+
+
+def test_expert_groups_are_carved_from_the_data_parallel_ranks() -> None:
+    """ep neighbours on dp split the experts; the ranks holding the same experts (edp) sum
+    their gradients; no rank is added."""
+    mesh = Mesh(dp=4, tp=2, ep=2)
+    assert mesh.world_size == 8 and mesh.sizes["ep"] == 2 and mesh.sizes["edp"] == 2
+    assert mesh.group(5, Axis.DP) == (1, 3, 5, 7)
+    assert mesh.group(5, Axis.EP) == (5, 7) and mesh.group(1, Axis.EP) == (1, 3)
+    assert mesh.group(5, Axis.EDP) == (1, 5)
+    assert mesh.groups(Axis.EP) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert mesh.coord(5)[Axis.EP] == 0 and mesh.coord(7)[Axis.EP] == 1 and mesh.coord(7)[Axis.EDP] == 1
+    assert mesh.coord(5) == Coord(dp=2, pp=0, tp=1)  # the cuts of dp add no coordinate
+    assert str(mesh) == "Mesh(dp=4, pp=1, tp=2, ep=2)"
+    with pytest.raises(ValueError, match="must divide dp"):
+        Mesh(dp=2, ep=4)
 
 
 def test_context_parallel_ranks_sit_between_pipeline_and_tensor() -> None:
@@ -59,7 +76,9 @@ def test_groups_partition_the_ranks(mesh: Mesh, axis: Axis) -> None:
         assert len(group) == mesh.size(axis) and list(group) == sorted(group)
         coords = [mesh.coord(rank) for rank in group]
         assert [coord[axis] for coord in coords] == list(range(mesh.size(axis)))
-        others = [other for other in Axis if other is not axis]
+        # the coordinates a group shares: every other layout axis, and dp's other cut
+        others = {Axis.EP: [Axis.PP, Axis.CP, Axis.TP, Axis.EDP], Axis.EDP: [Axis.PP, Axis.CP, Axis.TP, Axis.EP]
+                  }.get(axis, [other for other in LAYOUT if other is not axis])
         assert len({tuple(coord[other] for other in others) for coord in coords}) == 1
         for rank in group:
             assert mesh.group(rank, axis) == group
@@ -67,10 +86,10 @@ def test_groups_partition_the_ranks(mesh: Mesh, axis: Axis) -> None:
 
 def test_sizes_and_world_size() -> None:
     mesh = Mesh(dp=2, pp=3, tp=4)
-    assert [mesh.size(axis) for axis in Axis] == [2, 3, 1, 4]
+    assert [mesh.size(axis) for axis in LAYOUT] == [2, 3, 1, 4]
     assert mesh.size("pp") == 3  # type: ignore[arg-type]
     assert mesh.world_size == 24
-    assert [mesh.stride(axis) for axis in Axis] == [12, 4, 4, 1]
+    assert [mesh.stride(axis) for axis in LAYOUT] == [12, 4, 4, 1]
     assert Mesh().world_size == 1
 
 

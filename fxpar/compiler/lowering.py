@@ -49,7 +49,7 @@ from fxpar.compiler.reduction_lowering import (
     backward_calls, bucket_actions, loss_actions, optimizer_actions, partial_gradient_actions,
 )
 from fxpar.ir import meta
-from fxpar.ir.mesh import Axis, Mesh
+from fxpar.ir.mesh import LAYOUT, Axis, Mesh
 from fxpar.ir.placement import local_numel, local_shape
 from fxpar.ir.recompute_regions import segments
 from fxpar.ir.stages import Boundary
@@ -174,7 +174,7 @@ def step_start_actions(mesh: Mesh, *, counted: bool, batch_dims: int) -> list[St
     the step covers them all.
     """
     actions: list[StepAction] = []
-    for axis in Axis:
+    for axis in LAYOUT:
         n = mesh.size(axis)
         if n == 1:
             continue
@@ -208,9 +208,10 @@ def lower_row(program, pp: int, ahead: int, *, per_microbatch: bool
     else:
         step, optimizer = _pipeline_row(program, pp, ahead, per_microbatch)
     # The count may ride in DDP's first bucket, which divides the gradients and the loss it
-    # carries by it; under cp the loss is summed over cp after the buckets, so it goes ahead.
+    # carries by it; under cp the loss is summed over cp after the buckets, and under ep the
+    # experts' gradients are in no bucket, so it goes ahead.
     count_may_ride = (program.stages is None and program.plan.zero == 0 and program.plan.cp == 1
-                      and carries_loss(program.buckets))
+                      and program.plan.ep == 1 and carries_loss(program.buckets))
     return ride_agreements(step, count_may_ride=count_may_ride), optimizer
 
 

@@ -2,7 +2,8 @@
 
 Map of this module:
 
-- `Axis`        the mesh axes, outermost first: data, pipeline, context, tensor
+- `Axis`        the mesh axes: data, pipeline, context, tensor (`LAYOUT`, outermost first, lay
+                out the ranks), and expert and expert-data, two ways of cutting the data axis
 - `Coord`       one rank's position on the mesh: `Coord(dp=1, pp=0, tp=1)` (`cp=0` by default)
 - `Mesh`        the degrees, with `coord(rank)`, `rank(coord)`, `group(rank, axis)`, `groups(axis)`
 
@@ -26,6 +27,13 @@ so for `Mesh(dp=2, pp=2, tp=2)`::
        5   1   0   1
        6   1   1   0
        7   1   1   1
+
+Expert parallelism is carved from the data-parallel ranks (Megatron-Core's and torchtitan's
+layout): with `ep` dividing `dp`, the dp ranks `dp_i` fall into expert groups of `ep`
+neighbours (`dp_i // ep` in common) that split the experts between them, and the ranks that
+hold the same experts (`dp_i % ep` in common) form the expert-data groups over which those
+experts' gradients are summed. For `Mesh(dp=4, ep=2)`: ep groups (0, 1) (2, 3), edp groups
+(0, 2) (1, 3). Neither adds ranks: `world_size` is still `dp * pp * cp * tp`.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,12 +49,18 @@ if TYPE_CHECKING:
 
 
 class Axis(enum.Enum):
-    """A mesh axis. Iterating over `Axis` gives them outermost first: DP, PP, CP, TP."""
+    """A mesh axis: the four of `LAYOUT`, and the two cuts of dp that expert parallelism makes."""
 
     DP = "dp"
     PP = "pp"
     CP = "cp"
     TP = "tp"
+    EP = "ep"  # the dp ranks that split the experts between them
+    EDP = "edp"  # the dp ranks that hold the same experts
+
+
+# The axes that lay out the ranks, outermost first; their degrees multiply to the world size.
+LAYOUT = (Axis.DP, Axis.PP, Axis.CP, Axis.TP)
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,15 @@ class Coord:
     pp: int
     tp: int
     cp: int = 0  # last, so that a mesh without context parallelism reads as before
+    ep_degree: int = field(default=1, compare=False, repr=False)  # the mesh's, for the cuts of dp
 
     def __getitem__(self, axis: Axis) -> int:
-        return getattr(self, Axis(axis).value)
+        axis = Axis(axis)
+        if axis is Axis.EP:
+            return self.dp % self.ep_degree
+        if axis is Axis.EDP:
+            return self.dp // self.ep_degree
+        return getattr(self, axis.value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,41 +95,47 @@ class Mesh:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1  # expert groups carved from dp (module doc)
 
     def __post_init__(self) -> None:
-        for axis in Axis:
-            size = getattr(self, axis.value)
+        for name in (*(axis.value for axis in LAYOUT), "ep"):
+            size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
                 raise ValueError(
-                    f"mesh size along {axis.value} must be a positive integer, got {size!r}. "
-                    f"Fix: use {axis.value}=1 for an axis the plan does not split."
+                    f"mesh size along {name} must be a positive integer, got {size!r}. "
+                    f"Fix: use {name}=1 for an axis the plan does not split."
                 )
-            object.__setattr__(self, axis.value, int(size))
+            object.__setattr__(self, name, int(size))
+        if self.dp % self.ep:
+            raise ValueError(f"mesh ep={self.ep} must divide dp={self.dp}: expert groups are carved from the dp ranks")
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Mesh:
         """The mesh of a plan's degrees; a degree the plan does not have yet counts as 1."""
-        return cls(**{axis.value: getattr(plan, axis.value, 1) for axis in Axis})
+        return cls(**{name: getattr(plan, name, 1) for name in (*(axis.value for axis in LAYOUT), "ep")})
 
     @property
     def world_size(self) -> int:
         """The number of ranks: `dp * pp * cp * tp`."""
-        return math.prod(self.size(axis) for axis in Axis)
+        return math.prod(self.size(axis) for axis in LAYOUT)
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Axis name -> degree, `{"dp": 2, "pp": 1, "cp": 1, "tp": 2}`: what `placement.local_shape` reads."""
-        return {axis.value: getattr(self, axis.value) for axis in Axis}
+        """Axis name -> degree, `{"dp": 2, "pp": 1, "cp": 1, "tp": 2, "ep": 1, "edp": 2}`:
+        what `placement.local_shape` reads."""
+        return {axis.value: self.size(axis) for axis in Axis}
 
     def size(self, axis: Axis) -> int:
         """The number of ranks along `axis` (its degree)."""
-        return getattr(self, Axis(axis).value)
+        axis = Axis(axis)
+        return self.dp // self.ep if axis is Axis.EDP else getattr(self, axis.value)
 
     def stride(self, axis: Axis) -> int:
         """How far apart in rank two neighbours along `axis` are: tp 1, cp tp, pp cp * tp,
-        dp pp * cp * tp."""
-        return {Axis.DP: self.pp * self.cp * self.tp, Axis.PP: self.cp * self.tp, Axis.CP: self.tp,
-                Axis.TP: 1}[Axis(axis)]
+        dp and ep pp * cp * tp, edp ep times that."""
+        dp = self.pp * self.cp * self.tp
+        return {Axis.DP: dp, Axis.PP: self.cp * self.tp, Axis.CP: self.tp, Axis.TP: 1, Axis.EP: dp,
+                Axis.EDP: dp * self.ep}[Axis(axis)]
 
     def coord(self, rank: int) -> Coord:
         """Where `rank` sits: the inverse of `rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i`."""
@@ -117,11 +143,11 @@ class Mesh:
         rest, tp_i = divmod(rank, self.tp)
         rest, cp_i = divmod(rest, self.cp)
         dp_i, pp_i = divmod(rest, self.pp)
-        return Coord(dp=dp_i, pp=pp_i, tp=tp_i, cp=cp_i)
+        return Coord(dp=dp_i, pp=pp_i, tp=tp_i, cp=cp_i, ep_degree=self.ep)
 
     def rank(self, coord: Coord) -> int:
         """The rank at `coord`: `((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i`."""
-        for axis in Axis:
+        for axis in LAYOUT:
             index = coord[axis]
             if not _is_index(index, self.size(axis)):
                 raise ValueError(
@@ -174,8 +200,8 @@ class Mesh:
         return "Mesh(" + ", ".join(f"{a.value}={self.size(a)}" for a in self._shown_axes()) + ")"
 
     def _shown_axes(self) -> tuple[Axis, ...]:
-        """dp, pp and tp always; cp where the mesh splits the sequence."""
-        return tuple(a for a in Axis if a is not Axis.CP or self.cp > 1)
+        """dp, pp and tp always; cp where the mesh splits the sequence, ep where it splits experts."""
+        return tuple(a for a in (*LAYOUT, Axis.EP) if getattr(self, a.value) > 1 or a in (Axis.DP, Axis.PP, Axis.TP))
 
     def _check_rank(self, rank: int) -> None:
         if not _is_index(rank, self.world_size):

@@ -13,6 +13,8 @@
                        divisible dim and nest inside a tensor-parallel shard
 
 A value carries one placement per mesh axis that splits data, `Placements(dp=..., cp=..., tp=...)`
+(and `ep=`, on which an expert's weights are split: dp's other placement then holds within
+the ranks that hold the same experts)
 (DTensor's `placements`, by axis name). The pipeline axis is not among them: which stage
 computes a value is its own annotation (`fxpar.ir.meta.STAGE`), since a stage's values live on
 one pipeline rank whole rather than split across the axis.
@@ -93,8 +95,8 @@ Placement = Replicate | Shard | Partial | FlatShard
 R, P = Replicate(), Partial()
 
 
-PlacementAxis = Literal["dp", "cp", "tp"]
-AXES: tuple[PlacementAxis, ...] = ("dp", "cp", "tp")  # outermost first, as the mesh orders them
+PlacementAxis = Literal["dp", "ep", "cp", "tp"]
+AXES: tuple[PlacementAxis, ...] = ("dp", "ep", "cp", "tp")  # outermost first, as the mesh orders them
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Placements:
     dp: Placement = R
     tp: Placement = R
     cp: Placement = R  # context parallelism's sequence shards (`passes.context_parallel`)
+    ep: Placement = R  # expert parallelism's expert shards (`passes.expert_parallel`)
 
     def __getitem__(self, axis: PlacementAxis) -> Placement:
         return getattr(self, axis)
@@ -113,8 +116,8 @@ class Placements:
         return replace(self, **{axis: placement})
 
     def __str__(self) -> str:
-        """`dp=S(0) tp=R`, and cp where it is not replicated: `dp=S(0) cp=S(1) tp=R`."""
-        return " ".join(f"{axis}={self[axis]}" for axis in AXES if axis != "cp" or self.cp != R)
+        """`dp=S(0) tp=R`, and cp and ep where they are not replicated: `dp=S(0) cp=S(1) tp=R`."""
+        return " ".join(f"{axis}={self[axis]}" for axis in AXES if axis not in ("cp", "ep") or self[axis] != R)
 
 
 REPLICATED = Placements()

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxpar.frontend.trace import CapturedGraph
 from fxpar.ir import meta
-from fxpar.ir.mesh import Axis, Mesh
+from fxpar.ir.mesh import LAYOUT, Axis, Mesh
 from fxpar.ir.placement import Placements, Sizes, local_numel
 from fxpar.ir.symbols import BATCH
 
@@ -72,7 +72,7 @@ def axis_name(mesh: Mesh, rank: int, group: Sequence[int]) -> str:
         if tuple(group) == mesh.group(rank, axis) and mesh.size(axis) > 1:
             return axis.value
     coords = [mesh.coord(r) for r in group]
-    varying = [a.value for a in Axis if len({c[a] for c in coords}) > 1]
+    varying = [a.value for a in LAYOUT if len({c[a] for c in coords}) > 1]
     return "+".join(varying) or "-"
 
 

@@ -10,6 +10,8 @@ plan module imports this one).
 
 from __future__ import annotations
 
+import math
+
 from fxpar.errors import PlanError
 from fxpar.plan.text import text_of
 
@@ -18,6 +20,7 @@ def check_options_apply(plan) -> None:
     """Options that only one setting uses are refused without it: never silently ignored."""
     check_compiled(plan)
     check_context_parallel(plan)
+    check_expert_parallel(plan)
     if plan.reduce_dtype != "fp32" and plan.precision != "bf16-mixed":
         raise PlanError(
             f"plan reduce_dtype={plan.reduce_dtype} sets the dtype bf16-mixed training "
@@ -87,6 +90,29 @@ def check_context_parallel(plan) -> None:
             "activations cp ways), or cp=1",
             field="sequence_parallel",
             value=True,
+        )
+
+
+def check_expert_parallel(plan) -> None:
+    """Expert parallelism (`ep`) is carved from the data-parallel ranks: ep must divide dp."""
+    if plan.dp % plan.ep:
+        raise PlanError(
+            f"plan ep={plan.ep} with dp={plan.dp}: expert parallelism splits the experts over "
+            "groups of ep data-parallel ranks (carved from dp, as Megatron-Core and torchtitan "
+            f"do: each rank keeps its own slice of the batch), so ep must divide dp. Fix: "
+            f"dp={plan.dp * plan.ep // math.gcd(plan.dp, plan.ep)} ep={plan.ep}, or ep=1",
+            field="ep",
+            value=plan.ep,
+        )
+    if plan.ep > 1 and plan.zero in (1, 2):
+        raise PlanError(
+            f"plan ep={plan.ep} with zero={plan.zero}: ZeRO-1/2 step flat buffers of the gradient "
+            "buckets over dp, and an expert's weights are in no bucket (their gradients are summed "
+            "over the ranks holding the same experts), so fxpar's sharded optimizer does not step "
+            "them yet. Fix: zero=3 (the dense weights sharded over dp, each expert group's on its "
+            "ranks), or zero=0",
+            field="zero",
+            value=plan.zero,
         )
 
 

@@ -91,6 +91,9 @@ class Plan:
     # Context parallelism: the sequence split over `cp` ranks for the whole model, attention
     # over the keys and values gathered from all of them (`fxpar.passes.context_parallel`).
     cp: int = 1
+    # Expert parallelism: each mixture-of-experts layer's experts split over `ep` of the dp
+    # ranks, which hand each other their tokens (`fxpar.passes.expert_parallel`); ep divides dp.
+    ep: int = 1
     # Which modules tensor parallelism splits: "auto" (a Hugging Face model's own base-model
     # plan, else Megatron's pairs inferred from the graph), "model" (the model's whole
     # declared plan, its head's included), "infer" (Megatron's pairs inferred from the graph)
@@ -137,7 +140,7 @@ class Plan:
     loss: str = "full"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "cp", "virtual_stages", "microbatches"):
+        for name in ("dp", "pp", "tp", "cp", "ep", "virtual_stages", "microbatches"):
             if not is_positive_int(value := getattr(self, name)):
                 raise invalid_value(name, value)
             object.__setattr__(self, name, int(value))  # numpy ints become ints, for JSON

@@ -51,6 +51,8 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "tp": ("tp", "a positive integer (the tensor-parallel degree)", "tp=2"),
     "pp": ("pp", "a positive integer (the number of pipeline ranks)", "pp=2"),
     "cp": ("cp", "a positive integer (the context-parallel degree: ranks the sequence is split over)", "cp=2"),
+    "ep": ("ep", "a positive integer dividing dp (the expert-parallel degree: dp ranks the experts "
+                 "are split over)", "dp=2 ep=2"),
     "schedule": (
         "schedule",
         "one of " + ", ".join(repr(s) for s in SCHEDULES) + " (the pipeline schedule)",
@@ -135,7 +137,7 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
     name: name for name in FIELDS
 }
 SUPPORTED_KEYS = (
-    "dp, tp, pp, cp, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
+    "dp, tp, pp, cp, ep, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
     "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng, compile, loss"
 )
 

@@ -76,15 +76,18 @@ def init_process_groups(
             )
         _default_groups_created += 1
     mine: dict[Axis, RankGroup] = {}
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}  # ep's and edp's groups are often dp's own
     for axis in Axis:
         for ranks in mesh.groups(axis):
             if len(ranks) == 1:
                 handle = None
             elif len(ranks) == mesh.world_size:
                 handle = dist.group.WORLD
+            elif ranks in made:
+                handle = made[ranks]
             else:
                 with _creating(f"the {axis.value} group {list(ranks)}", world, rank, timeout):
-                    handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+                    handle = made[ranks] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle, rank=rank)
     others = {}
