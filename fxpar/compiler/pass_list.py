@@ -55,6 +55,7 @@ from fxpar.passes.chunked_loss import chunk_cross_entropy
 from fxpar.passes.context_parallel import split_sequence
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
+from fxpar.passes.expert_parallel import split_experts
 from fxpar.passes.infra import GraphPass, pass_name
 from fxpar.passes.loss_normalisation import normalise_loss
 from fxpar.passes.mixed_precision import cast_to_bf16
@@ -101,6 +102,8 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
         ))
     if plan.cp > 1:
         graph.append(_context_parallel(plan, captured))
+    if plan.ep > 1:
+        graph.append(partial(split_experts, ep=plan.ep))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
     if plan.loss == "chunked":
         graph.append(chunk_cross_entropy)

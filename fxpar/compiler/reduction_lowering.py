@@ -5,7 +5,8 @@ actions for the gradients and the loss, by ZeRO stage (Rajbhandari et al. 2020):
 
     GRADIENT_BUCKET      a bucket's all-reduce (DDP) or reduce-scatter (ZeRO-1/2), once per
                          step or, ZeRO-2 reducing per microbatch, after each backward
-    PARTIAL_GRADIENTS    replicated parameters' partial gradients, summed over tp or cp
+    PARTIAL_GRADIENTS    replicated parameters' partial gradients, summed over tp or cp, and
+                         experts' over edp
     LOSS                 the step's loss summed over dp, where no bucket carries it, and cp
     UPDATED_PARAMETERS   ZeRO-1/2, around the optimizer step: each bucket's new values gathered
 
@@ -98,14 +99,20 @@ def loss_actions(mesh: Mesh, *, phase: str = "step") -> list[StepAction]:
     ]
 
 
+# The axes a parameter's gradient may be a partial sum over, beside dp's buckets: tp's
+# replicated parameters, cp's sequence slices, and experts over the ranks holding them.
+PARTIAL_AXES = ("tp", "cp", "edp")
+
+
 def partial_gradient_actions(gm: fx.GraphModule, mesh: Mesh, *, stage: int = 0) -> list[StepAction]:
     """The one all-reduce per step (and stage) and axis that completes replicated parameters'
     partial gradients: over tp (`passes.tensor_parallel.rewrite`,
-    settle_parameters_feeding_shards), and over cp, where every trained parameter's gradient
-    is a sum over each rank's slice of the sequence (`passes.context_parallel`)."""
+    settle_parameters_feeding_shards), over cp, where every trained parameter's gradient
+    is a sum over each rank's slice of the sequence (`passes.context_parallel`), and an
+    expert's over the ranks holding the same experts (`passes.expert_parallel`)."""
     actions = []
     nodes = meta.parameter_nodes(gm.graph)
-    for axis in ("tp", "cp"):
+    for axis in PARTIAL_AXES:
         names = meta.partial_gradient_parameters(gm.graph, axis)
         if mesh.sizes[axis] == 1 or not names:
             continue

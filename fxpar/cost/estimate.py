@@ -80,6 +80,7 @@ from fxpar.cost.compiled_graphs import graph_kernels, module_graphs, stage_graph
 from fxpar.cost.compiled_pieces import compiled_calls
 from fxpar.cost.step_time import comm_terms, compiled_piece_seconds, piece_seconds
 from fxpar.cost.workspace import backward_bytes, gathered_bytes, loss_workspace_bytes, transfer_bytes
+from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.step_program import StepProgram
 from fxpar.ir.symbols import BATCH
@@ -303,6 +304,22 @@ def _buckets(program: CompiledProgram, share) -> tuple:
     return program.buckets if share.stage is None else program.stages[share.stage].buckets
 
 
+def _model_state(program: CompiledProgram, held: dict[str, int], optimizer: str) -> tuple[dict, int]:
+    """The model state of the parameters a rank holds (name -> elements), and how many of them
+    ZeRO shards: all but an expert's weights under ep, which the expert group splits already
+    and ZeRO leaves whole (`passes.zero3`)."""
+    plan = program.plan
+    experts = set(meta.partial_gradient_parameters(program.graph_module.graph, "edp")) & held.keys()
+    dense = sum(n for name, n in held.items() if name not in experts)
+    terms = model_state_bytes(dense, precision=plan.precision, optimizer=optimizer, zero=plan.zero, dp=plan.dp,
+                              reduce_dtype=plan.reduce_dtype)
+    if experts:
+        whole = model_state_bytes(sum(held[name] for name in experts), precision=plan.precision, optimizer=optimizer,
+                                  zero=0, dp=plan.dp, reduce_dtype=plan.reduce_dtype)
+        terms = {key: terms[key] + whole[key] for key in terms}
+    return terms, dense
+
+
 def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str = "adamw") -> dict[str, sympy.Expr]:
     """`rank`'s memory terms, formulas in batch and seq: the model state of the parameters it
     holds (`params`, `grads`, `optimizer`), the activations of the microbatches it keeps in
@@ -311,9 +328,7 @@ def rank_memory_formulas(program: CompiledProgram, rank: int, *, optimizer: str 
     every pipeline coordinate's."""
     plan, pipeline = program.plan, program.schedule
     all_shares, mine, held, tensors = _holding(program, rank)
-    parameters = sum(held.values())
-    terms = model_state_bytes(parameters, precision=plan.precision, optimizer=optimizer,
-                              zero=plan.zero, dp=plan.dp, reduce_dtype=plan.reduce_dtype)
+    terms, parameters = _model_state(program, held, optimizer)
     # The ZeRO paper counts bytes per parameter; Adam also keeps a step counter per tensor.
     terms["optimizer"] += STEP_COUNTER_BYTES[optimizer] * tensors
     local_batch = BATCH / (plan.dp * plan.microbatches)

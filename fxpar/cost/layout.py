@@ -34,6 +34,7 @@ from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.placement import Partial, R, Shard, local_numel
 from fxpar.ops.deferred_linear import LINEAR, deferrable, linear as deferred_linear, stands_for
+from fxpar.ops.expert_routing import is_grouped_mm
 
 
 
@@ -101,11 +102,14 @@ def _share(program: CompiledProgram, stage: int | None, gm: fx.GraphModule, mine
         if cost is None:
             continue
         placement, sequence = meta.placement(node, "tp"), meta.placement(node, "cp")
+        experts = _expert_split(node, program.plan.ep)
         split = (tp if isinstance(placement, (Shard, Partial)) else 1) * (
-            cp if isinstance(sequence, (Shard, Partial)) else 1)
+            cp if isinstance(sequence, (Shard, Partial)) else 1) * experts
         matmul += cost.matmul_flops / split
         attention += cost.attention_flops / split
         shape = None if cost.shape is None else _local_shape(cost.shape, placement, tp, node, sequence, cp)
+        if shape is not None and experts > 1:
+            shape = (shape[0] / experts, *shape[1:])
         if shape is not None:
             _count(dense, shape)
             for gradient in dense_gradients(node, shape, needs_grad.__contains__):
@@ -134,6 +138,14 @@ def _share(program: CompiledProgram, stage: int | None, gm: fx.GraphModule, mine
                  sympy.expand(again["matmul"]), sympy.expand(again["attention"]),
                  sum(again_moved.values(), sympy.Integer(0)), again["ops"], moved, again_moved,
                  dense, gradients, weight_shapes, again_shapes)
+
+
+def _expert_split(node: fx.Node, ep: int) -> int:
+    """How many ways a grouped matmul's rows divide: ep where its experts are split over ep
+    (`passes.expert_parallel`). Each rank computes only its experts' rows of the expert
+    group's gathered tokens, 1/ep of them under uniform routing, the stated assumption (the
+    rows a router really sends each expert are known only when it runs)."""
+    return ep if is_grouped_mm(node) and isinstance(meta.placement(node.args[1], "ep"), Shard) else 1
 
 
 def _received(program: CompiledProgram, gm: fx.GraphModule) -> frozenset[str]:

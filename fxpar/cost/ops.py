@@ -3,7 +3,8 @@
 Conventions (they decide what an MFU figure means, so they are stated, not implied):
 
 * a matmul-like op costs 2mnk FLOPs: one multiply and one add per term (`linear`, `mm`,
-  `addmm`, `bmm`, `matmul`, `baddbmm`); a bias add is counted under `other`;
+  `addmm`, `bmm`, `matmul`, `baddbmm`, and a grouped matmul over experts, m its rows); a bias
+  add is counted under `other`;
 * `scaled_dot_product_attention` costs 4 x batch x heads x s_q x s_k x head_dim forward
   (QK^T and attention x V), with no causal discount: the convention of Megatron-LM and of
   Korthikanti et al. 2022, so MFU figures compare with theirs. These FLOPs count as matmul
@@ -37,6 +38,7 @@ from fxpar.cost.matmul_table import matmul_shapes
 from fxpar.ir import meta
 from fxpar.ops.deferred_linear import stands_for
 from fxpar.ops.distributed import distributed_op
+from fxpar.ops.expert_routing import is_grouped_mm
 import fxpar.ops.chunked_loss  # noqa: F401  (registers torch.ops.fxpar.chunked_cross_entropy)
 import fxpar.ops.random_ops
 import fxpar.ops.vocab_parallel  # noqa: F401  (the torch.ops.fxpar lookups priced below)
@@ -250,6 +252,9 @@ def cost_of(node: fx.Node, shape_of: Callable[[fx.Node], Shape]) -> OpCost | Non
     out_shape = shape_of(node) if isinstance(value, torch.Tensor) else ()
     moved = sum((_nbytes(a, s) for a, s in zip(inputs, in_shapes)), sympy.Integer(0))
     moved += _nbytes(node, out_shape) if isinstance(value, torch.Tensor) else 0
+    if is_grouped_mm(node):  # each row times its expert's (k, n) weight
+        (rows, k), n = in_shapes[0], out_shape[-1]
+        return OpCost(2 * rows * k * n, sympy.Integer(0), moved, shape=(rows, k, n))
     if packet in MATMUL_RULES:
         matmul, other = MATMUL_RULES[packet](in_shapes, out_shape, node.args)
         matmul = sympy.sympify(matmul)

@@ -11,8 +11,9 @@ functions instead of poking at `node.meta` with string literals.
     fxpar.bucket              data_parallel     index of the gradient bucket of a parameter
     fxpar.placement           tensor_parallel,  the value's Placements: one Placement per mesh
                               dp_placement      axis (dp, tp), each pass setting its own axis
-    fxpar.grad_partial        tensor_parallel,  the axes ("tp", "cp") over which a replicated
-                              context_parallel  parameter's gradient is a partial sum
+    fxpar.grad_partial        tensor_parallel,  the axes ("tp", "cp", "edp") over which a
+                              context_parallel, replicated parameter's gradient is a partial
+                              expert_parallel   sum
     fxpar.stage               pipeline          the pipeline stage that computes the node
     fxpar.master_dtype        mixed_precision   a parameter stored in bf16: the dtype its master
                                                 copy is trained in (fp32)
@@ -156,8 +157,10 @@ def stage_of(gm: fx.GraphModule) -> int:
 
 def trained_parameters(gm: fx.GraphModule) -> set[str]:
     """The parameters that receive a gradient: exactly those in a gradient bucket
-    (`passes.data_parallel.assign_gradient_buckets` ensures it)."""
-    return {name for bucket in graph_buckets(gm) for name in bucket.parameters}
+    (`passes.data_parallel.assign_gradient_buckets` ensures it), and the experts' weights
+    under expert parallelism, whose gradients are summed over edp instead."""
+    bucketed = {name for bucket in graph_buckets(gm) for name in bucket.parameters}
+    return bucketed | set(partial_gradient_parameters(gm.graph, "edp"))
 
 
 def partial_gradient_parameters(graph: fx.Graph, axis: PlacementAxis = "tp") -> list[str]:

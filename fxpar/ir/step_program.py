@@ -66,6 +66,7 @@ class Purpose(enum.Enum):
     GRADIENT_SHARDS = "a bucket's reduced gradient shards gathered whole (ZeRO)"
     DP_SHARDS = "a ZeRO-3 parameter's (or its gradient's) data-parallel shards gathered whole"
     TP_SHARDS = "a tensor's tensor-parallel shards gathered whole"
+    EP_SHARDS = "an expert weight's (or its gradient's) expert-parallel shards gathered whole"
     STAGE_STATE = "a pipeline rank's whole tensors broadcast to its pipeline group"
 
 

@@ -41,7 +41,7 @@ def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
             seen.add(name)
     reaching = _nodes_reaching_output(gm.graph)
     for name, node in nodes.items():
-        if name not in seen and node in reaching and gm.get_parameter(name).requires_grad:
+        if name not in seen and node in reaching and gm.get_parameter(name).requires_grad and not _expert(node):
             raise broken(f"trained parameter {name} is in a bucket", node)
 
 
@@ -54,7 +54,8 @@ def assign_gradient_buckets(
 
     Requires: `fxpar.parameter` on the get_attr node of each parameter (trace.capture);
     `fxpar.ir.placement` where a pass split a parameter (sizes are this rank's piece on `mesh`).
-    Ensures: each parameter that requires grad and reaches the loss is in exactly one bucket
+    Ensures: each parameter that requires grad and reaches the loss is in exactly one bucket,
+    but an expert's weights under expert parallelism (summed over edp instead)
     (tied parameters are one parameter, so they are reduced once), its node carries
     `fxpar.bucket`, and `gm.meta["fxpar.buckets"]` lists the buckets in launch order:
     bucket 0 holds the gradients that become ready first. A bucket is closed once it holds
@@ -86,7 +87,7 @@ def _gradients_in_ready_order(gm: fx.GraphModule) -> list[_Gradient]:
     ready_order = []
     for name, node in meta.parameter_nodes(gm.graph).items():
         value = gm.get_parameter(name)
-        if not (value.requires_grad and node in reaches_loss):
+        if not (value.requires_grad and node in reaches_loss) or _expert(node):
             continue
         first_user = min(node.users, key=order.__getitem__)
         # Among parameters of one op, autograd hands out later arguments' gradients first
@@ -132,6 +133,12 @@ def _fill_buckets(
             close()
     close()
     return buckets
+
+
+def _expert(node: fx.Node) -> bool:
+    """An expert's weights under expert parallelism: their gradient is summed over the ranks
+    holding the same experts (edp, `passes.expert_parallel`), not over dp in a bucket."""
+    return "edp" in node.meta.get(meta.GRAD_PARTIAL, ())
 
 
 def carries_loss(buckets: tuple[Bucket, ...]) -> bool:

@@ -27,10 +27,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpar.compiler import lowering
 from fxpar.compiler.pipeline_program import receives_ahead
+from fxpar.compiler.reduction_lowering import PARTIAL_AXES
 from fxpar.errors import BindError
 from fxpar.ir import meta
 from fxpar.ir.compiled_program import CompiledProgram
 from fxpar.ir.mesh import Axis
+from fxpar.ir.placement import Shard
 from fxpar.ir.step_program import Communicate, Purpose, StepProgram
 from fxpar.ops.distributed import lower_for_eager
 from fxpar.ops.traced_collectives import compiled_form
@@ -119,9 +121,11 @@ def synchronise_copies(
     step_program: StepProgram,
     tied_groups: dict[tuple[int, ...], RankGroup],
     communicator: Communicator,
+    edp: RankGroup | None = None,
 ) -> None:
     """Make every data-parallel replica of `state` and every tied parameter's copies identical:
-    broadcast from the group's first rank."""
+    broadcast from the group's first rank (an expert's weights from the first rank holding
+    the same experts, over `edp`)."""
     def broadcast(tensors: list[torch.Tensor], group: RankGroup) -> None:
         broadcast_by_dtype(tensors, group, communicator)
 
@@ -129,12 +133,22 @@ def synchronise_copies(
         # DDP does the same at construction: every replica starts from the first rank's
         # values, whatever seed each process used (ZeRO-3's pieces: `zero3_state`).
         sharded = dp_sharded_parameters(modules)
-        broadcast([t for t in state if id(t) not in sharded], dp)
+        experts = expert_parameters(modules)
+        broadcast([t for t in state if id(t) not in sharded and id(t) not in experts], dp)
+        if experts and edp is not None and edp.size > 1:
+            broadcast([t for t in state if id(t) in experts], edp)
         if sharded:
             broadcast_sharded_parameters(program, modules, rank, dp, broadcast)
     mine = dict(parameters_of(modules))
     for name, group in step_program.tied_groups.items():
         broadcast([mine[name]], tied_groups[group])
+
+
+def expert_parameters(modules: Sequence[torch.fx.GraphModule]) -> set[int]:
+    """The ids of the parameters split over ep (`passes.expert_parallel`): each rank's are its
+    own experts, copies only over edp."""
+    return {id(m.get_parameter(name)) for m in modules for name, node in meta.parameter_nodes(m.graph).items()
+            if isinstance(meta.placement(node, "ep"), Shard)}
 
 
 def broadcast_by_dtype(tensors: list[torch.Tensor], group: RankGroup, communicator: Communicator) -> None:
@@ -199,7 +213,7 @@ def step_context(
         # Replicated parameters whose gradient each tp rank holds a summand of, per module.
         partial_gradients=tuple(
             {axis: [m.get_parameter(name) for name in meta.partial_gradient_parameters(m.graph, axis)]
-             for axis in ("tp", "cp")}
+             for axis in PARTIAL_AXES}
             for m in modules
         ),
         tied={name: (mine[name], tied_groups[group]) for name, group in step_program.tied_groups.items()},

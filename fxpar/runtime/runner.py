@@ -192,7 +192,7 @@ class Runner(WholeState):
         bind_axes(self._axes)
         synchronise_copies(self.program, self.modules, state, rank=self.rank, dp=self._dp,
                            step_program=self._step_program, tied_groups=self._tied_groups,
-                           communicator=self.communicator)
+                           communicator=self.communicator, edp=self.groups.get(Axis.EDP))
         seed = agree_seed(seed, rank=self.rank, world_size=self.world_size, communicator=self.communicator,
                           device=self.device)
         self._random = RandomStream(seed)

@@ -9,9 +9,11 @@ binds). The memory prediction is computed by rank 0 and sent to the others (ever
 compute the same numbers, several at once on CI's two cores). Saved per job: the loss of every step, the whole
 gradients of the first step, the full state after the last, the last step's collectives
 with what the compiler predicted, and `memory_stats()` after the first optimizer step with this
-rank's prediction of it.
+rank's prediction of it. With FXPAR_TEST_NORM set, also the first step's global gradient
+2-norm, from `runner.clip_grad_norm_(inf)` (which scales nothing).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -44,12 +46,14 @@ for job in jobs:
         losses.append(runner.step(local))
         optimizer.step()
         if first_grads is None:  # the step's gradients, still there until zero_grad
+            norm = runner.clip_grad_norm_(float("inf")).item() if os.environ.get("FXPAR_TEST_NORM") else None
             first_grads = runner.full_gradients()
             memory = runner.memory_stats()
         optimizer.zero_grad()
     results[job] = {
         "losses": losses,
         "grads": first_grads,
+        "norm": norm,
         "state": runner.full_state_dict(),
         "comm": runner.comm_log(),
         "predicted": program.collectives(runner.rank, backend=runner.backend),

@@ -9,7 +9,8 @@ local tensors (their state dicts, or their trained parameters' gradients):
 1. DP_SHARDS, under ZeRO-3: each parameter's flat dp pieces (`FlatShard`) all-gathered over dp
    and made its tensor-parallel piece again;
 2. TP_SHARDS: each tensor-parallel shard all-gathered over the tp group and put back
-   together (`placement.global_tensor`, by the placement on its parameter node);
+   together (`placement.global_tensor`, by the placement on its parameter node); EP_SHARDS
+   the same for an expert weight's shards over ep;
 3. every tensor copied to the CPU;
 4. STAGE_STATE, with a pipeline: each pipeline rank in turn broadcasts its whole tensors to
    its pp group, one flat buffer per dtype laid out as the action's `entries` say (shapes
@@ -77,6 +78,10 @@ def gather_full_tensors(
                 pieces = communicator.all_gather_pieces(tensors[action.name].detach(), groups[Axis.TP],
                                                         tag=action.calls[0].tag)
                 whole[action.name] = global_tensor(pieces, _tp_placement(module, action.name))
+            elif action.purpose is Purpose.EP_SHARDS:  # after tp's: the experts' whole tensors
+                module, _ = local[action.stage]
+                pieces = communicator.all_gather_pieces(whole[action.name], groups[Axis.EP], tag=action.calls[0].tag)
+                whole[action.name] = global_tensor(pieces, meta.placement(_parameter_node(module, action.name), "ep"))
             elif action.purpose is Purpose.STAGE_STATE:
                 _receive_stage(action, whole, merged, groups[Axis.PP], communicator)
     if not merged:  # no pipeline: this rank holds everything

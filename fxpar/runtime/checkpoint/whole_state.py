@@ -51,12 +51,15 @@ class WholeState:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on
         every rank; zeros for a parameter whose gradient is not there (no step since). Under
-        ZeRO-1/2 the reduced shards are gathered from the data-parallel ranks."""
+        ZeRO-1/2 the reduced shards are gathered from the data-parallel ranks (the experts'
+        gradients under ep are in no bucket: each rank holds its experts' whole)."""
         self._require_open("full_gradients")
         local = {}
         for module in self.modules:
             trained = meta.trained_parameters(module)
-            local[meta.stage_of(module)] = (module, {} if self._flat_parameters else {
+            if self._flat_parameters:
+                trained -= {n for b in meta.graph_buckets(module) for n in b.parameters}
+            local[meta.stage_of(module)] = (module, {
                 n: (p.grad if p.grad is not None else torch.zeros_like(p)).to(self._masters.dtype or p.dtype)
                 for n, p in graph_parameters(module).items() if n in trained
             })

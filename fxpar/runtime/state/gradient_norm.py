@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.ir import meta
-from fxpar.ir.placement import Replicate
+from fxpar.ir.placement import Replicate, Shard
 from fxpar.runtime.checkpoint.state import RankState
 from fxpar.runtime.checkpoint.whole_state import graph_parameters
 from fxpar.runtime.communicator import Communicator
@@ -92,6 +92,14 @@ def _first_copy(state: RankState, module, name: str, axes: tuple[str, ...], writ
     """Whether this rank's gradient of `name` is the one counted: index 0 on each of `axes` the
     parameter is replicated on, and the first stage holding it (`RankState.writer_stage`)."""
     placements, coord, stage = state.placements(module, name), state.coord, meta.stage_of(module)
-    replica = any(isinstance(placements[axis], Replicate) and coord[axis] != 0 for axis in axes)
+    replica = any(_replica(placements, coord, axis) for axis in axes)
     return not replica and writers.get(name, stage) == stage
+
+
+def _replica(placements, coord, axis: str) -> bool:
+    """Whether the rank at `coord` holds a second copy of a value along `axis`. An expert's
+    weights (Shard on ep) are copies over dp only among the ranks holding the same experts."""
+    if axis == "dp" and isinstance(placements.ep, Shard):
+        return coord["edp"] != 0
+    return isinstance(placements[axis], Replicate) and coord[axis] != 0
 

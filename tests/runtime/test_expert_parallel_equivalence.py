@@ -1,0 +1,104 @@
+"""Expert parallelism (`ep=N`) trains Hugging Face mixtures of experts exactly as one device does.
+
+Each rank of an expert group (ep ranks carved from dp) holds its share of every MoE layer's
+experts and its own slice of the batch; the group's tokens are gathered, each rank runs its
+experts on the rows routed to them, and the results are summed back to the ranks the tokens
+came from (`passes.expert_parallel`). The models of tests/hf_models.py, unmodified, each with
+its own router: Mixtral (softmax over top-2), Qwen2-MoE (a shared expert beside the routed
+ones, gated by a sigmoid), OLMoE and Qwen3-MoE (routing weights renormalised or not, as each
+configures). Four experts, two per token.
+
+Composed with what the plan offers:
+
+- `dp=2 ep=2`: the whole dp group is one expert group, so an expert's gradient is complete
+  on its rank;
+- `dp=4 ep=2`: two expert groups, whose ranks holding the same experts sum their gradients
+  over edp;
+- `dp=2 ep=2 tp=2`: the experts whole on each tp rank, their tokens replicated over tp;
+- `dp=2 ep=2 pp=2 mb=2`: each stage's MoE layers gather within the stage's expert group;
+- `dp=2 ep=2 zero=3`: the dense weights gathered layer by layer, the experts left on their
+  ranks.
+
+(Under carving, the issue's `ep=2` and `ep=2 dp=2` are one layout, `dp=2 ep=2`.)
+
+The same checks as test_hf_equivalence (`assert_equivalent`): after 3 AdamW steps, the loss
+of every step, every gradient of the first step and all parameters together, fp32 at relative
+1e-5 (a token's expert rows are the same products, summed with exact zeros from the ranks that
+do not hold its experts; the gradients are summed over other groupings); every collective equal
+to the compiler's prediction; the rank's memory equal to the estimate's, to the byte; the
+global gradient norm (`runner.clip_grad_norm_`) one device's, each expert counted once. And the
+point of the axis: each rank holds half of every expert weight, and half their optimizer state.
+"""
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from hf_models import builder  # noqa: E402
+from test_hf_equivalence import assert_equivalent, train_single_device  # noqa: E402
+from test_mixed_precision_equivalence import GRADIENT_RELATIVE, LOSS_RELATIVE, UPDATE_RELATIVE  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe"]
+ON_TWO_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=2 ep=2", "dp=2 ep=2 zero=3")]
+ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 tp=2", "dp=2 ep=2 pp=2 mb=2")]
+# within bf16 of fp32 (test_mixed_precision_equivalence's tolerances)
+BF16 = "mixtral sdpa dp=4 ep=2 precision=bf16-mixed"
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One device's training of each model, trained once for the module."""
+    return functools.cache(train_single_device)
+
+
+def _expert_elements(state: dict) -> int:
+    return sum(t.numel() for name, t in state.items() if ".experts." in name and t.dim() == 3)
+
+
+def check_jobs(torchrun, references, jobs: list[str], world: int) -> None:
+    ranks = torchrun("hf_worker.py", world, *jobs, timeout=900, env={"FXPAR_TEST_NORM": "1"})
+    for job in jobs:
+        name, attention, plan = job.split(" ", 2)
+        reference = references(name, attention)
+        norm = torch.cat([g.flatten() for g in reference["grads"].values()]).norm()
+        for results in ranks:
+            # the gradient norm counts each expert once: its ep shard once, its edp copies not again
+            assert results[job]["norm"] == pytest.approx(float(norm), rel=GRADIENT_RELATIVE if "bf16" in plan else 1e-5), job
+            if "bf16" in plan:
+                assert_within_bf16(results[job], reference, builder(name)(attention)[0].state_dict(), job)
+                continue
+            assert_equivalent(results[job], reference, job)
+            if plan in ("dp=2 ep=2", "dp=4 ep=2"):  # every expert weight half on this rank, fp32
+                state, memory = reference["state"], results[job]["memory"]
+                held = sum(t.numel() for t in state.values()) - _expert_elements(state) // 2
+                assert memory["params"] == 4 * held, job
+                # AdamW's two moments of what the rank holds, and a step counter per tensor
+                assert memory["optimizer"] == 2 * memory["params"] + 4 * len(state), job
+
+
+def assert_within_bf16(result: dict, reference: dict, initial: dict, job: str) -> None:
+    """bf16-mixed against fp32 training: each loss, the first step's gradients and the trained
+    parameters within bf16's noise (the tolerances of test_mixed_precision_equivalence)."""
+    for step, (loss, expected) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
+        assert loss == pytest.approx(expected, rel=LOSS_RELATIVE), f"{job}: loss of step {step}"
+    names = list(reference["grads"])
+    found, expected = (torch.cat([g[n].flatten().float() for n in names]) for g in (result["grads"], reference["grads"]))
+    assert (found - expected).norm() <= GRADIENT_RELATIVE * expected.norm(), job
+    keys = list(reference["state"])
+    trained, fp32 = (torch.cat([s[k].flatten().float() for k in keys]) for s in (result["state"], reference["state"]))
+    start = torch.cat([initial[k].flatten().float() for k in keys])
+    assert (trained - fp32).norm() <= UPDATE_RELATIVE * (fp32 - start).norm(), job
+
+
+def test_ep_on_two_ranks_matches_single_device(torchrun, references):
+    check_jobs(torchrun, references, ON_TWO_RANKS, world=2)
+
+
+def test_ep_composed_on_four_ranks_matches_single_device(torchrun, references):
+    check_jobs(torchrun, references, [*ON_FOUR_RANKS, BF16], world=4)
