@@ -26,6 +26,8 @@ from fxpar.ops.redistribution import BY_NAME, Conversion
 from fxpar.passes.tensor_parallel import rewrite as tensor_parallel
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_models import build  # noqa: E402
 from step_program_edits import drop_call, resize_call  # noqa: E402
 from tiny_training import CONFIG, build_model, global_batches  # noqa: E402  (puts examples/ on the path)
 from gpt import GPT  # noqa: E402
@@ -72,6 +74,18 @@ def test_context_parallel_equals_one_device_value_by_value():
     assert report.left_out == {"values whose sequence cp flattens into another dim": 1}
     assert report.compared["gradient"] > 40
     assert report.compared["parameter gradient"] == len(dict(build_model().named_parameters()))
+
+
+def test_a_mixture_of_experts_equals_one_device_under_dp_and_ep():
+    """Each rank sorts its own tokens by expert, so the values inside the experts module are in
+    the rank's order and are left out, counted; what the module gives back, the expert weights
+    (joined over ep) and every gradient after are compared."""
+    model, inputs = build("mixtral")
+    for plan in ("dp=2", "dp=2 ep=2"):
+        report = fxpar.verify(model, plan, inputs, timeout=30)
+        assert report.equal, str(report)
+        assert report.left_out == {"values in the order a rank sorted its tokens (a mixture of experts' dispatch)": 16}
+        assert report.compared["parameter gradient"] == len(dict(model.named_parameters()))
 
 
 def test_a_wrong_redistribution_rule_is_named_at_the_first_node_reading_the_bad_value(monkeypatch):

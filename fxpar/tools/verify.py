@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.multiprocessing as mp
 
 from fxpar.compiler.program import Program, compile
@@ -281,6 +282,26 @@ def _sequence_flattened(program: Program) -> set[str]:
     return flattened
 
 
+def _in_rank_order(program: Program) -> set[str]:
+    """Values inside a module that sorts the tokens of the batch (a mixture of experts sorts
+    its (token, expert) pairs by expert) that do not leave it: each rank sorts its own tokens,
+    so their order is the rank's, and no concatenation of the pieces is the one-device value.
+    What the module gives back, in token order again, is compared; under ep, so are the
+    expert weights, whatever the rows they are multiplied with."""
+    graph = program.graph_module.graph
+    sorting = {meta.module_path(n) for n in graph.nodes if n.op == "call_function"
+               and getattr(n.target, "overloadpacket", None) is torch.ops.aten.sort
+               and isinstance(meta.placement(n.args[0], "dp"), Shard)}
+
+    def sorter(node: fx.Node) -> str | None:  # the sorting module `node` runs in, if any
+        path = meta.module_path(node)
+        return next((m for m in sorting if path == m or path.startswith(m + ".")), None)
+
+    return {n.name for n in graph.nodes if n.op == "call_function" and (m := sorter(n)) is not None
+            and isinstance(n.meta.get("val"), torch.Tensor) and isinstance(meta.placement(n, "dp"), Shard)
+            and all(sorter(u) == m for u in n.users)}
+
+
 def _held(ranks: list[dict], name: str, gradient: bool) -> dict[int, Pieces] | None:
     """Each rank's recorded pieces of node `name` (its gradients' with `gradient`), by rank;
     None where no rank recorded it, or a gradient is missing for a microbatch."""
@@ -320,11 +341,13 @@ def _compare(program: Program, reference: Program, expected: dict, ranks: list[d
 
     from_data = _made_from_data(nodes)
     flattened = _sequence_flattened(program)
+    rank_order = _in_rank_order(program)
     for node in nodes:  # 1. forward values
         if node not in from_data or node.name not in expected["values"] or (by_rank := held(node.name, False)) is None:
             continue
-        if node.name in flattened:
-            why = "values whose sequence cp flattens into another dim"
+        if node.name in flattened or node.name in rank_order:
+            why = ("values whose sequence cp flattens into another dim" if node.name in flattened
+                   else "values in the order a rank sorted its tokens (a mixture of experts' dispatch)")
             report.left_out[why] = report.left_out.get(why, 0) + 1
             continue
         (want,) = expected["values"][node.name]
@@ -337,7 +360,7 @@ def _compare(program: Program, reference: Program, expected: dict, ranks: list[d
             continue
         if isinstance(next(iter(by_rank.values())).placements.dp, Replicate):
             continue  # a parameter's value: its gradient is checked reduced, below
-        if node.name in flattened:
+        if node.name in flattened or node.name in rank_order:
             continue
         got, spread = whole_value(by_rank, mesh, tuple(grads[0].shape), gradient=True)
         if not check("gradient", node, grads[0], got, spread):

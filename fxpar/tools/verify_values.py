@@ -20,6 +20,8 @@ pieces back into the one-device value with the node's placements, the same facts
          the batch by rank, then by microbatch): joined along the batch dim for Shard(d),
          summed for Partial, compared for Replicate; a ZeRO-3 parameter's FlatShard pieces
          joined first, inside each tp piece, as `local_slice` cut them last
+    ep   an expert weight's pieces joined over the first expert group's ranks, the other
+         groups' compared with them
 
 A pipeline stage's values are on the pipeline rank that holds the stage (a parameter read by
 several stages is taken from the first). A gradient's placement is the dual of its value's:
@@ -113,6 +115,8 @@ def whole_value(
     placements = gradient_placements(some.placements) if gradient else some.placements
     if isinstance(placements.dp, FlatShard):
         return _whole_parameter(by_rank, mesh, pp, placements, shape)
+    if isinstance(placements.ep, Shard):
+        return _whole_experts(by_rank, mesh, pp, placements)
     microbatches = len(some.values)
     spread = 0.0
     batch_pieces = []
@@ -148,6 +152,18 @@ def _whole_parameter(by_rank: dict[int, Pieces], mesh: Mesh, pp: int, placements
         tp_pieces.append(global_tensor([h.values[0] for h in holders], placements.dp, tp_shape))
     value, s = _combine(tp_pieces, placements.tp)
     return value, max(spread, s)
+
+
+def _whole_experts(by_rank: dict[int, Pieces], mesh: Mesh, pp: int,
+                   placements: Placements) -> tuple[torch.Tensor, float]:
+    """An expert weight (Shard on ep, whole over tp): the first expert group's pieces joined;
+    every other group's, and every microbatch's, compared with them."""
+    groups = [[by_rank[mesh.rank_of(dp=group * mesh.ep + e, pp=pp)].values for e in range(mesh.ep)]
+              for group in range(mesh.dp // mesh.ep)]
+    first = global_tensor([values[0] for values in groups[0]], placements.ep)
+    spread = max((_max_difference(first, global_tensor([values[k] for values in group], placements.ep))
+                  for group in groups for k in range(len(group[0]))), default=0.0)
+    return first, spread
 
 
 def _combine(pieces: list[torch.Tensor], placement: Placement) -> tuple[torch.Tensor, float]:
