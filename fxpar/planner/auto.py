@@ -22,6 +22,8 @@ from fxpar.cost.hardware import Hardware
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.profiles import hardware_profile
 from fxpar.frontend.trace import CapturedGraph
+from fxpar.ir import meta
+from fxpar.ops.expert_routing import is_grouped_mm
 from fxpar.plan.plan import Plan
 from fxpar.planner.budget import memory_budget
 from fxpar.planner.search import PlanSearch, Scored, search
@@ -46,13 +48,16 @@ def search_plans(
     space = SearchSpace(world_size=world_size, devices_per_node=devices_per_node or device.devices_per_node,
                         batch=captured.example_batch, fixed=Plan.fields_given(fixed) if fixed else {},
                         sequence=captured.example_sizes[seq] if seq is not None else None)
+    experts, expert_parameters = mixture_of_experts(captured)
+    space = dataclasses.replace(space, experts=experts)
     parameters = captured.parameter_count()
 
     def bound(plan: Plan) -> float:
         """Bytes the worst rank holds at least: its weights and optimizer state, for at least
-        an even share of the parameters (tp and pp split no parameter more finely; cp
-        replicates them)."""
-        state = model_state_bytes(parameters / (plan.tp * plan.pp), precision=plan.precision,
+        an even share of the parameters (tp and pp split no parameter more finely, ep an
+        expert's; cp replicates them)."""
+        held = parameters - expert_parameters * (1 - 1 / plan.ep)
+        state = model_state_bytes(held / (plan.tp * plan.pp), precision=plan.precision,
                                   optimizer=optimizer, zero=plan.zero, dp=plan.dp,
                                   reduce_dtype=plan.reduce_dtype)
         return float(state["params"] + state["optimizer"])
@@ -65,6 +70,26 @@ def search_plans(
     compiled = device.compile_pays and "compile" not in space.fixed
     return search(space, hardware=device.name, budget_bytes=memory_budget(memory_per_device, world_size=world_size),
                   bound=bound, evaluate=evaluate, variant=compiled_variant if compiled else None)
+
+
+def mixture_of_experts(captured: CapturedGraph) -> tuple[int | None, int]:
+    """The experts of each mixture-of-experts layer (the fewest, where layers differ) and the
+    elements of all expert weights: what `ep` may split (`passes.expert_parallel`); (None, 0)
+    for a model without a grouped matmul over experts."""
+    graph_module = captured.graph_module
+    matmuls = [n for n in graph_module.graph.nodes if is_grouped_mm(n)]
+    if not matmuls:
+        return None, 0
+    weights = {meta.parameter_name(w) for w in (_viewed(m.args[1]) for m in matmuls) if meta.parameter_name(w)}
+    experts = min(int(m.args[1].meta["val"].shape[0]) for m in matmuls)
+    return experts, sum(graph_module.get_parameter(name).numel() for name in weights)
+
+
+def _viewed(node):
+    """What a chain of single-input views (the expert weights' transpose) reads."""
+    while node.op == "call_function" and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node
 
 
 def compiled_variant(plan: Plan) -> Plan:

@@ -12,6 +12,8 @@ A candidate is a set of plan fields. The space crosses
                     one, pp, 2 pp and 4 pp (GPipe Sec. 2.3: the bubble shrinks as mb grows)
     schedule        with a pipeline: 1F1B, GPipe, interleaved 1F1B (two chunks per rank),
                     zero-bubble ZB-H1
+    ep              for a mixture of experts, every ep dividing both dp and the experts of a
+                    layer (ZeRO-1/2 left out with ep > 1, which the plan refuses)
     sp              with tp > 1 and cp = 1, sequence parallelism off and on
     checkpoint      none, selective (attention's core), full (every block)
 
@@ -30,6 +32,7 @@ decides it for every candidate.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -52,6 +55,7 @@ class SearchSpace:
     batch: int  # the global batch, in sequences
     fixed: Mapping[str, object] = field(default_factory=dict)  # plan fields every candidate keeps
     sequence: int | None = None  # the example's sequence length; None: cp stays 1
+    experts: int | None = None  # experts of each mixture-of-experts layer; None: ep stays 1
 
     def __post_init__(self) -> None:
         Plan(**self.fixed)  # an invalid fixed field is the caller's PlanError, named as such
@@ -74,10 +78,16 @@ class SearchSpace:
         """Whether the sequence splits into `cp` slices (cp = 1 always)."""
         return cp == 1 or (self.sequence is not None and self.sequence % cp == 0)
 
+    def _expert_degrees(self, dp: int) -> tuple[int, ...]:
+        """The ep a layout with `dp` data-parallel ranks may take: divisors of both dp and the
+        experts of a layer (1 alone for a model without experts)."""
+        return tuple(divisors(math.gcd(dp, self.experts))) if self.experts else (1,)
+
     def candidates(self) -> Iterator[dict[str, object]]:
         """The plan fields of every candidate, layouts in `layouts` order."""
         for dp, tp, pp, cp in self.layouts():
             options = {
+                "ep": self._expert_degrees(dp),
                 "zero": (0, 1, 2, 3) if dp > 1 else (0,),
                 "microbatches": tuple(pp * k for k in STEPS_PER_STAGE) if pp > 1 else MICROBATCHES,
                 "schedule": SCHEDULES if pp > 1 else ("1f1b",),
@@ -87,8 +97,9 @@ class SearchSpace:
             options = {k: (self.fixed[k],) if k in self.fixed else v for k, v in options.items()}
             for values in itertools.product(*options.values()):
                 fields = {**self.fixed, "dp": dp, "tp": tp, "pp": pp, "cp": cp, **dict(zip(options, values))}
-                if self.batch % (dp * fields["microbatches"]) or (fields["zero"] and dp == 1):
-                    continue  # the batch does not split; ZeRO with nothing to shard over
+                if self.batch % (dp * fields["microbatches"]) or (fields["zero"] and dp == 1) \
+                        or (fields["ep"] > 1 and fields["zero"] in (1, 2)):
+                    continue  # the batch does not split; ZeRO with nothing to shard over, or refused
                 if fields["schedule"] == "interleaved":
                     fields["virtual_stages"] = 2
                 yield fields
