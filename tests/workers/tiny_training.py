@@ -59,6 +59,24 @@ class NoGradRouter(torch.nn.Module):
 
 
 MODELS["router"] = NoGradRouter
+
+
+def _mixtral() -> torch.nn.Module:
+    """A Hugging Face Mixtral, four experts and two per token (what `ep` splits), taking
+    `(tokens, labels)` and returning its loss (tests/hf_models.LossOf)."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hf_models import LossOf
+
+    config = transformers.MixtralConfig(
+        vocab_size=CONFIG.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, use_cache=False, attn_implementation="sdpa")
+    return LossOf(transformers.MixtralForCausalLM(config).train())
+
+
+MODELS["mixtral"] = _mixtral
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 5
 # AdamW with eps=1e-6, not 1e-8: the key bias under softmax has an exactly-zero true gradient
 # that is float noise in practice, and a tiny eps turns that noise into full-size updates of
