@@ -225,6 +225,12 @@ def _explain_export_failure(model: torch.nn.Module, error: Exception, *, positio
             "the model branches on the value of a tensor (an `if` on a tensor, `.item()`, "
             "`.tolist()`); make the branch depend on shapes or configuration only"
         )
+        if module is not None and module.rsplit(".", 1)[-1] == "experts":  # a loop over the experts hit
+            hint += (
+                ". A Hugging Face mixture of experts that loops over the experts its router chose does: "
+                "build it with experts_implementation='grouped_mm' (transformers' default), which "
+                "runs every expert at once with static shapes, as fxpar (and ep=N) needs"
+            )
     elif "use_cache" in text or "Cache" in text:
         hint = "for Hugging Face models pass `use_cache=False` in the config"
     else:
