@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from fxpar.ir import meta
 from fxpar.ir.buckets import Bucket
+from fxpar.ir.graph_paths import nodes_reaching_output
 from fxpar.ir.mesh import Mesh
 from fxpar.ir.placement import local_numel
 from fxpar.passes.contracts import broken, ensures
@@ -39,7 +40,7 @@ def every_parameter_in_one_bucket(gm: fx.GraphModule) -> None:
             if name in seen or nodes[name].meta.get(meta.BUCKET) != bucket.index:
                 raise broken(f"parameter {name} is in one bucket, {bucket.index}, and says so", nodes[name])
             seen.add(name)
-    reaching = _nodes_reaching_output(gm.graph)
+    reaching = nodes_reaching_output(gm.graph)
     for name, node in nodes.items():
         if name not in seen and node in reaching and gm.get_parameter(name).requires_grad and not _expert(node):
             raise broken(f"trained parameter {name} is in a bucket", node)
@@ -83,7 +84,7 @@ def _gradients_in_ready_order(gm: fx.GraphModule) -> list[_Gradient]:
     """The parameters that receive a gradient, in the order backward completes their
     gradients (module doc)."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    reaches_loss = _nodes_reaching_output(gm.graph)
+    reaches_loss = nodes_reaching_output(gm.graph)
     ready_order = []
     for name, node in meta.parameter_nodes(gm.graph).items():
         value = gm.get_parameter(name)
@@ -150,18 +151,3 @@ def carries_loss(buckets: tuple[Bucket, ...]) -> bool:
 
 def _other(reduce_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype | None:
     return None if reduce_dtype in (None, dtype) else reduce_dtype
-
-
-def _nodes_reaching_output(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes with a path to the output that backward follows: only their parameters can
-    receive a gradient. A detach ends the path (what a forward computed under torch.no_grad
-    reads is detached: `frontend.grad_regions`)."""
-    seen: set[fx.Node] = set()
-    stack = [graph.output_node()]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            if node.target is not torch.ops.aten.detach.default:
-                stack.extend(node.all_input_nodes)
-    return seen
