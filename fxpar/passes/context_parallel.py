@@ -43,7 +43,10 @@ becomes an explicit mask of the queries' global positions against all keys'.
 
 Any other op that reads across the sequence of tokens (attention written as matmuls, a
 cumulative sum or a shift of activations, a pooling) is refused with a PlanError naming the
-node (`passes.sequence_reads`): computed on a slice it would be silently wrong. A tokens value
+node (`passes.sequence_reads`): computed on a slice it would be silently wrong. The one
+exception is a mixture of experts' experts module (the one that runs a grouped matmul over
+experts): its dropless routing computes each token alone, however it sorts and counts the
+tokens on the way, so it runs on the rank's tokens as it is, its sizes the slice's. A tokens value
 summed over the sequence (the loss) is partial over cp and may only be summed or scaled on
 the way out. Each trained parameter's gradient is then a partial sum over cp
 (`fxpar.grad_partial`), which the runtime completes after backward, as it does the loss.
@@ -60,6 +63,7 @@ import torch.fx as fx
 from fxpar.errors import PlanError
 from fxpar.ir import meta
 from fxpar.ir.placement import P, R, Partial, Shard
+from fxpar.ops.expert_routing import is_grouped_mm
 from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.cp_sizes import SymbolicSizes, is_symbolic, sequence_dims
 from fxpar.passes.sequence_reads import EVERY_DIM, dims_read_across, first_tensor, packet, sums_across
@@ -71,9 +75,7 @@ _SDPA = aten.scaled_dot_product_attention
 _MATMULS = {aten.mm, aten.bmm, aten.matmul, aten.baddbmm, aten.addmm, aten.linear, aten.einsum}
 _ATTENTION_FIX = ("compute attention with F.scaled_dot_product_attention (Hugging Face: "
                   "attn_implementation='sdpa'), or cp=1")
-# A mixture of experts sorts the tokens by expert: per token in effect, but not op by op.
-_READS_ACROSS_FIX = ("keep what reads across the sequence out of the activations' path, or cp=1 (a "
-                     "mixture of experts' token sort is one such read: cp does not split MoE models yet)")
+_READS_ACROSS_FIX = "keep what reads across the sequence out of the activations' path, or cp=1"
 # What a partial sum over the cp ranks may meet on its way to the output: sums and scalings
 # by values every rank holds alike, which commute with the sum the runtime takes.
 _LINEAR_IN_PARTIALS = {aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.sum, aten.to, aten._to_copy,
@@ -128,6 +130,7 @@ class _SequenceSplit:
         self.sizes = SymbolicSizes(self.graph, cp=cp, seq=seq, placement=lambda n: meta.placement(n, AXIS),
                                    kind=self.kinds.get)
         self.slices: dict[object, fx.Node] = {}  # whole value (an input: and its reader) -> its slice
+        self.experts = {meta.module_path(n) for n in self.graph.nodes if is_grouped_mm(n)}
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -176,6 +179,8 @@ class _SequenceSplit:
             return TOKENS if TOKENS in inputs else WHOLE
         if TOKENS in inputs or (WEIGHT in inputs and _tensor(node) and sequence_dims(node, self.seq)):
             return TOKENS
+        if self._in_experts(node) and _tensor(node) and sequence_dims(node, self.seq):
+            return TOKENS  # sized by the rank's tokens (`arange(tokens x k)`, the unsort's positions)
         return WEIGHT if WEIGHT in inputs else WHOLE
 
     def _tokens_op(self, node: fx.Node) -> None:
@@ -186,12 +191,22 @@ class _SequenceSplit:
             self._attention(node)
             self._place(node, Shard(node.meta["val"].dim() - 2))
             return
-        self._check_reads(node)
+        experts = self._in_experts(node)
+        if not experts:
+            self._check_reads(node)
         for source in node.all_input_nodes:
             if self.kinds[source] == WHOLE and _tensor(source) and sequence_dims(source, self.seq):
                 node.replace_input_with(source, self._slice(source, node))
         self.sizes.use_local(node, self._output_dim(node))
-        self._place(node, self._placement(node))
+        dim = self._output_dim(node)
+        self._place(node, (R if dim is None else Shard(dim)) if experts else self._placement(node))
+
+    def _in_experts(self, node: fx.Node) -> bool:
+        """Whether `node` runs inside a mixture of experts' experts module: dropless routing
+        computes each token alone, however it sorts and counts the tokens on the way (the
+        rank's own tokens, in the rank's order; what leaves the module is in token order)."""
+        path = meta.module_path(node)
+        return any(path == m or path.startswith(m + ".") for m in self.experts)
 
     def _placement(self, node: fx.Node):
         """S(d) on the value's sequence dim; P for a sum over the tokens (or what a partial

@@ -62,6 +62,8 @@ class SymbolicSizes:
             index = _SHAPE_LISTS[packet]
             args[index] = [self._sized(size, node, local=dim == sharded_dim) for dim, size in enumerate(args[index])]
             node.args = tuple(args)
+        elif packet is aten.arange and len(args) == 1 and sharded_dim == 0:  # positions of the rank's tokens
+            node.args = (self._sized(args[0], node, local=True),)
         elif any(self._involves(a) for a in node.all_input_nodes if not isinstance(a.meta.get("val"), torch.Tensor)):
             raise PlanError(
                 f"plan cp={self.cp}: {meta.describe(node)} takes a size computed from the sequence "

@@ -48,7 +48,7 @@ _ALONG_NOTHING = {
 _ALONG_ONE_DIM = {
     aten.softmax: 1, aten._softmax: 1, aten.log_softmax: 1, aten._log_softmax: 1, aten.cumsum: 1,
     aten.cumprod: 1, aten.slice: 1, aten.select: 1, aten.narrow: 1, aten.index_select: 1,
-    aten.gather: 1, aten.scatter: 1, aten.diff: 1, aten.cat: 1, aten.split: 2,
+    aten.gather: 1, aten.scatter: 1, aten.scatter_: 1, aten.scatter_add: 1, aten.diff: 1, aten.cat: 1, aten.split: 2,
     aten.split_with_sizes: 2, aten.chunk: 2, aten.unbind: 1, aten.argmax: 1, aten.argmin: 1,
     aten.unfold: 1, aten.topk: 2, aten.sort: 1, aten.argsort: 1,
 }
