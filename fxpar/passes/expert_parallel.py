@@ -142,7 +142,8 @@ class _ExpertLayer:
             matmul.replace_input_with(self.offsets, offsets)
             self._split_weight(matmul)
         self._resize_region()
-        back = self._insert(operator.getitem, (self._insert(aten.sort.default, (mine,), first), 1), first)
+        back = self._insert(operator.getitem, (self._insert(aten.sort.default, (mine,), first, like=mine), 1), first,
+                            like=mine)
         for matmul in self.exits:
             self._combine(matmul, valid, back)
 
@@ -150,16 +151,19 @@ class _ExpertLayer:
         """Which of the expert group's gathered rows this rank's experts take, inserted before
         `before`: (a column of whether each sorted row is this rank's, the order that sorts
         the gathered rows this rank's first and by expert, the offsets of its experts' rows)."""
-        def insert(target, *args, **kwargs):
-            return self._insert(target, args, before, kwargs=kwargs)
+        ids = self._expert_ids()
 
-        ids = insert(fxpar_ops.all_gather.default, self._expert_ids(), AXIS, self.ep, 0)
-        ordered = insert(aten.sort.stable, insert(fxpar_ops.local_experts.default, ids, AXIS, self.experts), stable=True)
+        def insert(target, *args, **kwargs):  # laid out as the ids are, one entry a row
+            return self._insert(target, args, before, kwargs=kwargs, like=ids)
+
+        gathered = insert(fxpar_ops.all_gather.default, ids, AXIS, self.ep, 0)
+        ordered = insert(aten.sort.stable, insert(fxpar_ops.local_experts.default, gathered, AXIS, self.experts),
+                         stable=True)
         kept, mine = insert(operator.getitem, ordered, 0), insert(operator.getitem, ordered, 1)
         valid = insert(aten.unsqueeze.default, insert(aten.lt.Scalar, kept, self.local), -1)
-        counts = insert(aten.sum.dim_IntList, insert(aten.one_hot.default, kept, self.local + 1), [0])
-        offsets = insert(aten.cumsum.default, insert(aten.slice.Tensor, counts, 0, 0, self.local), 0,
-                         dtype=self.offsets.meta["val"].dtype)
+        counts = self._insert(aten.sum.dim_IntList, (insert(aten.one_hot.default, kept, self.local + 1), [0]), before)
+        offsets = self._insert(aten.cumsum.default, (self._insert(aten.slice.Tensor, (counts, 0, 0, self.local), before), 0),
+                               before, kwargs={"dtype": self.offsets.meta["val"].dtype})
         return valid, mine, offsets
 
     def _combine(self, matmul: fx.Node, valid: fx.Node, back: fx.Node) -> None:
