@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --scale [--profile]
     OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --plans 20
+    OMP_NUM_THREADS=1 python benchmarks/bench_scale.py --mixtral
 
 `--scale` builds examples/gpt.py's GPT in GPT-3 175B's shape (96 layers, 96 heads, width
 12288, sequence 2048; Brown et al. 2020, Table 2.1; a vocabulary of 51200, a multiple of 64
@@ -23,6 +24,12 @@ Each row gives wall-clock seconds (`time.perf_counter`) and this process's CPU s
 Review reference: compile + rank_module(517) took 32 s, check() 298 s on a loaded machine.
 `--profile` then runs check() once more under cProfile and prints its top functions by
 cumulative time.
+
+`--mixtral` plans a Hugging Face Mixtral in Mixtral-8x7B's shape (32 layers, width 4096, 8
+experts of width 14336, two per token, 32 query and 8 key/value heads, vocabulary 32000;
+Jiang et al. 2024), on the meta device, under `dp=16 ep=8 tp=8 pp=8 mb=8` (1024 ranks, the
+expert groups carved from the 16 data-parallel ranks, batch 128 x 4096), with the same steps
+and targets: under a minute.
 
 `--plans N` captures a small GPT once (4 layers, 4 heads, width 128, vocabulary 256, batch
 16 x 128) and compiles N different valid plans from that capture (dp, tp, pp, microbatches,
@@ -165,6 +172,41 @@ def run_scale(profile: bool, top: int, layers: int = GPT3_175B.n_layer) -> dict[
     return {r[0]: float(r[1]) for r in rows}
 
 
+MIXTRAL_PLAN = "dp=16 ep=8 tp=8 pp=8 mb=8"
+
+
+def run_mixtral() -> dict[str, float]:
+    """Plan the Mixtral-8x7B shape at 1024 ranks; returns each step's wall seconds."""
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hf_models import LossOf
+
+    config = transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+        use_cache=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = LossOf(transformers.MixtralForCausalLM(config))
+    ids = torch.zeros(SCALE_BATCH, 4096, dtype=torch.long, device="meta")
+    print(f"Mixtral-8x7B shape ({sum(p.numel() for p in model.parameters()) / 1e9:.1f}B parameters, meta), "
+          f"plan {MIXTRAL_PLAN}, batch {SCALE_BATCH} x 4096", flush=True)
+    rows: list = []
+    captured = timed(rows, "capture", lambda: fxpar.capture(model, (ids, ids)))
+    program = timed(rows, "compile", lambda: fxpar.compile(captured, MIXTRAL_PLAN, check=False))
+    assert program.world_size == 1024, program.world_size
+    timed(rows, f"rank_module({SCALE_RANK}).code", lambda: program.rank_module(SCALE_RANK).code)
+    timed(rows, "check (1024 ranks)", program.check)
+    estimate = timed(rows, "estimate", program.estimate)
+    total = sum(float(r[1]) for r in rows)
+    rows.append(["total", f"{total:.2f}", f"{sum(float(r[2]) for r in rows):.2f}"])
+    print(format_table(["step", "wall s", "CPU s"], rows))
+    print(f"estimate of rank {estimate.rank}: {estimate.time['total']:.2f} s/step, "
+          f"{estimate.memory['total'] / 2**30:.1f} GiB peak, params {estimate.memory['params'] / 2**30:.2f} GiB; "
+          f"total {total:.1f} s (target 60 s)")
+    return {r[0]: float(r[1]) for r in rows}
+
+
 def run_layers(depths: list[int]) -> None:
     """Compile time against depth: each depth planned from scratch, ratios to the first."""
     times = {layers: run_scale(False, 0, layers) for layers in depths}
@@ -226,9 +268,10 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=None, metavar="L",
                         help="plan the 175B shape at these depths and compare compile times")
     parser.add_argument("--top", type=int, default=10, help="rows of the profile")
+    parser.add_argument("--mixtral", action="store_true", help="time Mixtral-8x7B at 1024 ranks with ep=8")
     args = parser.parse_args()
-    if not args.scale and args.plans is None and args.layers is None:
-        parser.error("give --scale, --plans [N], --layers L ..., or several")
+    if not args.scale and args.plans is None and args.layers is None and not args.mixtral:
+        parser.error("give --scale, --plans [N], --layers L ..., --mixtral, or several")
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, fxpar from {fxpar.__file__}")
@@ -239,6 +282,8 @@ def main() -> int:
         run_scale(args.profile, args.top)
     if args.layers:
         run_layers(args.layers)
+    if args.mixtral:
+        run_mixtral()
     return status
 
 
