@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser = side_by_side_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket MiB, both sides")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="fxpar's ep (default: the world size; 1 runs fxpar's own dp with the experts replicated)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -76,7 +78,9 @@ def bench_model(name: str, args: argparse.Namespace):
     for _ in range(args.warmup + args.steps):
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=generator)
         batches.append((ids, ids.clone()))
-    program = fxpar.compile(model, f"dp={world} ep={world} bucket_mb={args.bucket_mb:g}", example_inputs=batches[0])
+    ep = world if args.ep is None else args.ep
+    plan = f"dp={world} ep={ep} bucket_mb={args.bucket_mb:g}" if ep > 1 else f"dp={world} bucket_mb={args.bucket_mb:g}"
+    program = fxpar.compile(model, plan, example_inputs=batches[0])
     runner = program.bind(timeout=120)
     local = [runner.local_batch(*b) for b in batches]
     ddp = DistributedDataParallel(ddp_model, bucket_cap_mb=args.bucket_mb)
@@ -92,7 +96,7 @@ def bench_model(name: str, args: argparse.Namespace):
     # the last step's expert collectives (`comm_log`), against the compiler's list of them
     predicted = [c for c in program.collectives(runner.rank, backend=runner.backend) if c.tag.startswith("ep ")]
     moved = [c for c in runner.comm_log() if c.tag.startswith("ep ")]
-    result = {"model": name, "seq": seq, "batch": BATCH, "parameters": program.captured.parameter_count(),
+    result = {"model": name, "plan": plan, "seq": seq, "batch": BATCH, "parameters": program.captured.parameter_count(),
               "ep_bytes_predicted": sum(c.payload_bytes for c in predicted),
               "ep_bytes_moved": sum(c.payload_bytes for c in moved),
               "expert_bytes_ddp": expert_bytes(ddp_model), "expert_bytes_fxpar": expert_bytes(runner.modules[0]),
@@ -101,10 +105,11 @@ def bench_model(name: str, args: argparse.Namespace):
 
 
 def report(results: list[dict], args: argparse.Namespace) -> None:
-    header = ["model", "params", "DDP ms [p10-p90]", "fxpar ep ms [p10-p90]", "fxpar/DDP", "paired",
+    header = ["model", "params", "fxpar plan", "DDP ms [p10-p90]", "fxpar ms [p10-p90]", "fxpar/DDP", "paired",
               "ep bytes moved/predicted", "expert bytes fxpar/DDP", "losses match"]
-    rows = [[r["model"], f"{r['parameters']:,}", timing_cell(r["ddp"]), timing_cell(r["fxpar"]), f"{r['ratio']:.3f}",
-             f"{r['paired_ratio']:.3f}", f"{r['ep_bytes_moved']:,} / {r['ep_bytes_predicted']:,}",
+    rows = [[r["model"], f"{r['parameters']:,}", r["plan"], timing_cell(r["ddp"]), timing_cell(r["fxpar"]), f"{r['ratio']:.3f}",
+             f"{r['paired_ratio']:.3f}",
+             f"{r['ep_bytes_moved']:,} / {r['ep_bytes_predicted']:,}" if r["ep_bytes_predicted"] else "-",
              f"{r['expert_bytes_fxpar'] / r['expert_bytes_ddp']:.3f}",
              f"yes ({r['max_loss_relative_difference']:.1e})" if r["losses_match"] else "NO"] for r in results]
     print(format_table(header, rows))

@@ -26,6 +26,19 @@ CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcas
 Phase = Literal["forward", "backward", "step"]
 
 
+# The axes whose groups have communicators of their own even where their ranks are another
+# axis' (expert groups carved from dp: `dp=2 ep=2` has one ep group of dp's two ranks). Calls
+# on two communicators may interleave (a dp bucket launches between backward's ep calls), so
+# their order is held per channel, not per set of ranks (`runtime.step.guard`).
+OWN_COMMUNICATORS = ("ep", "edp")
+
+
+def channel_of(axis: str | None) -> str:
+    """The communicator family of a call on mesh axis `axis`: its own for ep and edp, else ""
+    (the one communicator of its ranks)."""
+    return axis if axis in OWN_COMMUNICATORS else ""
+
+
 def backend_for(device: torch.device, backend: str | None = None) -> str:
     """`backend` as given, else the torch.distributed backend a rank on `device` binds: NCCL on
     a CUDA device and gloo otherwise (`runtime.binding`; the cost model prices gloo's buffers)."""
@@ -45,6 +58,7 @@ class Collective:
     phase: Phase = "backward"  # not part of the match either
     where: str = field(default="", compare=False)  # the module whose op issues it, if any
     agreement: int = 0  # step-number slots riding at the payload's end (`runtime.step.numbers`)
+    channel: str = field(default="", compare=False)  # `channel_of` its axis: whose communicator it uses
 
     @property
     def payload_bytes(self) -> int:

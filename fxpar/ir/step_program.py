@@ -47,7 +47,7 @@ from typing import Literal
 import sympy
 import torch
 
-from fxpar.ir.collectives import Collective, CollectiveKind, Phase
+from fxpar.ir.collectives import Collective, CollectiveKind, Phase, channel_of
 from fxpar.ir.mesh import Axis, Mesh
 
 
@@ -207,6 +207,7 @@ class StepProgram:
             result.append(Collective(
                 kind=call.kind, group=groups[where], numel=numels[call.numel], dtype=call.dtype,
                 op=call.op, tag=call.tag, phase=call.phase, where=call.where, agreement=call.agreement,
+                channel=channel_of(call.axis),
             ))
         return tuple(result)
 

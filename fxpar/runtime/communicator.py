@@ -353,10 +353,10 @@ class Communicator:
             self.settle_agreements()
         numel = tensor.numel() if numel is None else numel
         if self._guard is not None:
-            call = self._guard.admit(kind, group.ranks, numel, tensor.dtype, op, tag)
+            call = self._guard.admit(kind, group.ranks, numel, tensor.dtype, op, tag, channel=group.channel)
         else:
             call = Collective(kind=kind, group=group.ranks, numel=numel, dtype=tensor.dtype, op=op,
-                              tag=tag, phase=phase, agreement=slots)
+                              tag=tag, phase=phase, agreement=slots, channel=group.channel)
         if log:
             self.log.append(call)
         return self._count(call)

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fxpar.errors import BindError, clipped
+from fxpar.ir.collectives import channel_of
 from fxpar.ir.mesh import Axis, Mesh
 from fxpar.runtime.collective_failures import describe_failure
 
@@ -38,6 +39,11 @@ class RankGroup:
     def index(self) -> int:
         """This rank's position in the group (its coordinate on the axis)."""
         return self.ranks.index(self.rank)
+
+    @property
+    def channel(self) -> str:
+        """Its communicator family (`ir.collectives.channel_of`): an expert group's own."""
+        return channel_of(self.axis.value if self.axis is not None else None)
 
     @property
     def name(self) -> str:
@@ -76,18 +82,18 @@ def init_process_groups(
             )
         _default_groups_created += 1
     mine: dict[Axis, RankGroup] = {}
-    made: dict[tuple[int, ...], dist.ProcessGroup] = {}  # ep's and edp's groups are often dp's own
     for axis in Axis:
+        own = channel_of(axis.value) != ""  # a communicator of its own, even over all ranks
+        if own and mesh.ep == 1:
+            continue  # no expert groups
         for ranks in mesh.groups(axis):
             if len(ranks) == 1:
                 handle = None
-            elif len(ranks) == mesh.world_size:
+            elif len(ranks) == mesh.world_size and not own:
                 handle = dist.group.WORLD
-            elif ranks in made:
-                handle = made[ranks]
             else:
                 with _creating(f"the {axis.value} group {list(ranks)}", world, rank, timeout):
-                    handle = made[ranks] = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+                    handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[axis] = RankGroup(axis=axis, ranks=ranks, handle=handle, rank=rank)
     others = {}

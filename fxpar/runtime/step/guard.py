@@ -6,7 +6,8 @@ every call to the guard before it reaches torch.distributed, and the guard compa
 the next call the program lists on the same group (and, for a transfer, in the same
 direction: sends to a peer and receives from it are two sequences). Order is held per group,
 as NCCL and gloo match calls per communicator; calls on different groups may interleave (a
-bucket's all-reduce launches in the middle of backward, between tensor-parallel calls).
+bucket's all-reduce launches in the middle of backward, between tensor-parallel calls, or an
+expert group's calls on the same ranks as dp's, on a communicator of its own).
 
 A call that differs (kind, payload, dtype, reduce op) or is not listed raises
 StepProgramError on this rank before anything is sent; `finish` raises if a listed call was
@@ -23,9 +24,10 @@ from fxpar.ir.collectives import Collective
 from fxpar.ir.step_program import Part, StepProgram
 
 
-def _key(group: tuple[int, ...], kind: str) -> tuple:
-    """Calls are held in order per group, and per direction for a pair's transfers."""
-    return (group, kind if kind in ("send", "recv") else "collective")
+def _key(group: tuple[int, ...], kind: str, channel: str = "") -> tuple:
+    """Calls are held in order per group (per communicator: an expert group's channel is its
+    own, `ir.collectives.OWN_COMMUNICATORS`), and per direction for a pair's transfers."""
+    return (channel, group, kind if kind in ("send", "recv") else "collective")
 
 
 class StepGuard:
@@ -45,7 +47,7 @@ class StepGuard:
         if size_key not in self._resolved:
             by_group: dict[tuple, list[Collective]] = {}
             for call in self.program.collectives(sizes, self.part):
-                by_group.setdefault(_key(call.group, call.kind), []).append(call)
+                by_group.setdefault(_key(call.group, call.kind, call.channel), []).append(call)
             self._resolved[size_key] = by_group
         self._expected = self._resolved[size_key]
         self._next = dict.fromkeys(self._expected, 0)
@@ -57,11 +59,13 @@ class StepGuard:
         expected, position = self._expected.get(key, ()), self._next.get(key, 0)
         return expected[position].agreement if position < len(expected) else 0
 
-    def admit(self, kind: str, group: tuple[int, ...], numel: int, dtype, op: str, tag: str = "") -> Collective:
+    def admit(self, kind: str, group: tuple[int, ...], numel: int, dtype, op: str, tag: str = "",
+              channel: str = "") -> Collective:
         """Let a call through if it is the next one the program lists on its group (its
-        `Collective.signature()` fields; `tag` names it in the error); returns the listed call,
-        which the communicator logs: equal to the call made in all that the ranks match on."""
-        key = _key(group, kind)
+        `Collective.signature()` fields; `tag` names it in the error; `channel` the
+        communicator, where ranks have several); returns the listed call, which the
+        communicator logs: equal to the call made in all that the ranks match on."""
+        key = _key(group, kind, channel)
         expected = self._expected.get(key, ())
         position = self._next.get(key, 0)
         wanted = expected[position] if position < len(expected) else None
