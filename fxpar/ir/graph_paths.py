@@ -1,4 +1,8 @@
-"""Which nodes of a graph backward reaches: those with a path to the output autograd follows.
+"""Paths through a graph: what a node is made from and makes, and which nodes backward reaches.
+
+    ancestors(node)              every node `node` is computed from, itself included
+    descendants(node)            every node computed from `node`, itself left out
+    nodes_reaching_output(graph) the nodes with a path to the output autograd follows
 
 A value that does not reach the output along floating values (a router's group scores, read
 only for the top-k indices they choose; what a forward computes under `torch.no_grad()`, detached by capture:
@@ -12,6 +16,26 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it is computed from."""
+    return _closure([node], lambda n: n.all_input_nodes)
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node computed from `node` (not `node` itself)."""
+    return _closure(list(node.users), lambda n: n.users)
+
+
+def _closure(start: list[fx.Node], step) -> set[fx.Node]:
+    seen, stack = set(), start
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(step(node))
+    return seen
 
 
 def nodes_reaching_output(graph: fx.Graph) -> set[fx.Node]:

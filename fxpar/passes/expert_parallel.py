@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from fxpar.errors import PlanError
 from fxpar.ir import meta
+from fxpar.ir.graph_paths import ancestors, descendants
 from fxpar.ir.placement import Shard
 from fxpar.ops.expert_routing import is_grouped_mm
 from fxpar.passes.contracts import broken, ensures
@@ -71,7 +72,7 @@ def experts_split(gm: fx.GraphModule) -> None:
         if is_grouped_mm(node):
             if not isinstance(meta.placement(_weight(node), AXIS), Shard):
                 raise broken("a grouped matmul's expert weights are Shard(0) on ep", node)
-            if not any(n.target is fxpar_ops.local_experts.default for n in _upstream(_offsets(node))):
+            if not any(n.target is fxpar_ops.local_experts.default for n in ancestors(_offsets(node))):
                 raise broken("a grouped matmul groups its rows by this rank's experts", node)
 
 
@@ -120,10 +121,10 @@ class _ExpertLayer:
                 f"(for example ep={max(d for d in range(1, ep + 1) if self.experts % d == 0)}), or ep=1",
                 field="ep", value=ep)
         self.local = self.experts // ep
-        downstream = {m: _downstream(m) for m in matmuls}
+        downstream = {m: descendants(m) for m in matmuls}
         self.entries = [m for m in matmuls if not any(m in downstream[o] for o in matmuls if o is not m)]
         self.exits = [m for m in matmuls if not any(o in downstream[m] for o in matmuls if o is not m)]
-        feeding_exits = set().union(*(_upstream(e) for e in self.exits))
+        feeding_exits = set().union(*(ancestors(e) for e in self.exits))
         self.region = {n for m in self.entries for n in downstream[m] if n in feeding_exits}
 
     def split(self) -> None:
@@ -250,23 +251,3 @@ def _weight_path(matmul: fx.Node) -> list[fx.Node]:
 
 def _weight(matmul: fx.Node) -> fx.Node:
     return _weight_path(matmul)[-1]
-
-
-def _downstream(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), list(node.users)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return seen
-
-
-def _upstream(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), list(node.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen

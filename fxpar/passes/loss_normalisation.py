@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir import meta
+from fxpar.ir.graph_paths import ancestors
 from fxpar.ir.loss_reduction import COUNT_INPUT, LossReduction
 from fxpar.passes.contracts import broken, ensures
 
@@ -106,24 +107,14 @@ def _why_not_a_mean_over_targets(loss: fx.Node) -> str:
         return "the cross entropy has class weights"
     if _argument(loss, 5, "label_smoothing", 0.0):
         return "the cross entropy smooths labels"
-    if any(meta.requires_grad(n) for n in _ancestors(loss.args[1])):
+    if any(meta.requires_grad(n) for n in ancestors(loss.args[1])):
         return "the targets depend on parameters"
     return ""
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current not in found:
-            found.add(current)
-            stack.extend(current.all_input_nodes)
-    return found
-
-
 def _count_module(gm: fx.GraphModule, target: fx.Node, ignore_index: int) -> fx.GraphModule:
     """`(*step_inputs) -> number of valid targets`: the target's ancestors, then a count."""
-    needed = _ancestors(target)
+    needed = ancestors(target)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
