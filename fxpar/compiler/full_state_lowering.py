@@ -3,8 +3,8 @@
 `lower_full_state` writes the actions of `runner.full_state_dict()` and
 `runner.full_gradients()` (`Program.state_program`), outside a step: each dp shard
 (ZeRO-3's flat pieces, ZeRO-1/2's gradient buckets), each tensor-parallel shard and each
-expert-parallel shard all-gathered whole, then, with a pipeline, each pipeline rank's whole tensors broadcast to its
-group, one flat buffer per dtype. Every rank knows every stage's tensors and shapes at compile
+expert-parallel shard all-gathered whole, then, with a pipeline, each pipeline rank's whole
+tensors broadcast to its group, one flat buffer per dtype. Every rank knows every stage's tensors and shapes at compile
 time, so nothing is pickled and the calls are known exactly. The step's own actions are
 `fxpar.compiler.lowering`'s.
 """
@@ -46,7 +46,8 @@ def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[StepAction, 
                         tag=f"full state: tp shards of {key}", phase="step")
             actions.append(Communicate(Purpose.TP_SHARDS, (call,), stage=stage, name=key))
         if mesh.ep > 1 and node is not None and meta.placement(node, "ep") != R:
-            call = Call(kind="all_gather", numel=value.numel(), dtype=value.dtype, axis="ep", op="none", tag=f"full state: ep shards of {key}", phase="step")
+            call = Call(kind="all_gather", numel=value.numel(), dtype=value.dtype, axis="ep", op="none",
+                        tag=f"full state: ep shards of {key}", phase="step")
             actions.append(Communicate(Purpose.EP_SHARDS, (call,), stage=stage, name=key))
     for q in range(mesh.pp if mesh.pp > 1 else 0):
         by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
