@@ -295,7 +295,9 @@ def _holding(program: CompiledProgram, rank: int):
     for piece in mine:
         held.update(piece.parameters)
     buckets = [_buckets(program, s) for s in mine]
-    tensors = sum(len(b) for b in buckets) if plan.zero in (1, 2) else len(held)
+    # ZeRO-1/2 step a flat shard per bucket, and whole what is in none (an expert's weights)
+    whole = set(meta.partial_gradient_parameters(program.graph_module.graph, "edp")) & held.keys()
+    tensors = sum(len(b) for b in buckets) + len(whole) if plan.zero in (1, 2) else len(held)
     return all_shares, mine, held, tensors
 
 

@@ -104,16 +104,6 @@ def check_expert_parallel(plan) -> None:
             field="ep",
             value=plan.ep,
         )
-    if plan.ep > 1 and plan.zero in (1, 2):
-        raise PlanError(
-            f"plan ep={plan.ep} with zero={plan.zero}: ZeRO-1/2 step flat buffers of the gradient "
-            "buckets over dp, and an expert's weights are in no bucket (their gradients are summed "
-            "over the ranks holding the same experts), so fxpar's sharded optimizer does not step "
-            "them yet. Fix: zero=3 (the dense weights sharded over dp, each expert group's on its "
-            "ranks), or zero=0",
-            field="zero",
-            value=plan.zero,
-        )
 
 
 def check_pipeline(plan) -> None:

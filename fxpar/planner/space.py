@@ -13,7 +13,7 @@ A candidate is a set of plan fields. The space crosses
     schedule        with a pipeline: 1F1B, GPipe, interleaved 1F1B (two chunks per rank),
                     zero-bubble ZB-H1
     ep              for a mixture of experts, every ep dividing both dp and the experts of a
-                    layer (ZeRO-1/2 left out with ep > 1, which the plan refuses)
+                    layer
     sp              with tp > 1 and cp = 1, sequence parallelism off and on
     checkpoint      none, selective (attention's core), full (every block)
 
@@ -97,9 +97,8 @@ class SearchSpace:
             options = {k: (self.fixed[k],) if k in self.fixed else v for k, v in options.items()}
             for values in itertools.product(*options.values()):
                 fields = {**self.fixed, "dp": dp, "tp": tp, "pp": pp, "cp": cp, **dict(zip(options, values))}
-                if self.batch % (dp * fields["microbatches"]) or (fields["zero"] and dp == 1) \
-                        or (fields["ep"] > 1 and fields["zero"] in (1, 2)):
-                    continue  # the batch does not split; ZeRO with nothing to shard over, or refused
+                if self.batch % (dp * fields["microbatches"]) or (fields["zero"] and dp == 1):
+                    continue  # the batch does not split; ZeRO with nothing to shard over
                 if fields["schedule"] == "interleaved":
                     fields["virtual_stages"] = 2
                 yield fields

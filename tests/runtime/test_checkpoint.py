@@ -159,12 +159,14 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path):
 # -- multi-rank: save under one plan, load under others -----------------------------------------
 
 SAVES_2 = ["save|dp=2 zero=1|a|3", "save|tp=2|b|3", "save|dp=2 zero=1|g|3|gpt2", "save|dp=2 zero=3|z|3",
-           "save|cp=2|p|3", "save|dp=2 ep=2|e|3|mixtral", "save|dp=2|x|3|mixtral"]
+           "save|cp=2|p|3", "save|dp=2 ep=2|e|3|mixtral", "save|dp=2|x|3|mixtral",
+           "save|dp=2 ep=2 zero=1|f|3|mixtral"]
 LOADS_2 = ["load|tp=2|a|2", "load|pp=2 mb=2|a|2", "load|dp=2 zero=2|b|2", "load|tp=2|g|2|gpt2",
            "load|dp=2 zero=3|b|2", "load|tp=2|z|2",
            "load|cp=2|a|2", "load|dp=2 zero=3|p|2",  # into and out of context parallelism
            # out of and into expert parallelism: each rank's experts, whole experts
            "load|dp=2|e|2|mixtral", "load|dp=2 ep=2 zero=3|e|2|mixtral", "load|dp=2 ep=2|x|2|mixtral",
+           "load|dp=2|f|2|mixtral", "load|dp=2 ep=2 zero=2|f|2|mixtral",  # ZeRO's shards and whole experts
            "load|dp=2 zero=1|a|2"]  # and under the plan it was saved with
 
 
@@ -219,7 +221,7 @@ def _assert_continues_uninterrupted(result: dict, reference: dict) -> None:
 def test_a_checkpoint_loads_under_another_plan_and_training_continues(two_ranks, references, job):
     model = job.split("|")[4] if job.count("|") == 4 else "gpt"
     saved_under = {"a": "dp=2 zero=1", "b": "tp=2", "g": "dp=2 zero=1", "z": "dp=2 zero=3",
-                   "p": "cp=2", "e": "dp=2 ep=2", "x": "dp=2"}[job.split("|")[2]]
+                   "p": "cp=2", "e": "dp=2 ep=2", "x": "dp=2", "f": "dp=2 ep=2 zero=1"}[job.split("|")[2]]
     same_plan = job.split("|")[1] == saved_under
     for rank in two_ranks:
         _assert_continues_uninterrupted(rank[job], references[model])

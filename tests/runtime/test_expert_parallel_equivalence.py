@@ -18,7 +18,7 @@ Composed with what the plan offers:
 - `dp=2 ep=2 tp=2`: the experts whole on each tp rank, their tokens replicated over tp;
 - `dp=2 ep=2 pp=2 mb=2`: each stage's MoE layers gather within the stage's expert group;
 - `dp=2 ep=2 zero=3`: the dense weights gathered layer by layer, the experts left on their
-  ranks;
+  ranks; ZeRO-1 and 2: the dense weights' flat shards stepped, the experts stepped whole;
 - `dp=2 ep=2 cp=2` (Qwen3-MoE): each rank's tokens are its slice of its rows' sequence.
 
 (Under carving, the issue's `ep=2` and `ep=2 dp=2` are one layout, `dp=2 ep=2`.)
@@ -52,11 +52,15 @@ ON_TWO_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=2 ep=2", "
     # a 50 kB bucket: the head's gradient alone fills bucket 0, which launches in the middle of
     # backward, between the ep calls on the same two ranks (each on its own communicator)
     "mixtral sdpa dp=2 ep=2 bucket_mb=0.05",
+    # ZeRO-1/2: the dense weights' flat shards, the experts stepped whole beside them
+    "mixtral sdpa dp=2 ep=2 zero=1", "deepseek_v3 sdpa dp=2 ep=2 zero=1", "qwen2_moe sdpa dp=2 ep=2 zero=2 mb=2",
 ]
 ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 tp=2", "dp=2 ep=2 pp=2 mb=2")
-                 ] + ["qwen3_moe sdpa dp=2 ep=2 cp=2"]  # the expert group's rows: each rank's slice of its rows
+                 ] + ["qwen3_moe sdpa dp=2 ep=2 cp=2",  # the expert group's rows: each rank's slice of its rows
+                      "mixtral sdpa dp=4 ep=2 zero=1"]
 # within bf16 of fp32 (test_mixed_precision_equivalence's tolerances)
-BF16 = "mixtral sdpa dp=4 ep=2 precision=bf16-mixed"
+BF16 = ["mixtral sdpa dp=4 ep=2 precision=bf16-mixed",
+        "olmoe sdpa dp=4 ep=2 zero=2 precision=bf16-mixed"]  # the experts' fp32 masters stepped whole
 
 
 @pytest.fixture(scope="module")
@@ -112,4 +116,4 @@ def test_ep_on_two_ranks_matches_single_device(torchrun, references):
 
 
 def test_ep_composed_on_four_ranks_matches_single_device(torchrun, references):
-    check_jobs(torchrun, references, [*ON_FOUR_RANKS, BF16], world=4)
+    check_jobs(torchrun, references, [*ON_FOUR_RANKS, *BF16], world=4)

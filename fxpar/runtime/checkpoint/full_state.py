@@ -124,7 +124,11 @@ def full_optimizer_state(optimizer, *, groups: ParameterGroups, modules, buckets
                 return owner.whole_gradients(action.index, tag=action.calls[0].tag,
                                              shard=by_bucket[(id(owner), action.index)])
 
-            local = {meta.stage_of(m): (m, {}) for m in modules}
+            # beside the shards, what it steps whole (an expert's weights under ep)
+            local = {meta.stage_of(m): (m, {
+                n: inner.state[t][key] if key in inner.state.get(t, {}) else torch.zeros_like(t)
+                for n, t in optimizer.whole.items() if n in meta.parameter_nodes(m.graph)
+            }) for m in modules}
         else:
             shards, local = None, {}
             for m in modules:

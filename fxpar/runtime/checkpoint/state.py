@@ -179,7 +179,9 @@ def optimizer_tensors(optimizer, state: RankState, *, stored: Mapping[str, Tenso
     return _whole_tensors(optimizer, state, writers, by_parameter, loading=stored is not None)
 
 
-def _whole_tensors(optimizer, state, writers, by_parameter, *, loading):
+def _whole_tensors(optimizer, state, writers, by_parameter, *, loading, only: set[int] | None = None):
+    """Each stepped tensor's state, whole per parameter (`only`: of these tensors alone, the
+    ones a ZeRO-1/2 optimizer steps whole beside its shards)."""
     names = {}  # what the optimizer steps -> (name, module): a parameter, or bf16-mixed's master of it
     for module in state.modules:
         for name, node in meta.parameter_nodes(module.graph).items():
@@ -189,6 +191,8 @@ def _whole_tensors(optimizer, state, writers, by_parameter, *, loading):
     tensors: dict[str, GlobalTensor] = {}
     for group in optimizer.param_groups:
         for parameter in group["params"]:
+            if only is not None and id(parameter) not in only:
+                continue
             if id(parameter) not in names:
                 raise CheckpointError(
                     f"optimizer {type(optimizer).__name__} steps a tensor of shape {tuple(parameter.shape)} that "
@@ -216,7 +220,8 @@ def _whole_tensors(optimizer, state, writers, by_parameter, *, loading):
 
 
 def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
-    """ZeRO-1/2: each flat shard's state, cut where the shard crosses its parameters."""
+    """ZeRO-1/2: each flat shard's state, cut where the shard crosses its parameters, and the
+    state of what it steps whole beside them."""
     inner = optimizer.optimizer
     tensors: dict[str, GlobalTensor] = {}
     scalars: list[tuple[int, dict[str, list[tuple[str, torch.Tensor]]]]] = []
@@ -253,6 +258,10 @@ def _sharded_tensors(optimizer, state, writers, by_parameter, *, loading):
                 pieces = flat_range_pieces(value[shard_start:shard_stop], param_start, parameter.shape,
                                            placements, state.coord, state.sizes, state.shapes[name])
                 tensors[full_key] = GlobalTensor(state.shapes[name], value.dtype, pieces)
+
+    whole, _ = _whole_tensors(inner, state, writers, by_parameter, loading=loading,
+                              only={id(t) for t in optimizer.whole.values()})
+    tensors |= whole  # an expert's weights under ep, stepped whole
 
     def finish() -> None:  # one scalar per shard: every parameter's copy must agree
         for position, by_key in scalars:

@@ -41,12 +41,21 @@ class WholeState:
         state = self._gather_full({meta.stage_of(m): (m, self._masters.full_precision(m.state_dict(keep_vars=True)))
                                    for m in self.modules}, gradients=False)
         if self._flat_parameters and self._masters:  # ZeRO: the masters are sharded over dp
-            masters = self._gather_full({meta.stage_of(m): (m, {}) for m in self.modules}, gradients=True,
+            masters = self._gather_full({meta.stage_of(m): (m, self._whole_masters(m)) for m in self.modules},
+                                        gradients=True,
                                         shards=lambda owner, index, module: self._masters.shard_of(module, index))
             aliases = meta.graph_aliases(self.program.captured.graph_module)
             # a tied alias as its own copy, as the state program gives it (safetensors refuses shared memory)
             state.update(masters | {a: masters[n].clone() for a, n in aliases.items() if n in masters})
         return state
+
+    def _whole_masters(self, module) -> dict[str, torch.Tensor]:
+        """ZeRO-1/2 under bf16-mixed: the masters of the trained parameters in no bucket (an
+        expert's weights under ep, stepped whole), by name."""
+        bucketed = {n for b in meta.graph_buckets(module) for n in b.parameters}
+        return {n: self._masters.master_of(module.get_parameter(n))
+                for n in meta.trained_parameters(module) - bucketed
+                if self._masters.master_of(module.get_parameter(n)) is not None}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on

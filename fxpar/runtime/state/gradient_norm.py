@@ -73,7 +73,7 @@ def _parameter_gradients(state: RankState) -> tuple[list[torch.Tensor], list[tor
 def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """ZeRO-1/2: (the parts of this rank's reduced shards it counts, the shards). A shard is
     this dp rank's alone; the parameters it crosses may still be copies over tp or pipeline
-    stages, counted once as above."""
+    stages, counted once as above. An expert's gradient under ep, in no bucket, is whole."""
     writers = state.writer_stage()
     counted, held = [], []
     for module, buckets in zip(state.modules, state.buckets):
@@ -85,6 +85,13 @@ def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch
             for name, _, _, start, stop in buckets.shard_spans(index):
                 if _first_copy(state, module, name, ("cp", "tp"), writers):
                     counted.append(shard[start:stop])
+        bucketed = {n for s in buckets.states for n in s.bucket.parameters}
+        for name in sorted(meta.trained_parameters(module) - bucketed):  # an expert's, whole
+            grad = module.get_parameter(name).grad
+            if grad is not None:
+                held.append(grad)
+                if _first_copy(state, module, name, ("dp", "cp", "tp"), writers):
+                    counted.append(grad)
     return counted, held
 
 

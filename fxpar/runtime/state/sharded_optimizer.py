@@ -25,6 +25,10 @@ runs the step program's optimizer part: each bucket's updated parameters all-gat
 in place, into the flat buffer the parameters view. What the step program lists is what runs:
 the calls are held to it by a step guard.
 
+An expert's weights under ep are in no bucket (their gradients are summed over the ranks
+holding the same experts): the inner optimizer steps them whole beside the shards (`whole`),
+each rank its own experts, nothing gathered after.
+
 The inner optimizer must be elementwise, so that stepping a slice of a flat buffer is
 stepping each parameter (`runtime.state.optimizer_reads`: one that reads whole tensors is refused,
 naming it; `elementwise=True` vouches for another).
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpar.errors import PlanError
+from fxpar.ir import meta
 from fxpar.ir.step_program import Purpose
 from fxpar.runtime.state.optimizer_reads import require_elementwise
 from fxpar.runtime.state.parameter_groups import ParameterGroups
@@ -92,6 +97,16 @@ def group_runs(buckets: GradientBuckets, index: int, shard: torch.Tensor, groups
     return [ShardRun(start, stop, group, shard[start:stop]) for (start, group), stop in zip(runs, stops)]
 
 
+def unbucketed(context: StepContext) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trained parameters in no gradient bucket, by name: an expert's weights under ep,
+    whose gradients are summed over edp (`passes.expert_parallel`)."""
+    found = []
+    for module, buckets in zip(context.modules, context.buckets):
+        bucketed = {n for s in buckets.states for n in s.bucket.parameters}
+        found += [(n, module.get_parameter(n)) for n in sorted(meta.trained_parameters(module) - bucketed)]
+    return found
+
+
 class ShardedOptimizer(WrappedOptimizer):
     """`optimizer_class` over this rank's shards of the flat parameter buckets (module doc).
 
@@ -137,9 +152,18 @@ class ShardedOptimizer(WrappedOptimizer):
                 self._shards.append((buckets, index, stepped))
                 self._runs.append(group_runs(buckets, index, stepped, groups))
                 self._working.append(None if master is None else shard)
-        self.optimizer = optimizer_class(
-            groups.torch_groups((run.group, run.tensor) for runs in self._runs for run in runs), **options)
+        # An expert's weights under ep are in no bucket: stepped whole, as plain training does.
+        self._whole = [(name, p, masters.master_of(p) if masters else None) for name, p in unbucketed(context)]
+        whole = [(groups.group_of(name), p if master is None else master) for name, p, master in self._whole]
+        self.optimizer = optimizer_class(groups.torch_groups(
+            [*((run.group, run.tensor) for runs in self._runs for run in runs), *whole]), **options)
         self._guard = StepGuard(context.step_program, "optimizer")
+
+    @property
+    def whole(self) -> dict[str, torch.Tensor]:
+        """The parameters stepped whole beside the shards (an expert's weights under ep), by
+        name: what the inner optimizer steps for each (its fp32 master under bf16-mixed)."""
+        return {name: p if master is None else master for name, p, master in self._whole}
 
     @property
     def shards(self) -> list[tuple[GradientBuckets, int, torch.Tensor]]:
@@ -175,6 +199,9 @@ class ShardedOptimizer(WrappedOptimizer):
                 gradient = gradient.to(shard.dtype)  # bf16-mixed's fp32 master, a bf16 reduction
             for run in runs:
                 run.tensor.grad = None if gradient is None else gradient[run.start : run.stop]
+        for _, parameter, master in self._whole:
+            if master is not None:
+                master.grad = None if parameter.grad is None else parameter.grad.to(master.dtype)
         loss = self.optimizer.step(closure)
         with torch.no_grad():
             for (_, _, master), working, runs in zip(self._shards, self._working, self._runs):
@@ -182,6 +209,10 @@ class ShardedOptimizer(WrappedOptimizer):
                     working.copy_(master)
                     for run in runs:
                         run.tensor.grad = None
+            for _, parameter, master in self._whole:
+                if master is not None:
+                    parameter.copy_(master)
+                    master.grad = None
         self._guard.start({})
         communicator = self.context.communicator
         with communicator.held_to(self._guard):
