@@ -8,6 +8,9 @@ into a key for this rank:
     local_experts(expert_ids, axis, experts) -> keys
         the id as one of this rank's experts (0 .. E/n - 1), or E/n for an expert held
         elsewhere; int64, no gradient.
+    group_rows(rows, axis, tokens) -> rows + index x tokens
+        indices into this rank's `tokens` tokens as indices into the group's tokens gathered
+        in axis order (this rank's start at its index x tokens); no gradient.
 
 Sorted (stably), the keys put this rank's tokens first, grouped by its experts in the order
 one device groups them, and everyone else's last, where the grouped matmul does not reach.
@@ -46,3 +49,14 @@ def local_experts(expert_ids: torch.Tensor, axis: str, experts: int) -> torch.Te
 @local_experts.register_fake
 def _(expert_ids, axis, experts):
     return torch.empty_like(expert_ids, dtype=torch.int64)
+
+
+@torch.library.custom_op("fxpar::group_rows", mutates_args=(),
+                         schema="(Tensor rows, str axis, SymInt tokens) -> Tensor")
+def group_rows(rows: torch.Tensor, axis: str, tokens: int) -> torch.Tensor:
+    return rows + bound(axis).index * tokens
+
+
+@group_rows.register_fake
+def _(rows, axis, tokens):
+    return torch.empty_like(rows)

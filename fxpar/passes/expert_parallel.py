@@ -23,17 +23,20 @@ sizes and the memory are known before anything runs (the check and the cost mode
 from the graph), and nothing is dropped: every row is computed by exactly one rank, the
 others add zeros, so the sum is the one device's value bit for bit.
 
-    %all     = gather_to_region(%rows, 'ep', n, 0)           (nS, H): the group's rows
+    %all     = gather_to_region(%hidden, 'ep', n, 0)         (nT, H): the group's tokens
+    %picks   = all_gather(group_rows(%order // k, 'ep', T), 'ep', n, 0)   each row's token in %all
     %keys    = local_experts(all_gather(%ids, 'ep', n, 0), 'ep', E)
     %kept, %mine = sort(%keys, stable=True)                  this rank's rows first, by expert
     %offsets = cumsum(one_hot(%kept)[:, :E/n].sum(0))        the rank's own experts' groups
-    %h       = grouped_mm(where(%kept < E/n, %all[%mine], 0), %w_in_local.T, %offsets)
+    %h       = grouped_mm(where(%kept < E/n, %all[%picks[%mine]], 0), %w_in_local.T, %offsets)
     ...
     %y_all   = where(%kept < E/n, grouped_mm(...), 0)[argsort(%mine)]
     %y       = reduce_scatter(%y_all, 'ep', n, 0)            (S, H): each token's sum
 
-The all-gather moves each rank's rows to every rank of the group, n times what an all-to-all
-of the routed rows moves; in exchange nothing in the graph has a data-dependent size. The
+Each token is gathered once (the rows a router picks from it, k of them, are picked again
+from the gathered tokens; rows made otherwise are gathered as they are). The all-gather moves
+each rank's tokens to every rank of the group, where an all-to-all would move each routed row
+once; in exchange nothing in the graph has a data-dependent size. The
 `where`s keep rows no expert of this rank computed at zero in both directions (a grouped
 matmul may leave them unwritten).
 
@@ -59,6 +62,7 @@ from fxpar.passes.contracts import broken, ensures
 aten, fxpar_ops = torch.ops.aten, torch.ops.fxpar
 AXIS = "ep"
 _VIEWS = {aten.transpose.int, aten.alias.default}  # views that keep the experts' dim 0 (module doc)
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 
 
 def _offsets(node: fx.Node) -> fx.Node:
@@ -135,10 +139,11 @@ class _ExpertLayer:
         for matmul in self.entries:
             rows = matmul.args[0]
             if rows not in gathered:
-                everyone = self._insert(fxpar_ops.gather_to_region.default, (rows, AXIS, self.ep, 0), first, like=rows)
-                picked = self._insert(aten.index.Tensor, (everyone, [mine]), first, like=rows)
+                picked = self._gathered_rows(rows, mine, first)
                 gathered[rows] = self._insert(aten.where.ScalarOther, (valid, picked, 0.0), first, like=rows)
             matmul.replace_input_with(rows, gathered[rows])
+        for rows in gathered:
+            _erase_unused(rows)
         for matmul in self.matmuls:
             matmul.replace_input_with(self.offsets, offsets)
             self._split_weight(matmul)
@@ -147,6 +152,29 @@ class _ExpertLayer:
                             like=mine)
         for matmul in self.exits:
             self._combine(matmul, valid, back)
+
+    def _gathered_rows(self, rows: fx.Node, mine: fx.Node, before: fx.Node) -> fx.Node:
+        """The expert group's rows in the order `mine` sorts them. Rows picked from the tokens
+        by index (`hidden[order // k]`: each token once per expert it chose), then cast, are
+        picked from the group's gathered tokens instead: k times fewer bytes gathered, and
+        their gradients summed over a token's picks before they are reduce-scattered."""
+        casts, node = [], rows
+        while node.op == "call_function" and node.target in _CASTS:
+            casts.append(node)
+            node = node.args[0]
+        if not (node.target is aten.index.Tensor and len(node.args[1]) == 1 and node.meta["val"].dim() == 2):
+            everyone = self._insert(fxpar_ops.gather_to_region.default, (rows, AXIS, self.ep, 0), before, like=rows)
+            return self._insert(aten.index.Tensor, (everyone, [mine]), before, like=rows)
+        tokens, (index,) = node.args
+        count = self._insert(aten.sym_size.int, (tokens, 0), before)
+        ours = self._insert(fxpar_ops.group_rows.default, (index, AXIS, count), before, like=index)
+        indices = self._insert(fxpar_ops.all_gather.default, (ours, AXIS, self.ep, 0), before, like=index)
+        everyone = self._insert(fxpar_ops.gather_to_region.default, (tokens, AXIS, self.ep, 0), before, like=tokens)
+        picked = self._insert(aten.index.Tensor, (everyone, [self._insert(aten.index.Tensor, (indices, [mine]), before,
+                                                                          like=index)]), before, like=node)
+        for cast in reversed(casts):
+            picked = self._insert(cast.target, (picked, *cast.args[1:]), before, kwargs=dict(cast.kwargs), like=cast)
+        return picked
 
     def _route(self, before: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
         """Which of the expert group's gathered rows this rank's experts take, inserted before
@@ -237,6 +265,20 @@ class _ExpertLayer:
             f"plan ep={self.ep}: the mixture of experts at {self.where!r} cannot be split over "
             f"ep ranks at {node.name} ({node.target}): {why}. Fix: ep=1 for this model",
             field="ep", value=self.ep)
+
+
+def _erase_unused(node: fx.Node) -> None:
+    """Erase `node` and what made it where nothing else reads them (their metadata asserts
+    aside): the rows a rewrite no longer reads."""
+    asserts = [u for u in node.users if u.target is aten._assert_tensor_metadata.default]
+    if node.op != "call_function" or len(node.users) != len(asserts):
+        return
+    sources = node.all_input_nodes
+    for check in asserts:
+        node.graph.erase_node(check)
+    node.graph.erase_node(node)
+    for source in sources:
+        _erase_unused(source)
 
 
 def _weight_path(matmul: fx.Node) -> list[fx.Node]:

@@ -1,8 +1,8 @@
 """Expert parallelism's rewrite (`passes.expert_parallel`) on a Hugging Face Mixtral, and its refusals.
 
 Under `dp=2 ep=2` a rank holds two of each layer's four experts; its grouped matmuls read the
-expert group's gathered rows with offsets of its own experts, and their results are
-reduce-scattered back. The experts' gradients are summed over edp, the ranks that hold the
+rows of the expert group's gathered tokens with offsets of its own experts, and their results
+are reduce-scattered back. The experts' gradients are summed over edp, the ranks that hold the
 same experts, outside dp's buckets. (Trained against one device: tests/runtime/test_expert_parallel_equivalence.py.)
 """
 
@@ -52,8 +52,9 @@ def test_each_rank_holds_half_the_experts_and_runs_them_on_the_groups_rows(mixtr
         assert module.get_parameter(EXPERTS[0]).shape == (2, 256, 64)  # 2 of 4 experts, gate|up by width
         assert module.get_parameter("model.model.layers.0.mlp.gate.weight").shape == (4, 64)  # the router whole
         targets = _targets(module)
-        assert targets.count("fxpar.gather_to_region.default") == 2  # the rows, once per layer
-        assert targets.count("fxpar.all_gather.default") == 2  # their expert ids
+        assert targets.count("fxpar.gather_to_region.default") == 2  # the tokens, once per layer
+        assert targets.count("fxpar.all_gather.default") == 4  # their rows' expert ids and token indices
+        assert targets.count("fxpar.group_rows.default") == 2
         assert targets.count("fxpar.reduce_scatter.default") == 2  # the results back
         assert targets.count("fxpar.local_experts.default") == 2
     for node in graph.nodes:
@@ -87,6 +88,8 @@ def test_bad_plans_are_refused_naming_the_field_and_a_fix(mixtral):
     model, inputs, captured = mixtral
     with pytest.raises(PlanError, match=r"ep=2 with dp=1: .*ep must divide dp. Fix: dp=2 ep=2, or ep=1"):
         fxpar.Plan.parse("ep=2")
+    with pytest.raises(PlanError, match=r"compile=inductor with ep=2: .*Fix: compile=eager, or ep=1"):
+        fxpar.Plan.parse("dp=2 ep=2 compile=inductor")
     # four experts do not split over eight ranks: the message names the layer
     with pytest.raises(PlanError, match=r"'model.model.layers.0.mlp.experts' has 4 experts, which do not split "
                                         r"over 8 ranks. Fix: ep dividing 4 \(for example ep=4\), or ep=1"):
