@@ -16,9 +16,9 @@ of rows per expert (`transformers.grouped_mm_fallback`, or `aten._grouped_mm`):
 Under `ep=n` the n ranks of an expert group (carved from dp: `ir.mesh`) each hold E/n of the
 experts (their weights `ep=S(0)`) and their own slice of the batch. Tokens reach the experts
 as Megatron-Core's all-gather token dispatcher sends them (Shoeybi et al.; Megatron-Core's
-`MoEAllGatherTokenDispatcher`): the group's sorted rows and expert ids are all-gathered, each
-rank runs its own experts on the rows routed to them, and the results are reduce-scattered
-back to the ranks the tokens came from. Every shape stays static, so the collectives, their
+`MoEAllGatherTokenDispatcher`): the group's tokens and their rows' expert ids are
+all-gathered, each rank runs its own experts on the rows routed to them, and the results are
+reduce-scattered back to the ranks the tokens came from. Every shape stays static, so the collectives, their
 sizes and the memory are known before anything runs (the check and the cost model read them
 from the graph), and nothing is dropped: every row is computed by exactly one rank, the
 others add zeros, so the sum is the one device's value bit for bit.
@@ -36,9 +36,9 @@ others add zeros, so the sum is the one device's value bit for bit.
 Each token is gathered once (the rows a router picks from it, k of them, are picked again
 from the gathered tokens; rows made otherwise are gathered as they are). The all-gather moves
 each rank's tokens to every rank of the group, where an all-to-all would move each routed row
-once; in exchange nothing in the graph has a data-dependent size. The
-`where`s keep rows no expert of this rank computed at zero in both directions (a grouped
-matmul may leave them unwritten).
+once; in exchange nothing in the graph has a data-dependent size. The `where`s keep rows no
+expert of this rank computed at zero in both directions (a grouped matmul may leave them
+unwritten).
 
 An expert's gradient then sums the contributions of the whole expert group's tokens, so it is
 complete on the rank up to the other expert groups: a partial sum over edp (`fxpar.grad_partial`),
