@@ -296,7 +296,7 @@ def _holding(program: CompiledProgram, rank: int):
         held.update(piece.parameters)
     buckets = [_buckets(program, s) for s in mine]
     # ZeRO-1/2 step a flat shard per bucket, and whole what is in none (an expert's weights)
-    whole = set(meta.partial_gradient_parameters(program.graph_module.graph, "edp")) & held.keys()
+    whole = set(meta.unbucketed_parameters(program.graph_module.graph)) & held.keys()
     tensors = sum(len(b) for b in buckets) + len(whole) if plan.zero in (1, 2) else len(held)
     return all_shares, mine, held, tensors
 
@@ -311,7 +311,7 @@ def _model_state(program: CompiledProgram, held: dict[str, int], optimizer: str)
     ZeRO shards: all but an expert's weights under ep, which the expert group splits already
     and ZeRO leaves whole (`passes.zero3`)."""
     plan = program.plan
-    experts = set(meta.partial_gradient_parameters(program.graph_module.graph, "edp")) & held.keys()
+    experts = set(meta.unbucketed_parameters(program.graph_module.graph)) & held.keys()
     dense = sum(n for name, n in held.items() if name not in experts)
     terms = model_state_bytes(dense, precision=plan.precision, optimizer=optimizer, zero=plan.zero, dp=plan.dp,
                               reduce_dtype=plan.reduce_dtype)

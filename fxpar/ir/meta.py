@@ -160,7 +160,13 @@ def trained_parameters(gm: fx.GraphModule) -> set[str]:
     (`passes.data_parallel.assign_gradient_buckets` ensures it), and the experts' weights
     under expert parallelism, whose gradients are summed over edp instead."""
     bucketed = {name for bucket in graph_buckets(gm) for name in bucket.parameters}
-    return bucketed | set(partial_gradient_parameters(gm.graph, "edp"))
+    return bucketed | set(unbucketed_parameters(gm.graph))
+
+
+def unbucketed_parameters(graph: fx.Graph) -> list[str]:
+    """The trained parameters in no gradient bucket: an expert's weights under ep, whose
+    gradients are summed over edp (`passes.expert_parallel`)."""
+    return partial_gradient_parameters(graph, "edp")
 
 
 def partial_gradient_parameters(graph: fx.Graph, axis: PlacementAxis = "tp") -> list[str]:

@@ -116,7 +116,7 @@ def shard_parameters(gm: fx.GraphModule, *, mesh: Mesh, reshard_after_forward: b
     graph = gm.graph
     # An expert's weights under ep are split over the expert group already, and their
     # gradients are summed over edp, not dp: ZeRO-3 leaves them whole on their ranks.
-    trained = meta.trained_parameters(gm) - set(meta.partial_gradient_parameters(graph, "edp"))
+    trained = meta.trained_parameters(gm) - set(meta.unbucketed_parameters(graph))
     order = {node: i for i, node in enumerate(graph.nodes)}
     nodes = {name: node for name, node in meta.parameter_nodes(graph).items() if name in trained}
     first_use = {name: min(order[u] for u in node.users) for name, node in nodes.items()}

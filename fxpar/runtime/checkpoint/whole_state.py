@@ -52,10 +52,8 @@ class WholeState:
     def _whole_masters(self, module) -> dict[str, torch.Tensor]:
         """ZeRO-1/2 under bf16-mixed: the masters of the trained parameters in no bucket (an
         expert's weights under ep, stepped whole), by name."""
-        bucketed = {n for b in meta.graph_buckets(module) for n in b.parameters}
-        return {n: self._masters.master_of(module.get_parameter(n))
-                for n in meta.trained_parameters(module) - bucketed
-                if self._masters.master_of(module.get_parameter(n)) is not None}
+        masters = {n: self._masters.master_of(module.get_parameter(n)) for n in meta.unbucketed_parameters(module.graph)}
+        return {n: master for n, master in masters.items() if master is not None}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each trained parameter's whole gradient (canonical names, tied weights once), on
@@ -65,9 +63,8 @@ class WholeState:
         self._require_open("full_gradients")
         local = {}
         for module in self.modules:
-            trained = meta.trained_parameters(module)
-            if self._flat_parameters:
-                trained -= {n for b in meta.graph_buckets(module) for n in b.parameters}
+            trained = (set(meta.unbucketed_parameters(module.graph)) if self._flat_parameters
+                       else meta.trained_parameters(module))
             local[meta.stage_of(module)] = (module, {
                 n: (p.grad if p.grad is not None else torch.zeros_like(p)).to(self._masters.dtype or p.dtype)
                 for n, p in graph_parameters(module).items() if n in trained

@@ -85,8 +85,7 @@ def _sharded_gradients(state: RankState) -> tuple[list[torch.Tensor], list[torch
             for name, _, _, start, stop in buckets.shard_spans(index):
                 if _first_copy(state, module, name, ("cp", "tp"), writers):
                     counted.append(shard[start:stop])
-        bucketed = {n for s in buckets.states for n in s.bucket.parameters}
-        for name in sorted(meta.trained_parameters(module) - bucketed):  # an expert's, whole
+        for name in meta.unbucketed_parameters(module.graph):  # an expert's, whole
             grad = module.get_parameter(name).grad
             if grad is not None:
                 held.append(grad)

@@ -100,11 +100,7 @@ def group_runs(buckets: GradientBuckets, index: int, shard: torch.Tensor, groups
 def unbucketed(context: StepContext) -> list[tuple[str, torch.nn.Parameter]]:
     """The trained parameters in no gradient bucket, by name: an expert's weights under ep,
     whose gradients are summed over edp (`passes.expert_parallel`)."""
-    found = []
-    for module, buckets in zip(context.modules, context.buckets):
-        bucketed = {n for s in buckets.states for n in s.bucket.parameters}
-        found += [(n, module.get_parameter(n)) for n in sorted(meta.trained_parameters(module) - bucketed)]
-    return found
+    return [(n, m.get_parameter(n)) for m in context.modules for n in meta.unbucketed_parameters(m.graph)]
 
 
 class ShardedOptimizer(WrappedOptimizer):
