@@ -25,6 +25,7 @@ from fxpar.ir.mesh import Mesh
 import fxpar.ops.distributed  # noqa: F401  registers torch.ops.fxpar.*, which rank modules call
 import fxpar.ops.vocab_parallel  # noqa: F401
 import fxpar.ops.expert_routing  # noqa: F401
+import fxpar.ops.token_dispatch  # noqa: F401
 from fxpar.plan.plan import Plan
 from fxpar.planner.search import PlanSearch
 from fxpar.tools.diff import PlanDiff, diff

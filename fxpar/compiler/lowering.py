@@ -95,9 +95,9 @@ def graph_calls(gm: fx.GraphModule, mesh: Mesh, *, prefetch: int = 0) -> tuple[t
             if primitive not in COMMUNICATING or (phase == "backward" and not any(map(meta.requires_grad, sources))):
                 continue
             numel = ends[payload_out] if primitive == "all_gather" else ends[payload_in]
-            reduce = "none" if primitive == "all_gather" else op.reduce
+            reduce = "none" if primitive in ("all_gather", "all_to_all") else op.reduce
             calls.append(Call(kind=primitive, numel=numel, dtype=dtype, axis=axis, op=reduce,
-                              tag=op.tag(axis, phase), phase=phase, where=meta.module_path(node)))
+                              tag=op.tag(axis, phase), phase=phase, where=meta.module_path(node), routed=op.routed))
             if phase == "forward" and meta.recompute_region(node) is not None:
                 recomputed.setdefault(node, []).append(calls[-1])
         spans[node] = (start, len(backward))

@@ -103,7 +103,7 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     if plan.cp > 1:
         graph.append(_context_parallel(plan, captured))
     if plan.ep > 1:
-        graph.append(partial(split_experts, ep=plan.ep))
+        graph.append(partial(split_experts, ep=plan.ep, dispatch=plan.dispatch))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
     if plan.loss == "chunked":
         graph.append(chunk_cross_entropy)

@@ -7,6 +7,8 @@ factors):
     all_reduce       2(n-1)     2(n-1)/n x M
     reduce_scatter   n-1        (n-1)/n x M      (M: its input)
     all_gather       n-1        (n-1)/n x M      (M: its output)
+    all_to_all       n-1        (n-1)/n x M      (M: its input; pairwise exchange; a routed
+                                                  one's M under uniform routing)
     broadcast        n-1        M                (a pipelined chain)
     send / recv      1          M / 0            (point to point between pipeline stages)
 
@@ -23,7 +25,8 @@ from fxpar.cost.hardware import Link
 MiB = 2**20
 DDP_DEFAULT_BUCKET_BYTES = 25 * MiB  # torch DDP's bucket_cap_mb default
 
-_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "send": 1, "recv": 1}
+_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "broadcast": 1, "send": 1,
+          "recv": 1}
 
 
 def wire_bytes(kind: str, payload: sympy.Expr | int, n: int) -> sympy.Expr:

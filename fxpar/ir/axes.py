@@ -15,7 +15,7 @@ What an op needs of an axis is `AxisBinding`; the runtime's is a process group p
 communicator that counts and logs every call (`runtime.communicator.AxisOnGroup`), a test may
 bind anything with these methods (tp ranks as threads of one process, for instance). A binding
 that can also start a collective without waiting for it has `start_all_reduce`,
-`start_all_gather` and `start_reduce_scatter` (the same arguments, returning what to `wait()`
+`start_all_gather`, `start_reduce_scatter` and `start_all_to_all` (the same arguments, returning what to `wait()`
 on): a compiled graph then computes while the call is in flight (`ops.traced_collectives`); with
 one that cannot, the call is waited for where it starts.
 """
@@ -50,6 +50,11 @@ class AxisBinding(Protocol):
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: Phase) -> None:
         """Sum `tensor` over the axis and keep this rank's dim-0 slice in `output`, and wait."""
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: Phase,
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
+        """Send dim-0 block j of `tensor` to rank j and put rank j's block for this rank at
+        block j of `output`, and wait; the blocks are equal unless split (rows per rank)."""
 
 
 _bindings: dict[str, AxisBinding] = {}  # see the module doc for why this is process-wide
@@ -92,7 +97,7 @@ class PlannedAxis:
     def all_reduce(self, *tensors, tag: str, **options):
         raise RuntimeError(f"a planned axis moves no data ({tag}): the graph was run, not traced")
 
-    all_gather = reduce_scatter = all_reduce
+    all_gather = reduce_scatter = all_to_all = all_reduce
 
 
 @contextmanager

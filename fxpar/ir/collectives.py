@@ -20,7 +20,7 @@ import torch
 
 from fxpar.errors import PlanError
 
-CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv"]
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv"]
 # When in the step a collective runs; the cost model overlaps forward and backward ones with
 # compute and counts "step" ones (around the optimizer step) as exposed.
 Phase = Literal["forward", "backward", "step"]
@@ -59,6 +59,12 @@ class Collective:
     where: str = field(default="", compare=False)  # the module whose op issues it, if any
     agreement: int = 0  # step-number slots riding at the payload's end (`runtime.step.numbers`)
     channel: str = field(default="", compare=False)  # `channel_of` its axis: whose communicator it uses
+    # An all-to-all whose blocks the router sizes (`ops.token_dispatch`): its rows are known
+    # only once the router ran, so `numel` is predicted under uniform routing (each rank
+    # receives as many rows as it sends) and is no part of the match; the call made is logged
+    # with its own. Its splits agree by construction: each rank sends what the exchanged
+    # counts say the other receives.
+    routed: bool = False
 
     @property
     def payload_bytes(self) -> int:
@@ -66,12 +72,13 @@ class Collective:
 
     def signature(self) -> tuple:
         """What all members of the group must agree on."""
-        return (self.kind, self.group, self.numel, self.dtype, self.op)
+        return (self.kind, self.group, None if self.routed else self.numel, self.dtype, self.op)
 
     def __str__(self) -> str:
         where = f" in module {self.where!r}" if self.where else ""
+        routed = ", routed" if self.routed else ""
         return (
-            f"{self.kind}({self.numel} x {self.dtype}, op={self.op}) on ranks "
+            f"{self.kind}({self.numel} x {self.dtype}, op={self.op}{routed}) on ranks "
             f"{list(self.group)} [{self.tag}]{where}"
         )
 

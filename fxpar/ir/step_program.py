@@ -95,6 +95,7 @@ class Call:
     batch: int = 0  # a step agreement's slots per member after the step numbers: the batch's
     # fingerprint and sizes, which every member must share (`runtime.step.batch_identity`)
     shape: tuple = ()  # a transfer's local shape, formulas in export's size symbols
+    routed: bool = False  # an all-to-all the router sizes: `numel` under uniform routing (`Collective.routed`)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class StepProgram:
             result.append(Collective(
                 kind=call.kind, group=groups[where], numel=numels[call.numel], dtype=call.dtype,
                 op=call.op, tag=call.tag, phase=call.phase, where=call.where, agreement=call.agreement,
-                channel=channel_of(call.axis),
+                channel=channel_of(call.axis), routed=call.routed,
             ))
         return tuple(result)
 

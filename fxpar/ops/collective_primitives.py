@@ -1,12 +1,14 @@
-"""The five primitives a distributed op's forward or backward is made of, run on one rank.
+"""The six primitives a distributed op's forward or backward is made of, run on one rank.
 
     identity        a copy (a custom op may not return an alias of its input)
     slice           this rank's piece of `dim`, a copy
     all_reduce      the sum (or max) over the axis
     all_gather      every rank's piece, concatenated along `dim` in axis order
     reduce_scatter  the sum over the axis, this rank's piece of `dim`
+    all_to_all      piece j of `dim` sent to rank j; piece j of the result is rank j's piece
+                    for this rank (its own transpose: the backward is the same call)
 
-`run` does one and returns its result. The three that communicate are two halves: `launch`
+`run` does one and returns its result. The four that communicate are two halves: `launch`
 starts the collective on the axis's binding and hands back the buffer it fills, `landed`
 turns that buffer into the result once the call completed. Run op by op the halves follow each
 other. In a compiled graph they are two ops apart (`started`): `fxpar::collective_start`
@@ -29,8 +31,8 @@ from fxpar.errors import BindError
 from fxpar.ir.axes import bound
 from fxpar.ir.collectives import Phase
 
-Primitive = Literal["identity", "all_reduce", "all_gather", "reduce_scatter", "slice"]
-COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter")
+Primitive = Literal["identity", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "slice"]
+COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 class _Done:
@@ -75,14 +77,17 @@ def launch(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int
         stacked = x.new_empty((size, *x.shape))
         return stacked, _start(binding, "all_gather", stacked.flatten(0, 1), x.contiguous(), tag=tag, phase=phase)
     stacked = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+    if primitive == "all_to_all":
+        out = torch.empty_like(stacked)
+        return out, _start(binding, "all_to_all", out.flatten(0, 1), stacked.flatten(0, 1), tag=tag, phase=phase)
     out = x.new_empty(stacked.shape[1:])
     return out, _start(binding, "reduce_scatter", out, stacked.flatten(0, 1), tag=tag, phase=phase)
 
 
 def landed(primitive: Primitive, buffer: torch.Tensor, dim: int) -> torch.Tensor:
-    """A launched call's result from its completed buffer: an all-gather's rank blocks moved
-    into `dim`; the other two leave the buffer as it is."""
-    if primitive == "all_gather":
+    """A launched call's result from its completed buffer: an all-gather's or all-to-all's
+    rank blocks moved into `dim`; the other two leave the buffer as it is."""
+    if primitive in ("all_gather", "all_to_all"):
         return buffer.movedim(0, dim).flatten(dim, dim + 1).contiguous()
     return buffer
 
@@ -162,6 +167,8 @@ def _collective_start(x, axis, size, dim, primitive, reduce, tag, phase):
 def _(x, axis, size, dim, primitive, reduce, tag, phase):
     if primitive == "all_gather":
         return x.new_empty((size, *x.shape))
+    if primitive == "all_to_all":  # the rank blocks stacked in front, as `launch` lays them out
+        return x.new_empty(x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).shape)
     return fake(primitive, x, size, dim)
 
 

@@ -19,6 +19,10 @@ Korthikanti et al. 2022, Sec. 4.2.2). Rank module code reads as aten plus these:
                                                           (`fxpar.ops.parameter_gathers`)
     regather_parameters identity        all-gather        ZeRO-3: the layer's again, for
                                                           backward (reshard_after_forward)
+    all_to_all         all-to-all       all-to-all        ep: the router's counts exchanged
+    all_to_all_rows    all-to-all       all-to-all        ep: rows to the ranks of their experts
+                                                          and back, as the counts split them
+                                                          (`fxpar.ops.token_dispatch`)
 
 `DistributedOp` is the one description of each: the kernels are built from its two
 primitives, and lowering (`compiler.lowering.graph_calls`) predicts a step's calls from the
@@ -55,6 +59,17 @@ class DistributedOp:
     takes_dim: bool = False  # (x, axis, size, dim) rather than (x, axis)
     many: bool = False  # a list of tensors moved as one flat payload, argument `shards_arg`
     shards_arg: int = 0
+    routed: bool = False  # (x, sent, received, axis, size): rows per rank as the router sends them
+
+    @property
+    def standard(self) -> bool:
+        """Whether its kernels are built here, from the two primitives on (x, axis[, size, dim]);
+        ZeRO-3's and the routed all-to-all's register in their own modules."""
+        return not (self.many or self.routed)
+
+    @property
+    def axis_arg(self) -> int:
+        return self.shards_arg + 1 if self.many else 3 if self.routed else 1
 
     def sources(self, node: fx.Node) -> list[fx.Node]:
         """The values whose pieces the op's call moves: its input, or a `many` op's list."""
@@ -91,6 +106,8 @@ OPS = (
     DistributedOp("reduce_scatter", "reduce_scatter", "all_gather", takes_dim=True),
     DistributedOp("gather_parameters", "all_gather", "reduce_scatter", many=True),
     DistributedOp("regather_parameters", "identity", "all_gather", many=True, shards_arg=1),
+    DistributedOp("all_to_all", "all_to_all", "all_to_all", takes_dim=True),
+    DistributedOp("all_to_all_rows", "all_to_all", "all_to_all", routed=True),
 )
 BY_NAME = {op.name: op for op in OPS}
 
@@ -106,7 +123,7 @@ def distributed_op(node: fx.Node) -> DistributedOp | None:
 def axis_of(node: fx.Node) -> str:
     """The mesh axis a distributed op's node names."""
     op = distributed_op(node)
-    return node.args[op.shards_arg + 1] if op is not None and op.many else node.args[1]
+    return node.args[op.axis_arg if op is not None else 1]
 
 
 # -- kernels -------------------------------------------------------------------------------------
@@ -155,7 +172,7 @@ def _register(op: DistributedOp) -> None:
 
 
 for _op in OPS:
-    if not _op.many:  # the ZeRO-3 ops register in fxpar.ops.parameter_gathers
+    if _op.standard:  # the ZeRO-3 ops register in fxpar.ops.parameter_gathers, the routed one in token_dispatch
         _register(_op)
 
 
@@ -229,7 +246,7 @@ def _eager_function(op: DistributedOp, *, in_place: bool):
 
 
 EAGER = {(op.overload, in_place): _eager_function(op, in_place=in_place)
-         for op in OPS if not op.many for in_place in (False, True)}
+         for op in OPS if op.standard for in_place in (False, True)}
 # Ops whose output is a fresh tensor, and whose input gradient is one: a matmul of x.
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
             torch.ops.aten.bmm.default}
@@ -257,7 +274,7 @@ def shares_storage_at_run_time(node: fx.Node, x: torch.Tensor) -> bool:
     (a custom op may not alias); what autograd saves is counted by storage, so the cost
     model's fake forward shares it too (`cost.activations`)."""
     op = distributed_op(node)
-    if op is None or op.many:
+    if op is None or not op.standard:
         return False
     return op.forward == "identity" or _all_reduces_in_place(op, reduces_in_place(node, op), x)
 
@@ -275,7 +292,7 @@ def lower_for_eager(gm: fx.GraphModule) -> fx.GraphModule:
     Where the graph shows it is safe (`reduces_in_place`), the all-reduce skips its copy.
     """
     for node in gm.graph.nodes:
-        if (op := distributed_op(node)) is not None and not op.many:
+        if (op := distributed_op(node)) is not None and op.standard:
             node.target = EAGER[(node.target, reduces_in_place(node, op))]
     gm.recompile()
     return gm

@@ -12,6 +12,15 @@ into a key for this rank:
         indices into this rank's `tokens` tokens as indices into the group's tokens gathered
         in axis order (this rank's start at its index x tokens); no gradient.
 
+The all-to-all dispatcher (`ops.token_dispatch`) needs one more, which does not read the rank:
+
+    expert_order(received, experts, rows) -> order
+        the rows received from each rank in turn, each block sorted by expert
+        (`received[j x experts + e]` rows of this rank's expert e from rank j), put in order
+        by expert, stably: rank 0's rows of expert 0 first, as one device's stable sort
+        groups them. `rows` is their number (the fake kernel's size; module doc of
+        `ops.token_dispatch`); no gradient.
+
 Sorted (stably), the keys put this rank's tokens first, grouped by its experts in the order
 one device groups them, and everyone else's last, where the grouped matmul does not reach.
 The rank's index is read when the op runs (`fxpar.ir.axes.bound`), as the vocabulary-parallel
@@ -60,3 +69,16 @@ def group_rows(rows: torch.Tensor, axis: str, tokens: int) -> torch.Tensor:
 @group_rows.register_fake
 def _(rows, axis, tokens):
     return torch.empty_like(rows)
+
+
+@torch.library.custom_op("fxpar::expert_order", mutates_args=(),
+                         schema="(Tensor received, int experts, SymInt rows) -> Tensor")
+def expert_order(received: torch.Tensor, experts: int, rows: int) -> torch.Tensor:
+    blocks = received.numel() // experts
+    keys = torch.arange(experts, device=received.device).repeat(blocks).repeat_interleave(received, output_size=rows)
+    return torch.sort(keys, stable=True).indices
+
+
+@expert_order.register_fake
+def _(received, experts, rows):
+    return received.new_empty((rows,), dtype=torch.int64)

@@ -100,7 +100,7 @@ def gather_parameters(shards, axis, size, *, dtype=None):
     return list(TracedGather.apply(axis, size, dtype, *shards))
 
 
-TRACED = {op.overload: _traced_function(op) for op in OPS if not op.many}
+TRACED = {op.overload: _traced_function(op) for op in OPS if op.standard}
 TRACED[GATHER] = gather_parameters
 
 

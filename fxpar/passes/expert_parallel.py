@@ -15,13 +15,33 @@ of rows per expert (`transformers.grouped_mm_fallback`, or `aten._grouped_mm`):
 
 Under `ep=n` the n ranks of an expert group (carved from dp: `ir.mesh`) each hold E/n of the
 experts (their weights `ep=S(0)`) and their own slice of the batch. Tokens reach the experts
-as Megatron-Core's all-gather token dispatcher sends them (Shoeybi et al.; Megatron-Core's
-`MoEAllGatherTokenDispatcher`): the group's tokens and their rows' expert ids are
-all-gathered, each rank runs its own experts on the rows routed to them, and the results are
-reduce-scattered back to the ranks the tokens came from. Every shape stays static, so the collectives, their
-sizes and the memory are known before anything runs (the check and the cost model read them
-from the graph), and nothing is dropped: every row is computed by exactly one rank, the
-others add zeros, so the sum is the one device's value bit for bit.
+by one of Megatron-Core's two token dispatchers (the plan's `dispatch`).
+
+**All-to-all** (the default; Megatron-Core's `MoEAlltoAllTokenDispatcher`, DeepSpeed-MoE):
+each rank's rows, sorted by expert already, are in blocks by the rank that holds their
+expert. The counts per expert are exchanged, the rows sent to their experts' ranks, put in
+order by expert, computed, and sent back (`ops.token_dispatch`):
+
+    %counts   = histc(%ids, E) as int64                       rows per expert, this rank's
+    %received = all_to_all(%counts, 'ep', n, 0)               [j, e]: rank j's rows for my expert e
+    %arrived  = all_to_all_rows(%rows, %counts[by rank], %received[by rank], 'ep', n)
+    %order    = expert_order(%received, E/n, rows(%arrived))  by expert, stably by rank
+    %offsets  = cumsum(%received summed over ranks)           the rank's own experts' groups
+    %h        = grouped_mm(%arrived[%order], %w_in_local.T, %offsets)
+    ...
+    %y        = all_to_all_rows(grouped_mm(...)[argsort(%order)], received, sent, 'ep', n)
+
+Each row moves once each way and nothing is dropped: a rank computes exactly the rows routed
+to its experts, each with the weights one device uses. The rows it receives are known only
+when the router has run: the graph's values are sized for uniform routing (as many rows come
+as go), the estimate and the prediction of the routed calls with them, and the routed calls
+are matched without their size (`ir.collectives.Collective.routed`).
+
+**All-gather** (`dispatch=allgather`; Megatron-Core's `MoEAllGatherTokenDispatcher`): the
+group's tokens and their rows' expert ids are all-gathered, each rank runs its own experts on
+the rows routed to them, and the results are reduce-scattered back to the ranks the tokens came
+from. Every shape stays static, so the collectives, their sizes and the memory are known
+before anything runs, at the price of every token on every rank of the group:
 
     %all     = gather_to_region(%hidden, 'ep', n, 0)         (nT, H): the group's tokens
     %picks   = all_gather(group_rows(%order // k, 'ep', T), 'ep', n, 0)   each row's token in %all
@@ -34,14 +54,13 @@ others add zeros, so the sum is the one device's value bit for bit.
     %y       = reduce_scatter(%y_all, 'ep', n, 0)            (S, H): each token's sum
 
 Each token is gathered once (the rows a router picks from it, k of them, are picked again
-from the gathered tokens; rows made otherwise are gathered as they are). The all-gather moves
-each rank's tokens to every rank of the group, where an all-to-all would move each routed row
-once; in exchange nothing in the graph has a data-dependent size. The `where`s keep rows no
-expert of this rank computed at zero in both directions (a grouped matmul may leave them
-unwritten).
+from the gathered tokens; rows made otherwise are gathered as they are). Every row is
+computed by exactly one rank, the others add zeros, so the sum is the one device's value bit
+for bit. The `where`s keep rows no expert of this rank computed at zero in both directions (a
+grouped matmul may leave them unwritten).
 
-An expert's gradient then sums the contributions of the whole expert group's tokens, so it is
-complete on the rank up to the other expert groups: a partial sum over edp (`fxpar.grad_partial`),
+Either way, an expert's gradient sums the contributions of the whole expert group's tokens, so
+it is complete on the rank up to the other expert groups: a partial sum over edp (`fxpar.grad_partial`),
 reduced over the ranks that hold the same experts instead of in dp's buckets.
 """
 
@@ -71,23 +90,26 @@ def _offsets(node: fx.Node) -> fx.Node:
 
 def experts_split(gm: fx.GraphModule) -> None:
     """Ensures: every grouped matmul reads expert weights split on ep, and its offsets are
-    counted from this rank's experts' keys (`fxpar.local_experts`)."""
+    counted from this rank's experts: the counts the ranks sent it (`fxpar.all_to_all`), or
+    the keys of the gathered rows (`fxpar.local_experts`)."""
+    local = {fxpar_ops.all_to_all.default, fxpar_ops.local_experts.default}
     for node in gm.graph.nodes:
         if is_grouped_mm(node):
             if not isinstance(meta.placement(_weight(node), AXIS), Shard):
                 raise broken("a grouped matmul's expert weights are Shard(0) on ep", node)
-            if not any(n.target is fxpar_ops.local_experts.default for n in ancestors(_offsets(node))):
+            if not any(n.target in local for n in ancestors(_offsets(node))):
                 raise broken("a grouped matmul groups its rows by this rank's experts", node)
 
 
 @ensures(experts_split)
-def split_experts(gm: fx.GraphModule, *, ep: int) -> fx.GraphModule:
+def split_experts(gm: fx.GraphModule, *, ep: int, dispatch: str = "alltoall") -> fx.GraphModule:
     """Split every mixture-of-experts layer's experts over the ep ranks (module doc).
 
     Requires: the captured graph's `val` on every node.
-    Ensures: each grouped matmul computes this rank's experts on the expert group's gathered
-    rows; expert weights are `Shard(0)` on ep and their gradients `fxpar.grad_partial` over
-    edp; the layer's output is reduce-scattered back to each rank's own rows."""
+    Ensures: each grouped matmul computes this rank's experts on the rows the expert group
+    routed to them (sent by all-to-all, or picked from the gathered tokens: `dispatch`);
+    expert weights are `Shard(0)` on ep and their gradients `fxpar.grad_partial` over edp;
+    the layer's output is each rank's own rows' again (sent back, or reduce-scattered)."""
     if not meta.graph_loss(gm).sums:
         raise PlanError(
             f"plan ep={ep} needs the loss as a sum over the step's valid targets (a cross "
@@ -107,7 +129,7 @@ def split_experts(gm: fx.GraphModule, *, ep: int) -> fx.GraphModule:
             "Fix: ep=1, and spend these ranks on dp",
             field="ep", value=ep)
     for offsets, matmuls in layers.items():
-        _ExpertLayer(gm.graph, offsets, matmuls, ep).split()
+        _ExpertLayer(gm.graph, offsets, matmuls, ep).split(dispatch)
     return gm
 
 
@@ -131,9 +153,56 @@ class _ExpertLayer:
         feeding_exits = set().union(*(ancestors(e) for e in self.exits))
         self.region = {n for m in self.entries for n in downstream[m] if n in feeding_exits}
 
-    def split(self) -> None:
+    def split(self, dispatch: str) -> None:
         self._check_region_reads_only_rows()
         first = min(self.entries, key=list(self.graph.nodes).index)
+        for matmul in self.matmuls:
+            self._split_weight(matmul)
+        if dispatch == "alltoall":
+            self._dispatch_by_all_to_all(first)
+        else:
+            self._dispatch_by_all_gather(first)
+
+    def _dispatch_by_all_to_all(self, first: fx.Node) -> None:
+        """Each row sent to the rank of its expert and back (`ops.token_dispatch`): the
+        counts exchanged, the rows moved in blocks of them, put in order by expert for the
+        grouped matmuls, and their results moved back to the rows' ranks in the order they
+        were sent (module doc)."""
+        counts = self._insert(aten._to_copy.default, (self._histogram(),), first, kwargs={"dtype": torch.int64},
+                              like=self.offsets)
+        received = self._insert(fxpar_ops.all_to_all.default, (counts, AXIS, self.ep, 0), first, like=counts)
+        by_rank = [self._insert(aten.view.default, (c, [self.ep, self.local]), first, like=c) for c in (counts, received)]
+        sent, got = (self._insert(aten.sum.dim_IntList, (c, [1]), first, like=counts) for c in by_rank)
+        per_expert = self._insert(aten.sum.dim_IntList, (by_rank[1], [0]), first, like=counts)
+        offsets = self._insert(aten.cumsum.default, (per_expert, 0), first, like=counts,
+                               kwargs={"dtype": self.offsets.meta["val"].dtype})
+        order, moved = None, {}
+        for matmul in self.entries:
+            rows = matmul.args[0]
+            if rows not in moved:
+                arrived = self._insert(fxpar_ops.all_to_all_rows.default, (rows, sent, got, AXIS, self.ep), first,
+                                       like=rows)
+                if order is None:
+                    count = self._insert(aten.sym_size.int, (arrived, 0), first)
+                    order = self._insert(fxpar_ops.expert_order.default, (received, self.local, count), first,
+                                         like=counts)
+                moved[rows] = self._insert(aten.index.Tensor, (arrived, [order]), first, like=rows)
+            matmul.replace_input_with(rows, moved[rows])
+        for matmul in self.matmuls:
+            matmul.replace_input_with(self.offsets, offsets)
+        back = self._insert(operator.getitem, (self._insert(aten.sort.default, (order,), first, like=order), 1), first,
+                            like=order)
+        for matmul in self.exits:
+            users, after = list(matmul.users), matmul.next
+            sent_order = self._insert(aten.index.Tensor, (matmul, [back]), after, like=matmul)
+            returned = self._insert(fxpar_ops.all_to_all_rows.default, (sent_order, got, sent, AXIS, self.ep), after,
+                                    like=matmul)
+            for user in users:
+                user.replace_input_with(matmul, returned)
+
+    def _dispatch_by_all_gather(self, first: fx.Node) -> None:
+        """The expert group's tokens gathered, this rank's experts run on the rows routed to
+        them, the results reduce-scattered back (module doc)."""
         valid, mine, offsets = self._route(first)
         gathered: dict[fx.Node, fx.Node] = {}
         for matmul in self.entries:
@@ -146,7 +215,6 @@ class _ExpertLayer:
             _erase_unused(rows)
         for matmul in self.matmuls:
             matmul.replace_input_with(self.offsets, offsets)
-            self._split_weight(matmul)
         self._resize_region()
         back = self._insert(operator.getitem, (self._insert(aten.sort.default, (mine,), first, like=mine), 1), first,
                             like=mine)
@@ -219,12 +287,16 @@ class _ExpertLayer:
 
     def _expert_ids(self) -> fx.Node:
         """The sorted expert ids the layer's offsets count (`cumsum(histc(ids))`)."""
+        return self._histogram().args[0]
+
+    def _histogram(self) -> fx.Node:
+        """The count of rows per expert the layer's offsets sum (`cumsum(histc(ids))`)."""
         node = self.offsets
         for _ in range(4):
             if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
                 break
             if node.target is aten.histc.default:
-                return node.args[0]
+                return node
             node = node.args[0]
         raise self._refusal(self.matmuls[0], "its offsets are not a histogram (histc) of the sorted expert ids")
 

@@ -32,12 +32,13 @@ from fxpar.pictures.units import Detail
 FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 SHAPES = {
     "all_reduce": "hexagon", "all_gather": "invtrapezium", "reduce_scatter": "trapezium",
+    "all_to_all": "diamond",
     "slice": "parallelogram", "send": "cds", "recv": "cds", "broadcast": "triangle",
 }
 AXIS_COLOURS = {"tp": "#fdd0a2", "dp": "#c6dbef", "pp": "#c7e9c0"}
 STAGE_COLOURS = ("#f7fbff", "#fff5eb", "#f7fcf5", "#fcfbfd", "#fff5f0", "#f0f0f0")
 LEGEND = ("hexagon: all-reduce · trapezium: reduce-scatter · inverted trapezium: all-gather · "
-          "arrow: send/recv · dashed border: backward only · bold: once per step · "
+          "diamond: all-to-all · arrow: send/recv · dashed border: backward only · bold: once per step · "
           "orange: tp, blue: dp, green: pp")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 

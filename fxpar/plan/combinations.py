@@ -70,6 +70,15 @@ def check_compiled(plan) -> None:
             field="prefetch",
             value=plan.prefetch,
         )
+    if plan.ep > 1 and plan.dispatch == "alltoall":
+        raise PlanError(
+            f"plan compile=inductor with ep={plan.ep} dispatch=alltoall: the rows each rank "
+            "receives are sized by the router when the step runs, and a compiled graph's "
+            "shapes are fixed when it is traced. Fix: compile=eager, or dispatch=allgather "
+            "(every shape static), or ep=1",
+            field="compile",
+            value=plan.compile,
+        )
     if plan.ep > 1:
         raise PlanError(
             f"plan compile=inductor with ep={plan.ep}: a compiled expert-parallel step gave "
@@ -103,7 +112,15 @@ def check_context_parallel(plan) -> None:
 
 
 def check_expert_parallel(plan) -> None:
-    """Expert parallelism (`ep`) is carved from the data-parallel ranks: ep must divide dp."""
+    """Expert parallelism (`ep`) is carved from the data-parallel ranks: ep must divide dp;
+    `dispatch` says how ep moves tokens, so it needs ep."""
+    if plan.dispatch != "alltoall" and plan.ep == 1:
+        raise PlanError(
+            f"plan dispatch={plan.dispatch} says how expert parallelism moves tokens to their "
+            "experts, and ep=1. Fix: add ep=2 (or more, dividing dp), or drop dispatch",
+            field="dispatch",
+            value=plan.dispatch,
+        )
     if plan.dp % plan.ep:
         raise PlanError(
             f"plan ep={plan.ep} with dp={plan.dp}: expert parallelism splits the experts over "

@@ -52,6 +52,7 @@ from fxpar.plan.text import (  # noqa: F401  (SCHEDULES, PRECISIONS are part of 
     LOOKS_LIKE_PATH,
     CHECKPOINTS,
     COMPILE_MODES,
+    DISPATCHES,
     LOSSES,
     PRECISIONS,
     REDUCE_DTYPES,
@@ -94,6 +95,10 @@ class Plan:
     # Expert parallelism: each mixture-of-experts layer's experts split over `ep` of the dp
     # ranks, which hand each other their tokens (`fxpar.passes.expert_parallel`); ep divides dp.
     ep: int = 1
+    # How ep moves tokens (Megatron-Core's token dispatchers): "alltoall" sends each routed
+    # row to its expert's rank and back, sized by the router; "allgather" gathers the expert
+    # group's tokens to every rank, every shape static (`fxpar.passes.expert_parallel`).
+    dispatch: str = "alltoall"
     # Which modules tensor parallelism splits: "auto" (a Hugging Face model's own base-model
     # plan, else Megatron's pairs inferred from the graph), "model" (the model's whole
     # declared plan, its head's included), "infer" (Megatron's pairs inferred from the graph)
@@ -182,6 +187,7 @@ class Plan:
             ("rng", RNG_MODES),
             ("compile", COMPILE_MODES),
             ("loss", LOSSES),
+            ("dispatch", DISPATCHES),
             ("zero_reduce", ZERO_REDUCES),
         ):
             if getattr(self, name) not in accepted:

@@ -34,10 +34,12 @@ CHECKPOINTS: tuple[str, ...] = ("none", "full", "selective")  # activation check
 RNG_MODES: tuple[str, ...] = ("fast", "exact")  # how ranks draw dropout's randomness
 COMPILE_MODES: tuple[str, ...] = ("eager", "inductor")  # how each rank's module runs
 LOSSES: tuple[str, ...] = ("full", "chunked")  # the cross entropy over the vocabulary at once or in blocks
+DISPATCHES: tuple[str, ...] = ("alltoall", "allgather")  # how ep moves tokens to their experts
 # When ZeRO-2/3 reduce-scatter gradients with several microbatches (`fxpar.plan.zero_reduction`).
 ZERO_REDUCES: tuple[str, ...] = ("auto", "microbatch", "step")
 BOOLEAN_FIELDS = ("sequence_parallel", "reshard_after_forward")
-CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce", "compile", "loss")
+CHOICE_FIELDS = ("precision", "schedule", "reduce_dtype", "checkpoint", "rng", "zero_reduce", "compile", "loss",
+                 "dispatch")
 
 # field -> (its key in the text form, the rule its value follows, a fix that follows the rule)
 FIELDS: dict[str, tuple[str, str, str]] = {
@@ -53,6 +55,13 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "cp": ("cp", "a positive integer (the context-parallel degree: ranks the sequence is split over)", "cp=2"),
     "ep": ("ep", "a positive integer dividing dp (the expert-parallel degree: dp ranks the experts "
                  "are split over)", "dp=2 ep=2"),
+    "dispatch": (
+        "dispatch",
+        "one of " + ", ".join(repr(d) for d in DISPATCHES)
+        + " (how ep moves tokens to their experts: each row to its expert's rank by all-to-all, "
+        "or the group's tokens all-gathered, every shape static)",
+        "dispatch=alltoall",
+    ),
     "schedule": (
         "schedule",
         "one of " + ", ".join(repr(s) for s in SCHEDULES) + " (the pipeline schedule)",
@@ -137,7 +146,7 @@ FIELD_OF_KEY: dict[str, str] = {key: name for name, (key, _, _) in FIELDS.items(
     name: name for name in FIELDS
 }
 SUPPORTED_KEYS = (
-    "dp, tp, pp, cp, ep, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
+    "dp, tp, pp, cp, ep, dispatch, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, "
     "zero, zero_reduce, precision, reduce_dtype, prefetch, reshard_after_forward, checkpoint, rng, compile, loss"
 )
 

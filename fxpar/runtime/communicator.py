@@ -1,8 +1,8 @@
 """Every collective fxpar issues goes through here: counted, logged and with clear failures.
 
 `comm_stats()` answers "what did the steps since the last reset move?" with counts and payload
-bytes per collective kind (all_reduce: its tensor; all_gather: its output; reduce_scatter: its
-input; broadcast: its tensor), the quantities the cost model predicts. `log` keeps the current
+bytes per collective kind (all_reduce: its tensor; all_gather: its output; reduce_scatter and
+all_to_all: its input; broadcast: its tensor), the quantities the cost model predicts. `log` keeps the current
 step's calls as `Collective`s, the same record `Program.collectives(rank)` predicts, so tests
 compare them call for call. Gathering the full state (`runtime.checkpoint.full_state`) happens outside any
 step: its all-gathers count in the stats and stay out of the step's log.
@@ -140,8 +140,19 @@ class AxisOnGroup:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> None:
         self.start_reduce_scatter(output, tensor, tag=tag, phase=phase).wait()
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str,
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
+        self.start_all_to_all(output, tensor, tag=tag, phase=phase, output_splits=output_splits,
+                              input_splits=input_splits).wait()
+
     def start_all_reduce(self, tensor: torch.Tensor, *, op: str, tag: str, phase: str) -> PendingCollective:
         return self.communicator.all_reduce_started(tensor, self.group, tag=tag, op=op, phase=phase)
+
+    def start_all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str,
+                         output_splits: list[int] | None = None,
+                         input_splits: list[int] | None = None) -> PendingCollective:
+        return self.communicator.all_to_all(output, tensor, self.group, tag=tag, phase=phase,
+                                            output_splits=output_splits, input_splits=input_splits)
 
     def start_all_gather(self, output: torch.Tensor, tensor: torch.Tensor, *, tag: str, phase: str) -> PendingCollective:
         return self.communicator.all_gather(output, tensor, self.group, tag=tag, phase=phase)
@@ -196,6 +207,17 @@ class Communicator:
         this rank's slice of it); `log=False` outside a step."""
         call = self._record("all_gather", output, group, tag, op="none", phase=phase, log=log)
         work = _all_gather_single(output, tensor, group=group.handle, async_op=True)
+        return PendingCollective(work, call, group, self.timeout)
+
+    def all_to_all(
+        self, output: torch.Tensor, tensor: torch.Tensor, group: RankGroup, *, tag: str, phase: str,
+        output_splits: list[int] | None = None, input_splits: list[int] | None = None,
+    ) -> PendingCollective:
+        """Start sending dim-0 block j of `tensor` to the group's rank j, receiving rank j's
+        block for this rank into block j of `output`: equal blocks, or rows per rank as split
+        (token dispatch, `ops.token_dispatch`). Its payload is what this rank sends, `tensor`."""
+        call = self._record("all_to_all", tensor, group, tag, op="none", phase=phase)
+        work = dist.all_to_all_single(output, tensor, output_splits, input_splits, group=group.handle, async_op=True)
         return PendingCollective(work, call, group, self.timeout)
 
     def all_reduce_started(

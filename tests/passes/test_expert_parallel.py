@@ -1,8 +1,10 @@
 """Expert parallelism's rewrite (`passes.expert_parallel`) on a Hugging Face Mixtral, and its refusals.
 
-Under `dp=2 ep=2` a rank holds two of each layer's four experts; its grouped matmuls read the
-rows of the expert group's gathered tokens with offsets of its own experts, and their results
-are reduce-scattered back. The experts' gradients are summed over edp, the ranks that hold the
+Under `dp=2 ep=2` a rank holds two of each layer's four experts. By default each routed row
+goes to the rank of its expert by all-to-all, after the counts are exchanged, and its result
+comes back the same way; with `dispatch=allgather` the grouped matmuls read the rows of the
+expert group's gathered tokens with offsets of its own experts, and their results are
+reduce-scattered back. The experts' gradients are summed over edp, the ranks that hold the
 same experts, outside dp's buckets. (Trained against one device: tests/runtime/test_expert_parallel_equivalence.py.)
 """
 
@@ -52,14 +54,31 @@ def test_each_rank_holds_half_the_experts_and_runs_them_on_the_groups_rows(mixtr
         assert module.get_parameter(EXPERTS[0]).shape == (2, 256, 64)  # 2 of 4 experts, gate|up by width
         assert module.get_parameter("model.model.layers.0.mlp.gate.weight").shape == (4, 64)  # the router whole
         targets = _targets(module)
+        assert targets.count("fxpar.all_to_all.default") == 2  # each layer's counts per expert
+        assert targets.count("fxpar.all_to_all_rows.default") == 4  # its rows there and back
+        assert targets.count("fxpar.expert_order.default") == 2
+    for node in graph.nodes:
+        if is_grouped_mm(node):
+            assert meta.placement(node.args[1], "ep") == Shard(0)
+    # predicted at uniform routing: the rank's 4 x 16 tokens' two rows each, of 64 floats, both
+    # ways in forward and backward; the counts exchanged in full
+    calls = [c for c in program.collectives(0) if c.kind == "all_to_all"]
+    assert [c.numel for c in calls if c.routed] == [64 * 2 * 64] * 8
+    assert [(c.numel, c.dtype) for c in calls if not c.routed] == [(4, torch.int64)] * 2
+
+
+def test_the_all_gather_dispatcher_gathers_the_groups_tokens(mixtral):
+    _, _, captured = mixtral
+    program = fxpar.compile(captured, "dp=2 ep=2 dispatch=allgather")
+    for rank in (0, 1):
+        module = program.rank_module(rank)
+        assert module.get_parameter(EXPERTS[0]).shape == (2, 256, 64)
+        targets = _targets(module)
         assert targets.count("fxpar.gather_to_region.default") == 2  # the tokens, once per layer
         assert targets.count("fxpar.all_gather.default") == 4  # their rows' expert ids and token indices
         assert targets.count("fxpar.group_rows.default") == 2
         assert targets.count("fxpar.reduce_scatter.default") == 2  # the results back
         assert targets.count("fxpar.local_experts.default") == 2
-    for node in graph.nodes:
-        if is_grouped_mm(node):
-            assert meta.placement(node.args[1], "ep") == Shard(0)
 
 
 def test_the_experts_gradients_are_summed_over_the_ranks_holding_them(mixtral):
@@ -88,8 +107,15 @@ def test_bad_plans_are_refused_naming_the_field_and_a_fix(mixtral):
     model, inputs, captured = mixtral
     with pytest.raises(PlanError, match=r"ep=2 with dp=1: .*ep must divide dp. Fix: dp=2 ep=2, or ep=1"):
         fxpar.Plan.parse("ep=2")
-    with pytest.raises(PlanError, match=r"compile=inductor with ep=2: .*Fix: compile=eager, or ep=1"):
+    with pytest.raises(PlanError, match=r"compile=inductor with ep=2 dispatch=alltoall: the rows each rank "
+                                        r"receives are sized by the router.*Fix: compile=eager, or "
+                                        r"dispatch=allgather \(every shape static\), or ep=1"):
         fxpar.Plan.parse("dp=2 ep=2 compile=inductor")
+    with pytest.raises(PlanError, match=r"compile=inductor with ep=2: .*Fix: compile=eager, or ep=1"):
+        fxpar.Plan.parse("dp=2 ep=2 dispatch=allgather compile=inductor")
+    with pytest.raises(PlanError, match=r"dispatch=allgather says how expert parallelism moves tokens.*ep=1. "
+                                        r"Fix: add ep=2"):
+        fxpar.Plan.parse("dp=2 dispatch=allgather")
     # four experts do not split over eight ranks: the message names the layer
     with pytest.raises(PlanError, match=r"'model.model.layers.0.mlp.experts' has 4 experts, which do not split "
                                         r"over 8 ranks. Fix: ep dividing 4 \(for example ep=4\), or ep=1"):

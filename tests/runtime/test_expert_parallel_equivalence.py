@@ -1,9 +1,11 @@
 """Expert parallelism (`ep=N`) trains Hugging Face mixtures of experts exactly as one device does.
 
 Each rank of an expert group (ep ranks carved from dp) holds its share of every MoE layer's
-experts and its own slice of the batch; the group's tokens are gathered, each rank runs its
-experts on the rows routed to them, and the results are summed back to the ranks the tokens
-came from (`passes.expert_parallel`). The models of tests/hf_models.py, unmodified, each with
+experts and its own slice of the batch. Each routed row goes to the rank of its expert by
+all-to-all and its result comes back the same way (the default, `dispatch=alltoall`), or the
+group's tokens are gathered, each rank runs its experts on the rows routed to them, and the
+results are summed back to the ranks the tokens came from (`dispatch=allgather`;
+`passes.expert_parallel`). The models of tests/hf_models.py, unmodified, each with
 its own router: Mixtral (softmax over top-2), Qwen2-MoE (a shared expert beside the routed
 ones, gated by a sigmoid), OLMoE and Qwen3-MoE (routing weights renormalised or not, as each
 configures), DeepSeek-V3 (a dense first layer, multi-head latent attention, a group-limited
@@ -25,12 +27,18 @@ Composed with what the plan offers:
 
 The same checks as test_hf_equivalence (`assert_equivalent`): after 3 AdamW steps, the loss
 of every step, every gradient of the first step and all parameters together, fp32 at relative
-1e-5 (a token's expert rows are the same products, summed with exact zeros from the ranks that
-do not hold its experts; the gradients are summed over other groupings); every collective equal
-to the compiler's prediction; the rank's memory equal to the estimate's, to the byte; the
-global gradient norm (`runner.clip_grad_norm_`) that of the whole gradients, each expert counted
-once. And the point of the axis: each rank holds half of every expert weight, and half their
-optimizer state.
+1e-5 (a token's expert rows are the same products, computed on another rank or summed with
+exact zeros from the ranks that do not hold its experts; the gradients are summed over other
+groupings); every collective equal to the compiler's prediction; the rank's memory equal to the
+estimate's, to the byte; the global gradient norm (`runner.clip_grad_norm_`) that of the whole
+gradients, each expert counted once. And the point of the axis: each rank holds half of every
+expert weight, and half their optimizer state.
+
+The all-to-all moves as many rows as these routers send each rank, which the prediction has at
+uniform routing (`ops.token_dispatch`). A rank's routed calls then match the prediction in all
+but their size, and over the job, where every row sent is received, the sizes add up to the
+predicted ones exactly, and so do the activations the rows' math saves (one microbatch): the
+estimate is the ranks' mean, to the byte.
 """
 
 import functools
@@ -54,10 +62,11 @@ ON_TWO_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=2 ep=2", "
     "mixtral sdpa dp=2 ep=2 bucket_mb=0.05",
     # ZeRO-1/2: the dense weights' flat shards, the experts stepped whole beside them
     "mixtral sdpa dp=2 ep=2 zero=1", "deepseek_v3 sdpa dp=2 ep=2 zero=1", "qwen2_moe sdpa dp=2 ep=2 zero=2 mb=2",
+    "deepseek_v3 sdpa dp=2 ep=2 dispatch=allgather",  # every shape static: each rank as estimated
 ]
 ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 tp=2", "dp=2 ep=2 pp=2 mb=2")
                  ] + ["qwen3_moe sdpa dp=2 ep=2 cp=2",  # the expert group's rows: each rank's slice of its rows
-                      "mixtral sdpa dp=4 ep=2 zero=1"]
+                      "mixtral sdpa dp=4 ep=2 zero=1", "mixtral sdpa dp=4 ep=2 dispatch=allgather"]
 # within bf16 of fp32 (test_mixed_precision_equivalence's tolerances)
 BF16 = ["mixtral sdpa dp=4 ep=2 precision=bf16-mixed",
         "olmoe sdpa dp=4 ep=2 zero=2 precision=bf16-mixed"]  # the experts' fp32 masters stepped whole
@@ -88,13 +97,27 @@ def check_jobs(torchrun, references, jobs: list[str], world: int) -> None:
             if "bf16" in plan:
                 assert_within_bf16(results[job], reference, builder(name)(attention)[0].state_dict(), job)
                 continue
-            assert_equivalent(results[job], reference, job)
+            assert_equivalent(results[job], reference, job, routed="dispatch=allgather" not in plan)
             if plan in ("dp=2 ep=2", "dp=4 ep=2"):  # every expert weight half on this rank, fp32
                 parameters, memory = reference["grads"], results[job]["memory"]  # (buffers are not state)
                 held = sum(t.numel() for t in parameters.values()) - _expert_elements(parameters) // 2
                 assert memory["params"] == 4 * held, job
                 # AdamW's two moments of what the rank holds, and a step counter per tensor
                 assert memory["optimizer"] == 2 * memory["params"] + 4 * len(parameters), job
+        if "dispatch=allgather" not in plan and "bf16" not in plan:
+            assert_routed_as_predicted_over_ranks([results[job] for results in ranks], job)
+
+
+def assert_routed_as_predicted_over_ranks(results: list[dict], job: str) -> None:
+    """Over all ranks, the routed all-to-alls moved the predicted rows and the activations are
+    the estimate's (module doc); each expert group's ranks add up so, hence all of them."""
+    moved, predicted = ([c.numel for r in results for c in r[key] if c.routed] for key in ("comm", "predicted"))
+    assert moved and len(moved) == len(predicted) and sum(moved) == sum(predicted), f"{job}: rows moved"
+    # (one row: see assert_memory_as_estimated; several microbatches: the meter keeps the most
+    # saved at once, and each microbatch is routed its own way, so no sum over ranks is the mean)
+    if results[0]["microbatch_rows"] > 1 and " mb=" not in job:
+        saved = sum(r["memory"]["activations"] for r in results)
+        assert saved == sum(r["predicted_memory"]["activations"] for r in results), f"{job}: activations"
 
 
 def assert_within_bf16(result: dict, reference: dict, initial: dict, job: str) -> None:

@@ -18,6 +18,7 @@ The expected lists are resolved once per step size (`StepProgram.collectives`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from fxpar.errors import StepProgramError
 from fxpar.ir.collectives import Collective
@@ -64,12 +65,13 @@ class StepGuard:
         """Let a call through if it is the next one the program lists on its group (its
         `Collective.signature()` fields; `tag` names it in the error; `channel` the
         communicator, where ranks have several); returns the listed call, which the
-        communicator logs: equal to the call made in all that the ranks match on."""
+        communicator logs: equal to the call made in all that the ranks match on (a routed
+        all-to-all's with the rows it moves, which the router decided)."""
         key = _key(group, kind, channel)
         expected = self._expected.get(key, ())
         position = self._next.get(key, 0)
         wanted = expected[position] if position < len(expected) else None
-        if wanted is None or wanted.signature() != (kind, group, numel, dtype, op):
+        if wanted is None or wanted.signature() != (kind, group, None if wanted.routed else numel, dtype, op):
             made = Collective(kind=kind, group=group, numel=numel, dtype=dtype, op=op, tag=tag)
             where = f"call #{position} of its {len(expected)} on that group"
             raise StepProgramError(
@@ -80,7 +82,7 @@ class StepGuard:
                 "model; otherwise this is an fxpar bug: please report it with the plan"
             )
         self._next[key] = position + 1
-        return wanted
+        return replace(wanted, numel=numel) if wanted.routed else wanted
 
     def finish(self) -> None:
         """At the end of a step: raise unless every listed call was made."""
