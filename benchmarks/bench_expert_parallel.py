@@ -4,16 +4,19 @@
 
 The peer is the model as users train it today without expert parallelism: every rank holds
 every expert, DistributedDataParallel all-reduces every gradient. fxpar's ranks each hold
-half the experts (their weights, gradients and AdamW state), gather each other's tokens for
-them and reduce-scatter the results back (`passes.expert_parallel`), while the dense weights
-are data-parallel as DDP's. Both sides start from one seeded Mixtral (transformers 5, grouped
+half the experts (their weights, gradients and AdamW state) and send each routed row to the
+rank of its expert and back by all-to-all (`--dispatch allgather`: gather each other's tokens
+and reduce-scatter the results back; `passes.expert_parallel`), while the dense weights are
+data-parallel as DDP's. Both sides start from one seeded Mixtral (transformers 5, grouped
 experts), train on the same batches with AdamW and buckets of the same size, and their
 global-batch losses must agree to 1e-5 relative at every step.
 
 Reported per model: the step time of each side and their ratio (median of the timed steps,
 alternating blocks: `harness.run_interleaved`), the bytes the expert collectives moved in the
-last step (`runner.comm_log`) against the compiler's prediction for them (`program.collectives`: exact, every shape is
-static), and the expert state each rank holds against DDP's.
+last step, summed over the ranks (`runner.comm_log`), against the compiler's prediction for them
+(`program.collectives`: the all-gather's shapes are static; the all-to-all's rows are the
+router's, predicted at uniform routing, and over the ranks every row sent is received, so the
+sums agree), and the expert state each rank holds against DDP's.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket MiB, both sides")
     parser.add_argument("--ep", type=int, default=None,
                         help="fxpar's ep (default: the world size; 1 runs fxpar's own dp with the experts replicated)")
+    parser.add_argument("--dispatch", default="alltoall", choices=["alltoall", "allgather"],
+                        help="how fxpar's ep moves tokens to their experts")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
 
@@ -79,7 +84,8 @@ def bench_model(name: str, args: argparse.Namespace):
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=generator)
         batches.append((ids, ids.clone()))
     ep = world if args.ep is None else args.ep
-    plan = f"dp={world} ep={ep} bucket_mb={args.bucket_mb:g}" if ep > 1 else f"dp={world} bucket_mb={args.bucket_mb:g}"
+    experts = f" ep={ep} dispatch={args.dispatch}" if ep > 1 else ""
+    plan = f"dp={world}{experts} bucket_mb={args.bucket_mb:g}"
     program = fxpar.compile(model, plan, example_inputs=batches[0])
     runner = program.bind(timeout=120)
     local = [runner.local_batch(*b) for b in batches]
@@ -96,9 +102,10 @@ def bench_model(name: str, args: argparse.Namespace):
     # the last step's expert collectives (`comm_log`), against the compiler's list of them
     predicted = [c for c in program.collectives(runner.rank, backend=runner.backend) if c.tag.startswith("ep ")]
     moved = [c for c in runner.comm_log() if c.tag.startswith("ep ")]
+    ep_bytes = torch.tensor([sum(c.payload_bytes for c in calls) for calls in (predicted, moved)])
+    torch.distributed.all_reduce(ep_bytes)  # over the ranks (module doc)
     result = {"model": name, "plan": plan, "seq": seq, "batch": BATCH, "parameters": program.captured.parameter_count(),
-              "ep_bytes_predicted": sum(c.payload_bytes for c in predicted),
-              "ep_bytes_moved": sum(c.payload_bytes for c in moved),
+              "ep_bytes_predicted": int(ep_bytes[0]), "ep_bytes_moved": int(ep_bytes[1]),
               "expert_bytes_ddp": expert_bytes(ddp_model), "expert_bytes_fxpar": expert_bytes(runner.modules[0]),
               **comparison(runs, "ddp", ddp_losses, fx_losses, mismatch)}
     return result, runner

@@ -204,7 +204,8 @@ def run_mixtral() -> dict[str, float]:
     print(f"estimate of rank {estimate.rank}: {estimate.time['total']:.2f} s/step, "
           f"{estimate.memory['total'] / 2**30:.1f} GiB peak, params {estimate.memory['params'] / 2**30:.2f} GiB; "
           f"total {total:.1f} s (target 60 s)")
-    for fits in ("checkpoint=full", "checkpoint=full precision=bf16-mixed"):  # the buffers recomputed
+    for fits in ("checkpoint=full", "checkpoint=full precision=bf16-mixed", "dispatch=allgather",
+                 "dispatch=allgather checkpoint=full"):
         other = fxpar.compile(captured, f"{MIXTRAL_PLAN} {fits}", check=False).estimate()
         print(f"  with {fits}: {other.time['total']:.2f} s/step, {other.memory['total'] / 2**30:.1f} GiB peak")
     return {r[0]: float(r[1]) for r in rows}

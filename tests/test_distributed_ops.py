@@ -42,6 +42,11 @@ class RecordingAxis:
         self.log.append(("reduce_scatter", tensor.numel(), "sum", tag, phase))
         output.copy_(tensor.chunk(SIZE)[INDEX] * SIZE)
 
+    def all_to_all(self, output, tensor, *, tag, phase, output_splits=None, input_splits=None):
+        assert output_splits is None and input_splits is None  # (the routed op: test_expert_parallel_equivalence)
+        self.log.append(("all_to_all", tensor.numel(), "none", tag, phase))
+        output.copy_(torch.cat([tensor.chunk(SIZE)[INDEX]] * SIZE))
+
 
 @pytest.fixture
 def axis():
@@ -55,7 +60,7 @@ def axis():
 CASES = {
     "all_reduce": (P, R), "all_reduce_max": (P, R), "copy_to_region": (R, R),
     "split_to_shard": (R, Shard(1)), "all_gather": (Shard(1), R),
-    "gather_to_region": (Shard(1), R), "reduce_scatter": (P, Shard(1)),
+    "gather_to_region": (Shard(1), R), "reduce_scatter": (P, Shard(1)), "all_to_all": (Shard(1), Shard(1)),
 }
 
 
@@ -81,7 +86,7 @@ def _predicted(op, x_shape, placements):
     return [(c.kind, evaluate(c.numel, {}), c.op, c.tag, c.phase) for c in (*forward, *backward)]
 
 
-@pytest.mark.parametrize("name", [op.name for op in OPS if not op.many])
+@pytest.mark.parametrize("name", [op.name for op in OPS if op.standard])
 def test_registered_and_eager_forms_issue_the_predicted_collectives(name, axis):
     op = next(o for o in OPS if o.name == name)
     logs, outputs, grads = [], [], []
@@ -104,7 +109,7 @@ def test_registered_and_eager_forms_issue_the_predicted_collectives(name, axis):
         torch.testing.assert_close(grads[0], other, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", [op.name for op in OPS if not op.many])
+@pytest.mark.parametrize("name", [op.name for op in OPS if op.standard])
 def test_fake_kernels_give_the_real_shapes(name, axis):
     op = next(o for o in OPS if o.name == name)
     real = op.overload(*_args(op, torch.zeros(2, 4, 6)))
@@ -113,7 +118,7 @@ def test_fake_kernels_give_the_real_shapes(name, axis):
     assert shape == real.shape
 
 
-@pytest.mark.parametrize("name", [op.name for op in OPS if not op.many])
+@pytest.mark.parametrize("name", [op.name for op in OPS if op.standard])
 def test_opcheck_accepts_every_op(name, axis):
     op = next(o for o in OPS if o.name == name)
     x = torch.randn(2, 4, 6, requires_grad=op.backward is not None)

@@ -112,7 +112,8 @@ def test_json_round_trip_is_exact(plan: Plan) -> None:
 
 
 def test_to_dict_has_every_field_under_its_canonical_name() -> None:
-    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "cp": 1, "ep": 1, "tp_rules": "auto",
+    defaults = {"bucket_mb": None, "zero": 0, "precision": "fp32", "tp": 1, "cp": 1, "ep": 1, "dispatch": "alltoall",
+                "tp_rules": "auto",
                 "sequence_parallel": False, "pp": 1, "schedule": "1f1b", "virtual_stages": 1,
                 "split": [], "prefetch": None, "reshard_after_forward": True, "reduce_dtype": "fp32",
                 "checkpoint": "none", "rng": "fast", "zero_reduce": "auto", "compile": "eager", "loss": "full"}

@@ -27,7 +27,7 @@ def test_unknown_key_lists_keys_and_suggests_the_closest() -> None:
     message = str(caught.value)
     assert "unknown plan key 'dpp'" in message and "dpp=2" in message
     assert "Did you mean 'dp' or 'pp'?" in message
-    assert "Supported keys: dp, tp, pp, cp, ep, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, zero, zero_reduce, precision" in message
+    assert "Supported keys: dp, tp, pp, cp, ep, dispatch, sp, tp_rules, schedule, virtual_stages, split, mb (or microbatches), bucket_mb, zero, zero_reduce, precision" in message
     assert "Fix: rename or remove 'dpp'" in message
     assert caught.value.field == "dpp" and caught.value.value == "2"
 
