@@ -130,6 +130,14 @@ SURVEY: dict[str, Callable[[str], tuple[nn.Module, dict]]] = {
     "qwen2_moe": _causal("Qwen2MoeConfig", **_DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                          shared_expert_intermediate_size=64),
     "olmoe": _causal("OlmoeConfig", **_DECODER, num_experts=4, num_experts_per_tok=2),
+    # The routers' load-balancing loss added to the cross entropy (a product of the batch's
+    # means), weighed 1, not 0.01-0.02 as in training, so that a rank's own statistics (0.1%
+    # off here) would show far beyond the tests' 1e-5
+    "mixtral_aux": _causal("MixtralConfig", **_DECODER, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=1.0),
+    "qwen2_moe_aux": _causal("Qwen2MoeConfig", **_DECODER, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                             output_router_logits=True, router_aux_loss_coef=1.0),
     # Multi-head latent attention (keys filled slice by slice into an empty tensor), a dense
     # first layer, then routed and shared experts.
     "deepseek_v3": _causal("DeepseekV3Config", **_SMALL, n_routed_experts=4, num_experts_per_tok=2,

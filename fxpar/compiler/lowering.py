@@ -208,10 +208,12 @@ def lower_row(program, pp: int, ahead: int, *, per_microbatch: bool
     else:
         step, optimizer = _pipeline_row(program, pp, ahead, per_microbatch)
     # The count may ride in DDP's first bucket, which divides the gradients and the loss it
-    # carries by it; under cp the loss is summed over cp after the buckets, and under ep the
-    # experts' gradients are in no bucket, so it goes ahead.
+    # carries by it; under cp the loss is summed over cp after the buckets, under ep the
+    # experts' gradients are in no bucket, and a loss term of batch statistics
+    # (`passes.batch_statistics`) is no sum over targets, so it goes ahead.
     count_may_ride = (program.stages is None and program.plan.zero == 0 and program.plan.cp == 1
-                      and program.plan.ep == 1 and carries_loss(program.buckets))
+                      and program.plan.ep == 1 and not meta.graph_loss(program.graph_module).statistics
+                      and carries_loss(program.buckets))
     return ride_agreements(step, count_may_ride=count_may_ride), optimizer
 
 

@@ -10,6 +10,7 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
            cast_to_bf16                          (precision=bf16-mixed)
            shard_tensor_parallel(placements=..., tp=2, sequence_parallel=False, ...)
            place_data_parallel(batch=frozenset({s35}))
+           make_statistics_global(dp=2)          (a loss adding a router's balancing loss)
            draw_from_streams(exact=False, dp=2, tp=2, microbatches=1)   (a model that draws)
            assign_stages(stages=2, split=(), cost=..., memory=..., in_flight=(2.0, 1.0))
     stage: defer_weight_gradients
@@ -21,7 +22,8 @@ bound with `functools.partial`, so `print(program.passes)` shows the whole pipel
 follows: every later pass, and the ops it inserts, sees the dtypes a rank computes in. Tensor
 parallelism runs next: it decides which parameters are split, and gradient buckets are sized
 by the shards each rank really holds. Placements on the dp axis follow, over the ops tensor
-parallelism inserted too. A chunked loss replaces the whole-vocabulary cross entropies the
+parallelism inserted too; they say which values reduce the rank's tokens, which a loss term
+of batch statistics then takes over the whole batch (`passes.batch_statistics`). A chunked loss replaces the whole-vocabulary cross entropies the
 tensor-parallel rewrite left (`passes.chunked_loss`), taking the loss's placements. Random ops are given their streams once both axes are placed (a
 draw's slice is read from its placements) and before the cut, so that they are numbered in
 the whole graph's order (`passes.random_draws`). The pipeline cut comes after: stages hold tensor-parallel shards,
@@ -55,9 +57,10 @@ from fxpar.passes.chunked_loss import chunk_cross_entropy
 from fxpar.passes.context_parallel import split_sequence
 from fxpar.passes.data_parallel import assign_gradient_buckets
 from fxpar.passes.dp_placement import place_data_parallel
+from fxpar.passes.batch_statistics import make_statistics_global, refuse_batch_pieces
 from fxpar.passes.expert_parallel import split_experts
 from fxpar.passes.infra import GraphPass, pass_name
-from fxpar.passes.loss_normalisation import normalise_loss
+from fxpar.passes.loss_normalisation import normalise_loss, statistics_term
 from fxpar.passes.mixed_precision import cast_to_bf16
 from fxpar.passes.pipeline import assign_stages
 from fxpar.passes.random_draws import draw_from_streams, draws_randomness
@@ -105,6 +108,9 @@ def pass_list(plan: Plan, captured: CapturedGraph, *, mesh: Mesh, hardware: str)
     if plan.ep > 1:
         graph.append(partial(split_experts, ep=plan.ep, dispatch=plan.dispatch))
     graph.append(partial(place_data_parallel, batch=frozenset(captured.export_symbols("batch"))))
+    if (term := statistics_term(captured.graph_module)) is not None:
+        refuse_batch_pieces(term, microbatches=plan.microbatches, pp=plan.pp, cp=plan.cp)
+        graph.append(partial(make_statistics_global, dp=plan.dp))
     if plan.loss == "chunked":
         graph.append(chunk_cross_entropy)
     if draws_randomness(captured.graph_module):

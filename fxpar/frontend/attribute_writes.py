@@ -50,8 +50,12 @@ from fxpar.errors import CaptureError, shown
 _DEPTH = 3  # how deep containers and objects are compared
 _ITEMS = 64  # the items of one container compared one by one (its length always)
 # nn.Module's own tables (and the lazy modules' hooks), all but `training`: export and hooks
-# change them while tracing, and they are no state forward computes with.
-_BOOKKEEPING = (frozenset(vars(torch.nn.Module())) | {"_initialize_hook", "_load_hook"}) - {"training"}
+# change them while tracing, and they are no state forward computes with. Likewise the flag
+# transformers (5.x) sets when its first forward installs the hooks that record outputs such
+# as the routers' logits (`maybe_install_capturing_hooks`): the hooks record into each call's
+# own context, the same way on every call, so the flag changes no op of the graph.
+_BOOKKEEPING = (frozenset(vars(torch.nn.Module())) | {"_initialize_hook", "_load_hook",
+                                                      "_output_capturing_hooks_installed"}) - {"training"}
 _VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 _BY_IDENTITY = (torch.nn.Module, type, types.ModuleType, types.FunctionType,
                 types.BuiltinFunctionType, types.MethodType, functools.partial, torch.SymInt, torch.SymFloat,

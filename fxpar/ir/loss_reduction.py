@@ -23,3 +23,10 @@ class LossReduction:
     count_module: fx.GraphModule | None = None
     count_dtype: torch.dtype = torch.float32  # of `valid_targets`: the loss's own dtype
     reason: str = ""  # why not `sums`, for the warning
+    # The loss adds to the cross entropy a term of the batch's statistics (a router's
+    # load-balancing loss or z-loss: products of means over the tokens), the graph node
+    # `STATISTICS` marks; `passes.batch_statistics` makes them the global batch's.
+    statistics: bool = False
+
+
+STATISTICS = "fxpar.loss_statistics"  # node meta: the term of batch statistics the loss adds

@@ -26,6 +26,11 @@ microbatch before the step and sums over the data-parallel group: as two digits 
 DDP's first gradient bucket, which then divides the summed gradients by it, or in one small
 all-reduce of its own (`fxpar.compiler.lowering.ride_agreements`, `step_start_actions`).
 
+A mean cross entropy plus another term (`ce + 0.02 * aux`: Hugging Face's MoE models add
+their routers' load-balancing loss so) is rewritten the same way, the term added to the
+rewritten mean and marked (`loss_reduction.STATISTICS`): such a term is made of the batch's
+statistics, which `passes.batch_statistics` makes the global batch's.
+
 A loss of any other form (class weights, label smoothing, a loss computed by hand) keeps the
 mean of the pieces' means, which equals one device only when the pieces are alike; compile
 warns about it once when the plan splits the batch.
@@ -42,7 +47,7 @@ import torch.fx as fx
 
 from fxpar.ir import meta
 from fxpar.ir.graph_paths import ancestors
-from fxpar.ir.loss_reduction import COUNT_INPUT, LossReduction
+from fxpar.ir.loss_reduction import COUNT_INPUT, STATISTICS, LossReduction
 from fxpar.passes.contracts import broken, ensures
 
 aten = torch.ops.aten
@@ -65,7 +70,7 @@ def loss_reduction_recorded(gm: fx.GraphModule) -> None:
 def normalise_loss(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite a mean cross entropy / NLL loss into sum / `valid_targets` (see module doc)."""
     output = gm.graph.output_node()
-    loss = output.args[0]
+    loss, extra = _cross_entropy_plus(output.args[0])
     reason = _why_not_a_mean_over_targets(loss)
     if reason:
         gm.meta[meta.GRAPH_LOSS] = LossReduction(sums=False, reason=reason)
@@ -84,11 +89,43 @@ def normalise_loss(gm: fx.GraphModule) -> fx.GraphModule:
     with gm.graph.inserting_after(loss):
         mean = gm.graph.call_function(aten.div.Tensor, (loss, count))
     mean.meta.update({k: v for k, v in loss.meta.items()})
-    output.args = (mean,)
+    if extra is None:
+        output.args = (mean,)
+    else:
+        model_sum = output.args[0]
+        output.args = (_added(gm.graph, model_sum, mean, extra),)
+        gm.graph.erase_node(model_sum)  # (an in-place add would write the sum)
     gm.meta[meta.GRAPH_LOSS] = LossReduction(
-        sums=True, count_module=count_module, count_dtype=count.meta["val"].dtype
+        sums=True, count_module=count_module, count_dtype=count.meta["val"].dtype, statistics=extra is not None,
     )
     return gm
+
+
+def statistics_term(gm: fx.GraphModule) -> fx.Node | None:
+    """The term `normalise_loss` finds added to a mean cross entropy in `gm`'s loss, if any."""
+    loss, term = _cross_entropy_plus(gm.graph.output_node().args[0])
+    return None if _why_not_a_mean_over_targets(loss) else term
+
+
+def _cross_entropy_plus(loss: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """(the cross entropy, the term added to it) for `ce + term` (in place or not), where the
+    term does not read the cross entropy; else (`loss`, None)."""
+    if loss.op == "call_function" and loss.target in (aten.add.Tensor, aten.add_.Tensor) and not loss.kwargs:
+        for ce, term in (loss.args, loss.args[::-1]):
+            if (isinstance(ce, fx.Node) and isinstance(term, fx.Node) and ce.target in _MEAN_LOSSES
+                    and ce not in ancestors(term) and isinstance(term.meta.get("val"), torch.Tensor)):
+                return ce, term
+    return loss, None
+
+
+def _added(graph: fx.Graph, loss: fx.Node, mean: fx.Node, term: fx.Node) -> fx.Node:
+    """`mean + term` in place of the model's `loss` (an in-place add becomes a plain one), the
+    term marked as the batch's statistics."""
+    with graph.inserting_after(loss):
+        total = graph.call_function(aten.add.Tensor, (mean, term))
+    total.meta.update(loss.meta)
+    term.meta[STATISTICS] = True
+    return total
 
 
 def _argument(node: fx.Node, position: int, name: str, default):
