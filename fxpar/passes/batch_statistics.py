@@ -13,8 +13,8 @@ the term's statistics are made the global batch's (`normalise_loss` marks the te
 
 - each reduction of the rank's tokens in the term (a value sized by the batch reduced to one
   that is not: `Partial` on dp after `place_data_parallel`) is all-reduced over dp: a sum
-  (sum, histc) becomes the batch's sum, a mean the mean of the ranks' means (each rank holds as
-  many tokens);
+  (sum, histc) becomes the batch's sum, and a mean is taken as the sum over its count times
+  dp, the batch's mean;
 - a count the term divides by, made from the rank's batch size, becomes the batch's (times dp);
 - the term, now one device's on every rank, joins each rank's loss as
   `term - (dp - 1) / dp * term.detach()`: its value is term / dp, so that the ranks' losses sum
@@ -136,12 +136,37 @@ def _all_reduced(graph: fx.Graph, node: fx.Node, dp: int) -> fx.Node:
             f"({node.target}, in module {meta.module_path(node)!r}), which fxpar can make the whole "
             "batch's only for a sum, a histogram or a mean. Fix: dp=1, or leave the term out of the loss",
             field="dp", value=dp)
+    if node.target in _MEANS:
+        return _mean_of_the_batch(graph, node, dp)
     users = list(node.users)
     total = _insert(graph, fxpar_ops.all_reduce.default, (node, AXIS), node.next, like=node)
-    value = _insert(graph, aten.div.Tensor, (total, dp), total.next, like=node) if node.target in _MEANS else total
     for user in users:
-        user.replace_input_with(node, value)
-    return value
+        user.replace_input_with(node, total)
+    return total
+
+
+def _mean_of_the_batch(graph: fx.Graph, mean: fx.Node, dp: int) -> fx.Node:
+    """The mean node made the batch's mean: the rank's sum (a summand of the batch's, `Partial`)
+    all-reduced, over the rank's count times dp. The node keeps its name and its meaning."""
+    summed = _insert(graph, aten.sum.default if mean.target is aten.mean.default else aten.sum.dim_IntList,
+                     mean.args, mean, like=mean, kwargs=dict(mean.kwargs))
+    meta.set_placement(summed, AXIS, Partial())
+    total = _insert(graph, fxpar_ops.all_reduce.default, (summed, AXIS), mean, like=mean)
+    count = _scalar(graph, aten.sym_numel.default, (mean.args[0],), mean)
+    if mean.target is not aten.mean.default:  # over some dims: the elements per result
+        count = _scalar(graph, operator.floordiv, (count, _scalar(graph, aten.sym_numel.default, (summed,), mean)),
+                        mean)
+    mean.target, mean.args, mean.kwargs = aten.div.Tensor, (total, _scalar(graph, operator.mul, (count, dp), mean)), {}
+    meta.set_placement(mean, AXIS, R)
+    return mean
+
+
+def _scalar(graph: fx.Graph, target, args: tuple, before: fx.Node) -> fx.Node:
+    """A size computed from sizes (a SymInt node)."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+    return node
 
 
 def _count_the_batch(gm: fx.GraphModule, node: fx.Node, dp: int) -> None:
@@ -170,10 +195,12 @@ def _share_of_the_loss(graph: fx.Graph, term: fx.Node, dp: int) -> None:
         user.replace_input_with(term, share)
 
 
-def _insert(graph: fx.Graph, target, args: tuple, before: fx.Node, *, like: fx.Node, grad: bool | None = None) -> fx.Node:
+def _insert(graph: fx.Graph, target, args: tuple, before: fx.Node, *, like: fx.Node, grad: bool | None = None,
+            kwargs: dict | None = None) -> fx.Node:
     with graph.inserting_before(before):
-        node = graph.call_function(target, args)
-    node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+        node = graph.call_function(target, args, kwargs or {})
+    value = lambda n: n.meta["val"]  # noqa: E731
+    node.meta["val"] = target(*fx.node.map_arg(args, value), **fx.node.map_arg(kwargs or {}, value))
     node.meta[meta.MODULE_PATH] = meta.module_path(like)
     node.meta[meta.REQUIRES_GRAD] = meta.requires_grad(like) if grad is None else grad
     node.meta[meta.PLACEMENT] = meta.placements(like)

@@ -67,3 +67,31 @@ def test_plans_that_split_the_batch_into_pieces_are_refused(captured, plan, key)
     with pytest.raises(PlanError, match=rf"plan {key}: the loss adds a term of the whole batch's statistics to "
                                         r"the cross entropy .*Fix: mb=1, pp=1 and cp=1"):
         fxpar.compile(captured, plan)
+
+
+class RouterZLoss(torch.nn.Module):
+    """Not a Hugging Face model: a router whose z-loss (ST-MoE, Zoph et al. 2022, eq. 5: the mean
+    over the tokens of logsumexp(logits)^2) is added to a mean cross entropy, a mean the term
+    takes over the whole batch (all-reduced, then divided by dp)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.router, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 64)
+
+    def forward(self, ids, labels):
+        hidden = self.embed(ids)
+        logits = self.router(hidden)
+        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        gated = hidden * torch.softmax(logits, dim=-1).amax(dim=-1, keepdim=True)
+        return torch.nn.functional.cross_entropy(self.head(gated).flatten(0, 1), labels.flatten()) + 0.1 * z_loss
+
+
+@pytest.mark.multirank
+def test_a_router_z_loss_is_one_devices_under_dp():
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[3, 2:] = -100  # the ranks' counts of valid targets differ
+    report = fxpar.verify(RouterZLoss(), "dp=2", (ids, labels), timeout=30)
+    assert report.equal, str(report)
+    assert report.compared["parameter gradient"] == 5

