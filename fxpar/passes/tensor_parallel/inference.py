@@ -23,6 +23,9 @@ finds these by following data from op to op, never by graph order:
   and up) is column-parallel, the second one row-parallel. Without the activation on the path
   there is no pair: a layer's attention output reaches the next MLP through the residual
   stream and a norm's scaling, which must stay whole.
+* a mixture of experts' grouped matmuls (`projections.GroupedProjection`) are an MLP pair per
+  layer: the one computing the experts' gate|up column-parallel, the one it feeds row-parallel,
+  keyed by parameter (the two weights share the experts module);
 * an embedding looked up with token ids straight from an input (not positions from an arange),
   and the projection feeding cross entropy, split the vocabulary ("vocab").
 
@@ -39,7 +42,10 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir import meta
-from fxpar.passes.tensor_parallel.projections import Projection, packet, projection_of, projections
+from fxpar.ir.graph_paths import ancestors
+from fxpar.passes.tensor_parallel.projections import (
+    Projection, grouped_projection_of, packet, projection_of, projections,
+)
 
 aten = torch.ops.aten
 
@@ -78,6 +84,7 @@ def infer_styles(gm: fx.GraphModule) -> dict[str, Style]:
             for producer in upstream_projections(consumer.x):
                 _set(styles, producer, "colwise", keep=True)
             _set(styles, consumer, "rowwise")
+    styles.update(_expert_pairs(gm.graph))
     for node in gm.graph.nodes:
         if packet(node) is aten.embedding and _reads_an_input(node.args[1]):
             if (name := meta.parameter_name(node.args[0])) is not None:
@@ -85,6 +92,23 @@ def infer_styles(gm: fx.GraphModule) -> dict[str, Style]:
         if packet(node) is aten.cross_entropy_loss:
             for producer in upstream_projections(node.args[0]):
                 _set(styles, producer, "vocab", keep=True)
+    return styles
+
+
+def _expert_pairs(graph: fx.Graph) -> dict[str, Style]:
+    """A mixture of experts' MLP pair, by parameter: the grouped projections of one layer (one
+    offsets node) whose rows another of them computed are row-parallel, the others (gate|up)
+    column-parallel, each expert split as a dense MLP is (Megatron-Core's expert tensor
+    parallelism)."""
+    layers: dict[fx.Node, list] = {}
+    for node in graph.nodes:
+        if (grouped := grouped_projection_of(node)) is not None:
+            layers.setdefault(node.args[2] if len(node.args) > 2 else node.kwargs.get("offs"), []).append(grouped)
+    styles = {}
+    for layer in layers.values():
+        for grouped in layer:
+            fed = any(other.node in ancestors(grouped.node.args[0]) for other in layer)
+            styles[meta.parameter_name(grouped.parameter)] = "rowwise" if fed else "colwise"
     return styles
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.ir import meta
+from fxpar.ops.expert_routing import is_grouped_mm
 
 aten = torch.ops.aten
 
@@ -104,6 +105,36 @@ def projections(graph: fx.Graph) -> list[Projection]:
     return [p for node in graph.nodes if (p := projection_of(node)) is not None]
 
 
+@dataclass(frozen=True)
+class GroupedProjection:
+    """A mixture of experts' `grouped_mm(rows, W, offsets)` (`ops.expert_routing.is_grouped_mm`):
+    each expert's rows times its matrix of the 3D weight operand (experts, in, out). `parameter`
+    is the expert weights the operand is (`transposed`: a (experts, out, in) parameter, as
+    transformers stores them, seen through `transpose(-2, -1)`)."""
+
+    node: fx.Node
+    parameter: fx.Node
+    transposed: bool
+
+    @property
+    def out_dim(self) -> int:
+        """The parameter's dim of the output features (in_dim: the other of 1 and 2)."""
+        return 1 if self.transposed else 2
+
+
+def grouped_projection_of(node: fx.Node) -> GroupedProjection | None:
+    """The grouped projection `node` computes with a 3D parameter, or None."""
+    if not is_grouped_mm(node):
+        return None
+    operand = node.args[1]
+    if is_parameter(operand) and operand.meta["val"].dim() == 3:
+        return GroupedProjection(node, operand, transposed=False)
+    if (packet(operand) is aten.transpose and is_parameter(operand.args[0]) and operand.args[0].meta["val"].dim() == 3
+            and sorted(d % 3 for d in operand.args[1:3]) == [1, 2]):
+        return GroupedProjection(node, operand.args[0], transposed=True)
+    return None
+
+
 def fused_projections(gm: fx.GraphModule) -> dict[str, int | tuple[int, ...]]:
     """Parameters of projections whose output the graph cuts into blocks: {name: blocks}, a
     count of equal blocks or the relative widths of unequal ones (`placement.Shard.parts`).
@@ -127,6 +158,9 @@ def fused_projections(gm: fx.GraphModule) -> dict[str, int | tuple[int, ...]]:
         for parameter in (projection.weight, projection.bias):
             if is_parameter(parameter):
                 fused[meta.parameter_name(parameter)] = blocks
+    for node in gm.graph.nodes:  # an expert's gate|up, cut in two after the grouped matmul
+        if (grouped := grouped_projection_of(node)) is not None and (blocks := _blocks_of_last_dim(node)) is not None:
+            fused[meta.parameter_name(grouped.parameter)] = blocks
     return fused
 
 

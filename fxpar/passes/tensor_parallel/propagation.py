@@ -22,6 +22,7 @@ import torch.fx as fx
 from fxpar.errors import PlanError
 from fxpar.ir import meta
 from fxpar.ir.placement import P, Partial, R, Replicate, Shard
+from fxpar.ops.expert_routing import is_grouped_mm
 from fxpar.passes.tensor_parallel.decision import (
     Context, Decision, Rewrite, _dim, _resolve_partials, shape_of, tensor_inputs,
 )
@@ -139,6 +140,36 @@ def projection(node: fx.Node, ctx: Context) -> Decision:
         return Decision(xp, {x: xp, weight: R} | ({bias: R} if bias is not None else {}))
     if isinstance(xp, Partial) and bias is None:
         return Decision(P, {x: P, weight: R})
+    return _replicated(node)
+
+
+def grouped_projection(node: fx.Node, ctx: Context) -> Decision:
+    """A mixture of experts' grouped matmul, `rows @ W[expert]` (`projections.GroupedProjection`),
+    as a projection: weights split on their output dim (the operand's last) make a
+    column-parallel output from whole rows; split on their input dim they take rows split on
+    their last dim and make partial sums. The offsets (each expert's rows) are whole."""
+    rows, weights = node.args[0], node.args[1]
+    wp = ctx.placement(weights)
+    others = {n: R for n in tensor_inputs(node) if n not in (rows, weights)}
+    if isinstance(wp, Shard) and wp.dim == 2:
+        return Decision(Shard(1, wp.parts), {rows: R, weights: wp, **others})
+    if isinstance(wp, Shard) and wp.dim == 1:
+        return Decision(P, {rows: Shard(1, wp.parts), weights: wp, **others})
+    return _replicated(node)
+
+
+def row_index(node: fx.Node, ctx: Context) -> Decision:
+    """`x[i]`, rows picked by one whole index tensor (a mixture of experts puts its rows in
+    order so): the picked rows of a partial sum are a partial sum, and a split of the dims
+    after the picked one stays, behind the index's dims."""
+    source, indices = node.args[0], node.args[1]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        return _replicated(node)
+    placement, (index,) = ctx.placement(source), indices
+    if isinstance(placement, Partial):
+        return Decision(P, {source: P, index: R})
+    if isinstance(placement, Shard) and placement.dim >= 1:
+        return Decision(Shard(placement.dim - 1 + len(shape_of(index)), placement.parts), {source: placement, index: R})
     return _replicated(node)
 
 
@@ -261,6 +292,7 @@ RULES: dict[object, Callable[[fx.Node, Context], Decision]] = {
     aten.layer_norm: reduction, aten.softmax: reduction, aten._softmax: reduction,
     aten.log_softmax: reduction, aten._log_softmax: reduction, aten.mean: reduction,
     aten.sum: reduction, aten.amax: reduction,
+    aten.index: row_index,
     aten.linear: projection, aten.addmm: projection, aten.mm: projection,
     aten.matmul: projection, aten.bmm: matmul,
     aten.scaled_dot_product_attention: attention,
@@ -273,6 +305,8 @@ RULES: dict[object, Callable[[fx.Node, Context], Decision]] = {
 
 
 def rule_for(node: fx.Node) -> Callable[[fx.Node, Context], Decision] | None:
+    if is_grouped_mm(node):  # (an op of transformers' library, registered when it loads)
+        return grouped_projection
     target = node.target
     key = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
     return RULES.get(key)

@@ -14,7 +14,10 @@ GPT-2's Conv1D addmm, mm, matmul) and embedding lookups, and through them on the
     packed_rowwise         Shard(in_dim, parts=2)
     replicate              Replicate            Replicate         Replicate
 
-(`out_dim` is 0 for a linear's (out, in) weight and 1 for an (in, out) one.) A fused q|k|v
+(`out_dim` is 0 for a linear's (out, in) weight and 1 for an (in, out) one; a mixture of
+experts' 3D weights, `(experts, out, in)` as transformers stores them, are split the same way
+behind their experts' dim: colwise `Shard(1)`, rowwise `Shard(2)`, each expert on every rank
+in its slice, Megatron-Core's expert tensor parallelism.) A fused q|k|v
 projection whose output the graph splits into k equal blocks gets `parts=k` under colwise too,
 and one it slices into unequal blocks (Phi-3's grouped-query q|k|v) their relative widths,
 `parts=(2, 1, 1)` (`projections.fused_projections`).
@@ -50,7 +53,7 @@ from fxpar.errors import PlanError
 from fxpar.ir import meta
 from fxpar.ir.placement import R, Placement, Shard
 from fxpar.passes.tensor_parallel.inference import infer_styles
-from fxpar.passes.tensor_parallel.projections import fused_projections, packet, projection_of
+from fxpar.passes.tensor_parallel.projections import fused_projections, grouped_projection_of, packet, projection_of
 
 __all__ = [
     "HF_STYLES", "STYLES", "ParameterPlacements", "Use", "fused_projections",
@@ -62,6 +65,10 @@ Style = str
 STYLES = ("colwise", "rowwise", "vocab", "replicate", "colwise_gather_output", "packed_colwise",
           "packed_rowwise")
 _ROWWISE = {"rowwise", "packed_rowwise"}
+# (out_dim, in_dim) of a projection's weight, by the kind of its use: a linear's (out, in), a
+# matmul's (in, out), and a mixture of experts' 3D weights, (experts, out, in) as transformers
+# stores them (transposed for the grouped matmul), or (experts, in, out)
+_WEIGHT_DIMS = {"linear": (0, 1), "matmul": (1, 0), "grouped_linear": (1, 2), "grouped_matmul": (2, 1)}
 _GATHERED = {"colwise_gather_output"}
 _PACKED = {"packed_colwise", "packed_rowwise"}
 PACKED_BLOCKS = 2  # transformers' split_factor: a packed weight is gate|up unless the graph says
@@ -108,7 +115,8 @@ class Use:
     """One use of a parameter by an op: what the op is to it, and the op's weight for a bias."""
 
     node: fx.Node
-    kind: str  # "linear" (weight (out, in)), "matmul" (weight (in, out)), "embedding", "other"
+    kind: str  # "linear" (weight (out, in)), "matmul" (weight (in, out)), "grouped_linear" (experts'
+    # weights (experts, out, in)), "grouped_matmul" ((experts, in, out)), "embedding", "other"
     role: str  # "weight", "bias" or "other"
     weight: str | None = None  # for a projection's bias: its weight's parameter name
 
@@ -123,6 +131,10 @@ def parameter_uses(gm: fx.GraphModule) -> dict[str, tuple[Use, ...]]:
 
 
 def _use(parameter: fx.Node, user: fx.Node) -> Use:
+    grouped = next((g for u in (user, *user.users) if (g := grouped_projection_of(u)) is not None
+                    and g.parameter is parameter), None)
+    if grouped is not None:  # the parameter, or its transpose, as a grouped matmul's weights
+        return Use(grouped.node, "grouped_linear" if grouped.transposed else "grouped_matmul", "weight")
     projection = projection_of(user)
     if projection is not None:
         kind = "linear" if projection.out_dim == 0 else "matmul"
@@ -154,10 +166,10 @@ def placement_for(kind: str, role: str, style: Style, *, parts: int = 1) -> Plac
         return R
     if kind == "embedding":
         return Shard(0) if style in ("vocab", *_ROWWISE) else Shard(1)
-    out_dim = 0 if kind == "linear" else 1
+    out_dim, in_dim = _WEIGHT_DIMS[kind]
     if style in _ROWWISE:
         rows = PACKED_BLOCKS if style in _PACKED else 1
-        return R if role == "bias" else Shard(1 - out_dim, rows)
+        return R if role == "bias" else Shard(in_dim, rows)
     if style in _PACKED and parts == 1:
         parts = PACKED_BLOCKS
     return Shard(0, parts) if role == "bias" else Shard(out_dim, parts)
