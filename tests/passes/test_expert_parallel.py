@@ -67,6 +67,21 @@ def test_each_rank_holds_half_the_experts_and_runs_them_on_the_groups_rows(mixtr
     assert [(c.numel, c.dtype) for c in calls if not c.routed] == [(4, torch.int64)] * 2
 
 
+def test_tp_splits_each_expert_as_a_dense_mlp(mixtral):
+    """`tp_rules=infer`: each layer's grouped matmuls are an MLP pair, the (experts, 2I, H)
+    gate|up weights split on their output features in two blocks, the (experts, H, I) down
+    weights on their input features; under ep too, behind the experts' own split."""
+    _, _, captured = mixtral
+    program = fxpar.compile(captured, "dp=2 ep=2 tp=2 tp_rules=infer")
+    nodes = meta.parameter_nodes(program.graph_module.graph)
+    gate_up, down = (nodes[f"model.model.layers.0.mlp.experts.{w}"] for w in ("gate_up_proj", "down_proj"))
+    assert meta.placement(gate_up, "tp") == Shard(1, parts=2) and meta.placement(down, "tp") == Shard(2)
+    assert meta.placement(gate_up, "ep") == meta.placement(down, "ep") == Shard(0)
+    module = program.rank_module(1)
+    assert module.get_parameter(EXPERTS[0]).shape == (2, 128, 64)  # 2 experts, half of gate and of up each
+    assert module.get_parameter(EXPERTS[1]).shape == (2, 64, 64)
+
+
 def test_the_all_gather_dispatcher_gathers_the_groups_tokens(mixtral):
     _, _, captured = mixtral
     program = fxpar.compile(captured, "dp=2 ep=2 dispatch=allgather")

@@ -17,7 +17,9 @@ Composed with what the plan offers:
   on its rank;
 - `dp=4 ep=2`: two expert groups, whose ranks holding the same experts sum their gradients
   over edp;
-- `dp=2 ep=2 tp=2`: the experts whole on each tp rank, their tokens replicated over tp;
+- `dp=2 ep=2 tp=2`: the experts whole on each tp rank (the models' own tp plans leave them
+  so), their tokens replicated over tp; with `tp_rules=infer` each expert is split over tp
+  as a dense MLP is, gate|up column-parallel and down row-parallel (Mixtral, DeepSeek-V3);
 - `dp=2 ep=2 pp=2 mb=2`: each stage's MoE layers gather within the stage's expert group;
 - `dp=2 ep=2 zero=3`: the dense weights gathered layer by layer, the experts left on their
   ranks; ZeRO-1 and 2: the dense weights' flat shards stepped, the experts stepped whole;
@@ -72,7 +74,9 @@ ON_TWO_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=2 ep=2", "
 ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 tp=2", "dp=2 ep=2 pp=2 mb=2")
                  ] + ["qwen3_moe sdpa dp=2 ep=2 cp=2",  # the expert group's rows: each rank's slice of its rows
                       "mixtral sdpa dp=4 ep=2 zero=1", "mixtral sdpa dp=4 ep=2 dispatch=allgather",
-                      "qwen2_moe_aux sdpa dp=4 ep=2", "mixtral_aux sdpa dp=2 tp=2"]
+                      "qwen2_moe_aux sdpa dp=4 ep=2", "mixtral_aux sdpa dp=2 tp=2",
+                      # each expert split over tp too (gate|up column-, down row-parallel)
+                      "mixtral sdpa dp=2 ep=2 tp=2 tp_rules=infer", "deepseek_v3 sdpa dp=2 ep=2 tp=2 tp_rules=infer"]
 # within bf16 of fp32 (test_mixed_precision_equivalence's tolerances)
 BF16 = ["mixtral sdpa dp=4 ep=2 precision=bf16-mixed",
         "olmoe sdpa dp=4 ep=2 zero=2 precision=bf16-mixed"]  # the experts' fp32 masters stepped whole
