@@ -77,6 +77,7 @@ from fxpar.ir.graph_paths import ancestors, descendants
 from fxpar.ir.placement import Shard
 from fxpar.ops.expert_routing import is_grouped_mm
 from fxpar.passes.contracts import broken, ensures
+from fxpar.passes.expert_bmm import is_expert_bmm, split_bmm_experts
 
 aten, fxpar_ops = torch.ops.aten, torch.ops.fxpar
 AXIS = "ep"
@@ -94,6 +95,8 @@ def experts_split(gm: fx.GraphModule) -> None:
     the keys of the gathered rows (`fxpar.local_experts`)."""
     local = {fxpar_ops.all_to_all.default, fxpar_ops.local_experts.default}
     for node in gm.graph.nodes:
+        if is_expert_bmm(node) and not isinstance(meta.placement(node.args[1], AXIS), Shard):
+            raise broken("a batched expert matmul's weights are Shard(0) on ep", node)
         if is_grouped_mm(node):
             if not isinstance(meta.placement(_weight(node), AXIS), Shard):
                 raise broken("a grouped matmul's expert weights are Shard(0) on ep", node)
@@ -118,18 +121,23 @@ def split_experts(gm: fx.GraphModule, *, ep: int, dispatch: str = "alltoall") ->
             "weighs as one device does. Fix: return F.cross_entropy(...) as the loss, or ep=1",
             field="ep", value=ep)
     layers: dict[fx.Node, list[fx.Node]] = {}
+    dense: dict[str, list[fx.Node]] = {}  # experts that multiply every token, by module (Llama 4)
     for node in gm.graph.nodes:
         if is_grouped_mm(node):
             layers.setdefault(_offsets(node), []).append(node)
-    if not layers:
+        elif is_expert_bmm(node):
+            dense.setdefault(meta.module_path(node), []).append(node)
+    if not layers and not dense:
         raise PlanError(
             f"plan ep={ep} splits the experts of mixture-of-experts layers, and this model has "
             "none that fxpar can see: no grouped matmul over 3D expert weights (transformers' "
-            "grouped_mm, as Mixtral, Qwen-MoE, OLMoE and DeepSeek-V3 run their experts). "
-            "Fix: ep=1, and spend these ranks on dp",
+            "grouped_mm, as Mixtral, Qwen-MoE, OLMoE and DeepSeek-V3 run their experts), nor a "
+            "batched one (Llama 4's). Fix: ep=1, and spend these ranks on dp",
             field="ep", value=ep)
     for offsets, matmuls in layers.items():
         _ExpertLayer(gm.graph, offsets, matmuls, ep).split(dispatch)
+    for matmuls in dense.values():
+        split_bmm_experts(gm.graph, matmuls, ep)
     return gm
 
 
