@@ -42,8 +42,9 @@ def lower_full_state(program, pp: int, *, gradients: bool) -> tuple[StepAction, 
                         dtype=value.dtype, axis="dp", op="none", tag=f"full state: dp shards of {key}", phase="step")
             actions.append(Communicate(Purpose.DP_SHARDS, (call,), stage=stage, name=key))
         if mesh.tp > 1 and node is not None and meta.placement(node, "tp") != R:
-            # whole on tp, still split on ep where an expert weight is (gathered over ep next)
-            tp_whole = local_numel(value.shape, meta.placements(node).on("tp", R), mesh.sizes)
+            # whole on tp (and dp, gathered first), still split on ep where an expert weight is
+            # (gathered over ep next)
+            tp_whole = local_numel(value.shape, meta.placements(node).on("tp", R).on("dp", R), mesh.sizes)
             call = Call(kind="all_gather", numel=tp_whole, dtype=value.dtype, axis="tp", op="none",
                         tag=f"full state: tp shards of {key}", phase="step")
             actions.append(Communicate(Purpose.TP_SHARDS, (call,), stage=stage, name=key))

@@ -46,7 +46,9 @@ cumulative sum or a shift of activations, a pooling) is refused with a PlanError
 node (`passes.sequence_reads`): computed on a slice it would be silently wrong. The one
 exception is a mixture of experts' experts module (the one that runs a grouped matmul over
 experts): its dropless routing computes each token alone, however it sorts and counts the
-tokens on the way, so it runs on the rank's tokens as it is, its sizes the slice's. A tokens value
+tokens on the way, so it runs on the rank's tokens as it is, its sizes the slice's. So does
+the MoE block around experts that multiply every token (Llama 4's `bmm` experts, run on a
+copy of every token per expert, which the block makes with `repeat`). A tokens value
 summed over the sequence (the loss) is partial over cp and may only be summed or scaled on
 the way out. Each trained parameter's gradient is then a partial sum over cp
 (`fxpar.grad_partial`), which the runtime completes after backward, as it does the loss.
@@ -64,6 +66,7 @@ from fxpar.errors import PlanError
 from fxpar.ir import meta
 from fxpar.ir.placement import P, R, Partial, Shard
 from fxpar.ops.expert_routing import is_grouped_mm
+from fxpar.passes.expert_bmm import is_expert_bmm
 from fxpar.passes.contracts import broken, ensures
 from fxpar.passes.cp_sizes import SymbolicSizes, is_symbolic, sequence_dims
 from fxpar.passes.sequence_reads import EVERY_DIM, dims_read_across, first_tensor, packet, sums_across
@@ -130,7 +133,9 @@ class _SequenceSplit:
         self.sizes = SymbolicSizes(self.graph, cp=cp, seq=seq, placement=lambda n: meta.placement(n, AXIS),
                                    kind=self.kinds.get)
         self.slices: dict[object, fx.Node] = {}  # whole value (an input: and its reader) -> its slice
-        self.experts = {meta.module_path(n) for n in self.graph.nodes if is_grouped_mm(n)}
+        # (experts that multiply every token, Llama 4's, take copies the whole MoE block makes)
+        self.experts = {meta.module_path(n) for n in self.graph.nodes if is_grouped_mm(n)} | {
+            meta.module_path(n).rpartition(".")[0] for n in self.graph.nodes if is_expert_bmm(n)}
 
     def run(self) -> None:
         for node in list(self.graph.nodes):

@@ -39,8 +39,9 @@ ON_TWO_RANKS = [f"{m} sdpa cp=2" for m in (*DECODERS, "gpt2", "bert")] + [
     # labels' slice.
     "llama sdpa cp=2 checkpoint=full", "qwen2 sdpa cp=2 checkpoint=selective", "mistral sdpa cp=2 loss=chunked",
     # mixtures of experts: each rank routes its own slice's tokens (the sort and counts the
-    # experts module makes are its own, sized for the slice); DeepSeek-V3's group-limited router
-    "mixtral sdpa cp=2", "deepseek_v3 sdpa cp=2",
+    # experts module makes are its own, sized for the slice); DeepSeek-V3's group-limited router;
+    # Llama 4's block copies each of its tokens per expert (`repeat`)
+    "mixtral sdpa cp=2", "deepseek_v3 sdpa cp=2", "llama4 sdpa cp=2",
 ]
 ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in DECODERS for plan in ("dp=2 cp=2", "cp=2 tp=2", "cp=4", "cp=2 pp=2 mb=2")] + [
     "llama sdpa cp=2 tp=2 checkpoint=full",  # keys and values gathered again inside a block with tp's f

@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from hf_models import builder  # noqa: E402
+from hf_models import SEQ, builder  # noqa: E402
 from test_hf_equivalence import assert_equivalent, train_single_device  # noqa: E402
 from test_mixed_precision_equivalence import GRADIENT_RELATIVE, LOSS_RELATIVE, UPDATE_RELATIVE  # noqa: E402
 
@@ -112,7 +112,7 @@ def check_jobs(torchrun, references, jobs: list[str], world: int) -> None:
                 assert_within_bf16(results[job], reference, builder(name)(attention)[0].state_dict(), job)
                 continue
             routed = any(c.routed for c in results[job]["predicted"])
-            assert_equivalent(results[job], reference, job, routed=routed)
+            assert_equivalent(results[job], reference, job, routed=routed, transient=_transient(results[job], name))
             if plan in ("dp=2 ep=2", "dp=4 ep=2"):  # every expert weight half on this rank, fp32
                 parameters, memory = reference["grads"], results[job]["memory"]  # (buffers are not state)
                 held = sum(t.numel() for t in parameters.values()) - _expert_elements(parameters) // 2
@@ -123,6 +123,14 @@ def check_jobs(torchrun, references, jobs: list[str], world: int) -> None:
             assert_routed_as_predicted_over_ranks([results[job] for results in ranks], job)
 
 
+def _transient(result: dict, name: str) -> int:
+    """The balancing loss's last router picks its top-2 experts again only for their indices,
+    which reach the loss through integers (a histogram): autograd saves them with the top-k
+    and frees them as forward moves on, so the estimate, what backward keeps, leaves them out,
+    while the meter's peak, at the end of forward, can hold them (int64, two a token)."""
+    return result["microbatch_rows"] * SEQ * 2 * 8 if name.endswith("_aux") else 0
+
+
 def assert_routed_as_predicted_over_ranks(results: list[dict], job: str) -> None:
     """Over all ranks, the routed all-to-alls moved the predicted rows and the activations are
     the estimate's (module doc); each expert group's ranks add up so, hence all of them."""
@@ -130,9 +138,7 @@ def assert_routed_as_predicted_over_ranks(results: list[dict], job: str) -> None
     assert moved and len(moved) == len(predicted) and sum(moved) == sum(predicted), f"{job}: rows moved"
     # (one row: see assert_memory_as_estimated; several microbatches: the meter keeps the most
     # saved at once, and each microbatch is routed its own way, so no sum over ranks is the mean;
-    # the balancing loss: its last router's top-k saves its indices for a moment, until forward
-    # drops them (their way to the loss is integer), and under ep that moment is the rank's
-    # peak, 1,008 bytes above what backward keeps, which is what the estimate counts)
+    # the balancing loss: `_transient`)
     if results[0]["microbatch_rows"] > 1 and " mb=" not in job and "_aux" not in job:
         saved = sum(r["memory"]["activations"] for r in results)
         assert saved == sum(r["predicted_memory"]["activations"] for r in results), f"{job}: activations"

@@ -109,11 +109,12 @@ def references() -> dict:
     return reference
 
 
-def assert_equivalent(result: dict, reference: dict, job: str, *, routed: bool = False) -> None:
+def assert_equivalent(result: dict, reference: dict, job: str, *, routed: bool = False, transient: int = 0) -> None:
     """Training equal to one device's (module doc). `routed`: expert parallelism's all-to-all
     moves as many rows as the router sends, which the prediction has at uniform routing, so
     those calls' sizes and the activations they save are checked over the whole job instead
-    (test_expert_parallel_equivalence)."""
+    (test_expert_parallel_equivalence). `transient`: bytes an op saves for a moment only (see
+    `assert_memory_as_estimated`)."""
     for step, (loss, expected) in enumerate(zip(result["losses"], reference["losses"], strict=True)):
         assert loss == pytest.approx(expected, rel=RELATIVE), f"{job}: loss of step {step}"
     grads, expected = result["grads"], reference["grads"]
@@ -128,10 +129,10 @@ def assert_equivalent(result: dict, reference: dict, job: str, *, routed: bool =
     assert difference.norm() <= RELATIVE * norm.norm(), f"{job}: parameters after the last step"
     sized = (lambda c: replace(c, numel=0) if c.routed else c) if routed else (lambda c: c)
     assert Counter(map(sized, result["comm"])) == Counter(map(sized, result["predicted"])), f"{job}: collectives"
-    assert_memory_as_estimated(result, job, routed=routed)
+    assert_memory_as_estimated(result, job, routed=routed, transient=transient)
 
 
-def assert_memory_as_estimated(result: dict, job: str, *, routed: bool = False) -> None:
+def assert_memory_as_estimated(result: dict, job: str, *, routed: bool = False, transient: int = 0) -> None:
     """`memory_stats()` after the first step equals the rank's estimate, to the byte, but for
     two things the estimate leaves out. DDP's buckets (dp without ZeRO) carry the loss, the count
     of valid targets and the step numbers in slots of their own (20 bytes here). The activations
@@ -143,6 +144,9 @@ def assert_memory_as_estimated(result: dict, job: str, *, routed: bool = False) 
     ddp = " dp=" in f" {job}" and "zero=" not in job
     for key in ("params", "grads", "optimizer", "activations"):
         if (key == "grads" and ddp) or (key == "activations" and (result["microbatch_rows"] == 1 or routed)):
+            continue
+        if key == "activations" and transient:  # the meter's peak may hold a moment's save besides
+            assert 0 <= memory[key] - predicted[key] <= transient, f"{job}: {key} bytes"
             continue
         assert memory[key] == predicted[key], f"{job}: {key} bytes"
 
