@@ -28,22 +28,27 @@ class RecordingAxis:
 
     def __init__(self):
         self.log = []
+        self.read = []  # the storage each call read its input from
 
     def all_reduce(self, tensor, *, op, tag, phase):
+        self.read.append(tensor.untyped_storage().data_ptr())
         self.log.append(("all_reduce", tensor.numel(), op, tag, phase))
         if op == "sum":
             tensor.mul_(SIZE)
 
     def all_gather(self, output, tensor, *, tag, phase):
+        self.read.append(tensor.untyped_storage().data_ptr())
         self.log.append(("all_gather", output.numel(), "none", tag, phase))
         output.copy_(torch.cat([tensor] * SIZE))
 
     def reduce_scatter(self, output, tensor, *, tag, phase):
+        self.read.append(tensor.untyped_storage().data_ptr())
         self.log.append(("reduce_scatter", tensor.numel(), "sum", tag, phase))
         output.copy_(tensor.chunk(SIZE)[INDEX] * SIZE)
 
     def all_to_all(self, output, tensor, *, tag, phase, output_splits=None, input_splits=None):
         assert output_splits is None and input_splits is None  # (the routed op: test_expert_parallel_equivalence)
+        self.read.append(tensor.untyped_storage().data_ptr())
         self.log.append(("all_to_all", tensor.numel(), "none", tag, phase))
         output.copy_(torch.cat([tensor.chunk(SIZE)[INDEX]] * SIZE))
 
@@ -107,6 +112,17 @@ def test_registered_and_eager_forms_issue_the_predicted_collectives(name, axis):
     torch.testing.assert_close(outputs[0], outputs[2], rtol=0, atol=0)
     for other in grads[1:]:
         torch.testing.assert_close(grads[0], other, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("primitive", ["all_gather", "reduce_scatter", "all_to_all", "all_reduce"])
+def test_a_started_collective_reads_a_copy_of_its_input(primitive, axis):
+    """A compiled graph's collective reads its input until its wait, while Inductor may give the
+    input's memory to other kernels (`collective_primitives._collective_start`): each call reads
+    a copy, even of a contiguous input it could have read in place."""
+    x = torch.arange(8.0).reshape(4, 2)
+    buffer = torch.ops.fxpar.collective_start(x, "tp", SIZE, 0, primitive, "sum", "tag", "forward")
+    torch.ops._c10d_functional.wait_tensor(buffer)
+    assert axis.read and x.untyped_storage().data_ptr() not in axis.read
 
 
 @pytest.mark.parametrize("name", [op.name for op in OPS if op.standard])

@@ -62,9 +62,11 @@ def _start(binding, kind: str, *tensors: torch.Tensor, **options):
 
 
 def launch(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int, reduce: str, tag: str,
-           phase: Phase, in_place: bool = False):
+           phase: Phase, in_place: bool = False, own_input: bool = False):
     """Start the collective `primitive` on this rank's `x`: (the buffer it fills, what to wait
     on). `in_place`: an all-reduce may overwrite `x` (contiguous) rather than a copy.
+    `own_input`: the call reads a copy of `x` of its own, never `x`'s memory (see
+    `_collective_start`).
 
     The collectives move rank blocks along dim 0, so each rank's block is laid out as a leading
     dimension of `size`: one copy per call, of the gathered result (`landed`) or of the
@@ -73,10 +75,13 @@ def launch(primitive: Primitive, x: torch.Tensor, axis: str, size: int, dim: int
     if primitive == "all_reduce":
         out = x if in_place else x.clone(memory_format=torch.contiguous_format)
         return out, _start(binding, "all_reduce", out, op=reduce, tag=tag, phase=phase)
+    owned = (lambda t: t.clone() if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else t
+             ) if own_input else (lambda t: t)
     if primitive == "all_gather":
         stacked = x.new_empty((size, *x.shape))
-        return stacked, _start(binding, "all_gather", stacked.flatten(0, 1), x.contiguous(), tag=tag, phase=phase)
-    stacked = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+        return stacked, _start(binding, "all_gather", stacked.flatten(0, 1), owned(x.contiguous()), tag=tag,
+                               phase=phase)
+    stacked = owned(x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous())
     if primitive == "all_to_all":
         out = torch.empty_like(stacked)
         return out, _start(binding, "all_to_all", out.flatten(0, 1), stacked.flatten(0, 1), tag=tag, phase=phase)
@@ -158,7 +163,11 @@ def _collective_start(x, axis, size, dim, primitive, reduce, tag, phase):
         forward_tag, backward_tag = tag.split(_RECOMPUTABLE)
         recomputed = torch._C._current_graph_task_id() != -1
         tag, phase = (backward_tag, "backward") if recomputed else (forward_tag, phase)
-    buffer, pending = launch(primitive, x, axis, size, dim, reduce, tag, phase)
+    # The call reads its input after this op returns, until `wait_tensor`; Inductor, seeing a
+    # functional op, may give the input's memory to another kernel meanwhile (a compiled
+    # `dp=4 ep=2` step's expert-group reduce-scatter read rows a later kernel had overwritten:
+    # wrong gradients). So the call reads a copy of its own.
+    buffer, pending = launch(primitive, x, axis, size, dim, reduce, tag, phase, own_input=True)
     _register_work(buffer, _InFlight(pending))
     return buffer
 

@@ -79,15 +79,6 @@ def check_compiled(plan) -> None:
             field="compile",
             value=plan.compile,
         )
-    if plan.ep > 1:
-        raise PlanError(
-            f"plan compile=inductor with ep={plan.ep}: a compiled expert-parallel step gave "
-            "wrong first-layer gradients on 4 ranks (dp=4 ep=2 and ep=4; dp=2 ep=2 and every "
-            "eager plan are exact), so fxpar refuses it until that is understood. Fix: "
-            "compile=eager, or ep=1",
-            field="compile",
-            value=plan.compile,
-        )
     if plan.zero == 3 and plan.zero_reduce == "step" and plan.dp > 1:
         raise PlanError(
             "plan compile=inductor with zero=3 zero_reduce=step: a compiled backward "
