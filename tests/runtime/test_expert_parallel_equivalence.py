@@ -20,9 +20,9 @@ Composed with what the plan offers:
   on its rank;
 - `dp=4 ep=2`: two expert groups, whose ranks holding the same experts sum their gradients
   over edp;
-- `dp=2 ep=2 tp=2`: the experts whole on each tp rank (the models' own tp plans leave them
-  so), their tokens replicated over tp; with `tp_rules=infer` each expert is split over tp
-  as a dense MLP is, gate|up column-parallel and down row-parallel (Mixtral, DeepSeek-V3);
+- `dp=2 ep=2 tp=2`: with `tp_rules=infer` each expert is split over tp as a dense MLP is,
+  gate|up column-parallel and down row-parallel; under a model's own tp plan (Qwen2-MoE's)
+  the experts stay whole on each tp rank, their tokens replicated over tp;
 - `dp=2 ep=2 pp=2 mb=2`: each stage's MoE layers gather within the stage's expert group;
 - `dp=2 ep=2 zero=3`: the dense weights gathered layer by layer, the experts left on their
   ranks; ZeRO-1 and 2: the dense weights' flat shards stepped, the experts stepped whole;
@@ -30,7 +30,7 @@ Composed with what the plan offers:
 - Mixtral and Qwen2-MoE with `output_router_logits=True` (`*_aux`), their routers'
   load-balancing loss added to the cross entropy: a product of means over the batch, which
   every rank computes from the global batch's statistics (`passes.batch_statistics`), under
-  `dp=2 ep=2`, `dp=4 ep=2` and `dp=2 tp=2`.
+  `dp=2 ep=2` and `dp=4 ep=2`.
 
 (Under carving, the issue's `ep=2` and `ep=2 dp=2` are one layout, `dp=2 ep=2`.)
 
@@ -65,7 +65,8 @@ from test_mixed_precision_equivalence import GRADIENT_RELATIVE, LOSS_RELATIVE, U
 
 pytestmark = pytest.mark.multirank
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v3"]
-ON_TWO_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=2 ep=2", "dp=2 ep=2 zero=3")] + [
+ON_TWO_RANKS = [f"{m} sdpa dp=2 ep=2" for m in FAMILIES] + [
+    f"{m} sdpa dp=2 ep=2 zero=3" for m in ("mixtral", "qwen2_moe", "deepseek_v3")] + [
     # a 50 kB bucket: the head's gradient alone fills bucket 0, which launches in the middle of
     # backward, between the ep calls on the same two ranks (each on its own communicator)
     "mixtral sdpa dp=2 ep=2 bucket_mb=0.05",
@@ -75,12 +76,12 @@ ON_TWO_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=2 ep=2", "
     "mixtral_aux sdpa dp=2 ep=2",  # the routers' load-balancing loss, over the global batch
     "llama4 sdpa dp=2 ep=2",  # experts that multiply every token (bmm): an all-to-all of static size
 ]
-ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 tp=2", "dp=2 ep=2 pp=2 mb=2")
-                 ] + ["qwen3_moe sdpa dp=2 ep=2 cp=2",  # the expert group's rows: each rank's slice of its rows
-                      "mixtral sdpa dp=4 ep=2 zero=1", "mixtral sdpa dp=4 ep=2 dispatch=allgather",
-                      "qwen2_moe_aux sdpa dp=4 ep=2", "mixtral_aux sdpa dp=2 tp=2", "llama4 sdpa dp=4 ep=2",
-                      # each expert split over tp too (gate|up column-, down row-parallel)
-                      "mixtral sdpa dp=2 ep=2 tp=2 tp_rules=infer", "deepseek_v3 sdpa dp=2 ep=2 tp=2 tp_rules=infer"]
+# tp: each expert split over tp too where inferred (gate|up column-, down row-parallel), whole
+# under the model's own plan (Qwen2-MoE, whose inferred plan splits its 1-wide shared-expert gate)
+ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 pp=2 mb=2")] + [
+    f"{m} sdpa dp=2 ep=2 tp=2" + ("" if m == "qwen2_moe" else " tp_rules=infer") for m in FAMILIES] + [
+    "qwen3_moe sdpa dp=2 ep=2 cp=2",  # the expert group's rows: each rank's slice of its rows
+    "mixtral sdpa dp=4 ep=2 zero=1", "qwen2_moe_aux sdpa dp=4 ep=2"]
 # within bf16 of fp32 (test_mixed_precision_equivalence's tolerances)
 BF16 = ["mixtral sdpa dp=4 ep=2 precision=bf16-mixed",
         "olmoe sdpa dp=4 ep=2 zero=2 precision=bf16-mixed"]  # the experts' fp32 masters stepped whole
