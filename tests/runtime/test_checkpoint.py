@@ -194,9 +194,7 @@ def four_ranks(two_ranks, module_torchrun):
     """World 4 loads world 2's checkpoint `a` (ZeRO-1) under tp + ZeRO-3, saves `c` under pp +
     ZeRO-1 (a tied embedding and head in two stages' flat layouts) and loads it under tp +
     ZeRO-2. (The same folder as `two_ranks`, whose per-rank results are read already.)"""
-    jobs = ["load|dp=2 tp=2 zero=3|a|2", "save|dp=2 pp=2 zero=1 mb=2|c|3", "load|tp=2 dp=2 zero=2|c|2",
-            # into experts split over ep and over tp (gate|up in two blocks, down by its input)
-            "load|dp=2 ep=2 tp=2 tp_rules=infer|e|2|mixtral"]
+    jobs = ["load|dp=2 tp=2 zero=3|a|2", "save|dp=2 pp=2 zero=1 mb=2|c|3", "load|tp=2 dp=2 zero=2|c|2"]
     return module_torchrun("checkpoint_worker.py", 4, *jobs)
 
 
@@ -263,7 +261,7 @@ def test_checkpoints_load_under_another_world_size(four_ranks, references):
     for rank in four_ranks:
         for job, result in rank.items():
             if job.startswith("load"):
-                _assert_continues_uninterrupted(result, references["mixtral" if job.endswith("mixtral") else "gpt"])
+                _assert_continues_uninterrupted(result, references["gpt"])
 
 
 @pytest.mark.multirank

@@ -18,12 +18,13 @@ Composed with what the plan offers:
 
 - `dp=2 ep=2`: the whole dp group is one expert group, so an expert's gradient is complete
   on its rank;
-- `dp=4 ep=2`: two expert groups, whose ranks holding the same experts sum their gradients
-  over edp;
+- `dp=4 ep=2` (Mixtral, OLMoE, DeepSeek-V3): two expert groups, whose ranks holding the
+  same experts sum their gradients over edp;
 - `dp=2 ep=2 tp=2`: with `tp_rules=infer` each expert is split over tp as a dense MLP is,
   gate|up column-parallel and down row-parallel; under a model's own tp plan (Qwen2-MoE's)
   the experts stay whole on each tp rank, their tokens replicated over tp;
-- `dp=2 ep=2 pp=2 mb=2`: each stage's MoE layers gather within the stage's expert group;
+- `dp=2 ep=2 pp=2 mb=2` (Mixtral, Qwen2-MoE, DeepSeek-V3): each stage's MoE layers dispatch
+  within the stage's expert group;
 - `dp=2 ep=2 zero=3`: the dense weights gathered layer by layer, the experts left on their
   ranks; ZeRO-1 and 2: the dense weights' flat shards stepped, the experts stepped whole;
 - `dp=2 ep=2 cp=2` (Qwen3-MoE): each rank's tokens are its slice of its rows' sequence;
@@ -78,7 +79,8 @@ ON_TWO_RANKS = [f"{m} sdpa dp=2 ep=2" for m in FAMILIES] + [
 ]
 # tp: each expert split over tp too where inferred (gate|up column-, down row-parallel), whole
 # under the model's own plan (Qwen2-MoE, whose inferred plan splits its 1-wide shared-expert gate)
-ON_FOUR_RANKS = [f"{m} sdpa {plan}" for m in FAMILIES for plan in ("dp=4 ep=2", "dp=2 ep=2 pp=2 mb=2")] + [
+ON_FOUR_RANKS = [f"{m} sdpa dp=4 ep=2" for m in ("mixtral", "olmoe", "deepseek_v3")] + [
+    f"{m} sdpa dp=2 ep=2 pp=2 mb=2" for m in ("mixtral", "qwen2_moe", "deepseek_v3")] + [
     f"{m} sdpa dp=2 ep=2 tp=2" + ("" if m == "qwen2_moe" else " tp_rules=infer") for m in FAMILIES] + [
     "qwen3_moe sdpa dp=2 ep=2 cp=2",  # the expert group's rows: each rank's slice of its rows
     "mixtral sdpa dp=4 ep=2 zero=1", "qwen2_moe_aux sdpa dp=4 ep=2"]
